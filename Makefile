@@ -1,0 +1,31 @@
+# One-line entry points. Each creates .venv on first use (Python >= 3.11 as $(PYTHON)).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup train test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+## Train the default experiment (or: make train ARGS="--config=... --workdir=...").
+train: setup
+	$(PY) -m experiments.train $(ARGS)
+
+## Lint, then run the whole test suite on 8 simulated CPU devices.
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -n 2 --dist loadfile
+
+bench: setup
+	$(PY) -m experiments.bench.ddp_overhead
+
+clean:
+	rm -rf $(VENV) bench_results .pytest_cache

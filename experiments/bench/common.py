@@ -1,0 +1,89 @@
+"""What every benchmark shares: interleaved timing with medians, the machine's matmul yardstick,
+FLOP counts, and writing a table to stdout and JSON."""
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MATMUL_SIZE = 2048
+
+
+def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) -> dict:
+    """Runs each variant's timed window `repeats` times, reversing the order every round so drift
+    on a noisy machine hits all variants alike. Each callable returns the seconds it measured.
+    Returns {name: {"median_sec", "all_sec"}}; `all_sec[i]` of every variant is from round i."""
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for round_index in range(repeats):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            times[name].append(variants[name]())
+    return {name: {"median_sec": statistics.median(t), "all_sec": t} for name, t in times.items()}
+
+
+def paired_ratio(timings: dict, numerator: str, denominator: str) -> float:
+    """Median over rounds of `denominator`'s time over `numerator`'s in the same round: the
+    speed ratio numerator / denominator, robust to the machine drifting between rounds."""
+    pairs = zip(timings[numerator]["all_sec"], timings[denominator]["all_sec"], strict=True)
+    return statistics.median(d / n for n, d in pairs)
+
+
+def matmul_window(device=None, size: int = MATMUL_SIZE, count: int = 3) -> Callable[[], float]:
+    """A timed window of `count` f32 `size`^3 matmuls through XLA on `device`, compiled and
+    warmed up. It returns seconds per matmul; the machine's rate is 2 size^3 / that."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(
+        np.random.default_rng(0).normal(size=(size, size)).astype(np.float32), device
+    )
+    matmul = jax.jit(jnp.dot)
+    matmul(a, a).block_until_ready()
+
+    def window() -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            matmul(a, a).block_until_ready()
+        return (time.perf_counter() - start) / count
+
+    return window
+
+
+def dense_train_flops(layer_sizes: list[int], batch: int) -> dict[str, int]:
+    """FLOPs of one training step of a stack of dense layers, two ways.
+
+    `model`: the MFU convention, 6 x weights x examples (forward 2, backward 4).
+    `executed`: the matmuls XLA actually runs: `model` less the first layer's input gradient,
+    which nothing needs.
+    """
+    pairs = list(zip(layer_sizes[:-1], layer_sizes[1:], strict=True))
+    weights = sum(i * o for i, o in pairs)
+    first_input_grad = 2 * batch * pairs[0][0] * pairs[0][1]
+    return {"model": 6 * weights * batch, "executed": 6 * weights * batch - first_input_grad}
+
+
+def report(name: str, rows: list[dict], extra: dict, out_dir: str) -> str:
+    """Prints `rows` as an aligned table and `extra` as lines; writes both to OUT_DIR/NAME.json."""
+    columns = list(rows[0])
+    cells = [[_fmt(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    for key, value in extra.items():
+        print(f"{key}: {_fmt(value)}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"rows": rows, **extra, "jax": jax.__version__}, f, indent=2)
+    print(f"wrote {path}")
+    return path
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)

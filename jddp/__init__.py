@@ -1,0 +1,31 @@
+"""jddp: data-parallel training of Flax models in JAX.
+
+trainer = jddp.Trainer(model, loss_fn, optax.adam(1e-3))   # DDP over all local devices
+state = trainer.init(seed=0, sample_batch=batch)
+state, metrics = trainer.step(state, batch)                  # batch = one *global* batch
+"""
+
+from jddp import losses
+from jddp.config import default_config
+from jddp.core import Task
+from jddp.errors import ConfigError, DataError, JddpError, ShapeError, WorkdirError
+from jddp.state import TrainState
+from jddp.strategies import STRATEGIES
+from jddp.trainer import PlacedBatch, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "ConfigError",
+    "DataError",
+    "JddpError",
+    "PlacedBatch",
+    "ShapeError",
+    "Task",
+    "TrainState",
+    "Trainer",
+    "WorkdirError",
+    "default_config",
+    "losses",
+]

@@ -1,0 +1,89 @@
+"""The experiment config: its keys and defaults, and the checks that reject bad values early.
+
+Experiment files (`experiments/configs/NAME.py`) start from `default_config()` and override.
+Every key here is part of the contract with users; see the README's config table.
+"""
+
+import ml_collections
+
+from jddp.errors import ConfigError
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    # What to train.
+    c.model = "mlp"
+    c.model_args = ml_collections.ConfigDict()  # fields of the model class, e.g. hidden_sizes
+    c.dataset = "digits"
+    c.data = ml_collections.ConfigDict()
+    c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.threads = 1  # grain read threads (pure-Python reads gain nothing from more)
+    c.data.cache_max_mb = 256.0  # splits up to this size on disk are decoded once into memory
+    # Batches and steps. global_batch_size is the whole step's batch over all devices.
+    c.global_batch_size = 128
+    c.eval_batch_size = 0  # 0 = global_batch_size
+    c.grad_accum_steps = 1
+    c.num_train_steps = 1000
+    c.seed = 0
+    # Optimizer: warmup + cosine decay, decoupled weight decay, global-norm clipping.
+    c.optimizer = "adamw"
+    c.learning_rate = 1e-3
+    c.warmup_steps = 0
+    c.min_lr_ratio = 0.0
+    c.weight_decay = 0.0
+    c.grad_clip_norm = 0.0  # 0 = no clipping
+    c.adam_b1 = 0.9
+    c.adam_b2 = 0.999
+    c.momentum = 0.9  # sgd only
+    c.compute_dtype = "float32"  # or bfloat16: activations and matmuls; float32 master weights
+    c.log_grad_norm = True  # log the global norm of the averaged gradient (one extra pass)
+    # Cadence, in steps.
+    c.log_every = 50
+    c.eval_every = 500
+    c.checkpoint_every = 0  # reserved for checkpointing
+    # Parallelism.
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.strategy = "ddp"
+    return c
+
+
+_POSITIVE_INTS = (
+    "global_batch_size",
+    "num_train_steps",
+    "grad_accum_steps",
+    "log_every",
+    "eval_every",
+)
+_NON_NEGATIVE = (
+    "eval_batch_size",
+    "checkpoint_every",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip_norm",
+    "min_lr_ratio",
+)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError, naming the key and the fix, for the first bad value found."""
+    missing = [key for key in default_config() if key not in config]
+    if missing:
+        raise ConfigError(
+            f"config lacks {', '.join(missing)}; "
+            "start get_config() from jddp.config.default_config()"
+        )
+    for key in _POSITIVE_INTS:
+        value = config[key]
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{key} must be a positive integer, got {value!r}; set --config.{key}"
+            )
+    for key in _NON_NEGATIVE:
+        if config[key] < 0:
+            raise ConfigError(f"{key} must be >= 0, got {config[key]!r}; set --config.{key}")
+    if not config.learning_rate > 0:
+        raise ConfigError(
+            f"learning_rate must be > 0, got {config.learning_rate!r}; set --config.learning_rate"
+        )
+    if not 0 <= config.min_lr_ratio <= 1:
+        raise ConfigError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}")

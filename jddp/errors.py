@@ -1,0 +1,24 @@
+"""Typed errors for user mistakes: each message is one line naming the problem and the fix.
+
+The CLI turns any `JddpError` into that line on stderr and exit code 2, without a traceback.
+"""
+
+
+class JddpError(ValueError):
+    """Base class for every user-facing jddp error."""
+
+
+class ConfigError(JddpError):
+    """A config value is missing, out of range or inconsistent."""
+
+
+class DataError(JddpError):
+    """A dataset is unknown, missing, corrupt, or does not fit the model."""
+
+
+class ShapeError(JddpError):
+    """A batch, loss or model output has the wrong shape."""
+
+
+class WorkdirError(JddpError):
+    """The workdir cannot be used as asked."""

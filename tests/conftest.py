@@ -1,0 +1,13 @@
+"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported."""
+
+import os
+import tempfile
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("TFDS_DATA_DIR", os.path.join(tempfile.gettempdir(), "jddp-test-tfds"))
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, "conftest must run before anything imports jax"

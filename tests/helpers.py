@@ -1,0 +1,20 @@
+"""Shared by tests: running the CLI in a real subprocess."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str, cwd=REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m experiments.train ARGS` in `cwd`, with this process's environment (8 simulated
+    devices, the test TFDS data dir); killed after `timeout` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )

@@ -1,0 +1,57 @@
+"""User mistakes on the command line: one line on stderr naming problem and fix, exit code 2."""
+
+import pytest
+
+from tests.helpers import run_cli
+
+# (flags, words the one-line message must contain)
+MISTAKES = [
+    (["--config.global_batch_size=100"], ["global_batch_size=100", "divisible", "8 x 1", "104"]),
+    (["--config.grad_accum_steps=3"], ["global_batch_size=128", "8 x 3 = 24", "multiple of 24"]),
+    (["--config.model=mpl"], ["unknown model 'mpl'", "mlp", "cnn"]),
+    (["--config.dataset=digitz"], ["unknown dataset 'digitz'", "digits"]),
+    (["--config.parallel.strategy=fsdq"], ["unknown parallel.strategy 'fsdq'", "ddp"]),
+    (["--config.num_train_steps=0"], ["num_train_steps", "positive", "--config.num_train_steps"]),
+    (["--config.num_train_steps=-5"], ["num_train_steps", "positive"]),
+    (["--config.global_batch_size=0"], ["global_batch_size", "positive"]),
+    (["--config.global_batch_size=-64"], ["global_batch_size", "positive"]),
+    (["--config.learning_rate=0"], ["learning_rate", "> 0"]),
+    (["--config.learning_rate=-0.1"], ["learning_rate", "> 0"]),
+    (["--config=experiments/configs/nope.py"], ["not found", "nope.py", "digits_mlp"]),
+    (["--config.no_such_key=1"], ["no key", "no_such_key"]),
+    (["--config.num_train_steps=many"], ["num_train_steps", "many"]),
+    (["--config.compute_dtype=float8"], ["compute_dtype", "float8", "bfloat16"]),
+    (["--config.model_args.depth=3"], ["no key", "depth"]),
+]
+
+
+def assert_one_line_usage_error(result, words):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize("flags,words", MISTAKES, ids=[m[0][0] for m in MISTAKES])
+def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, words):
+    workdir = tmp_path / "run"
+    result = run_cli(f"--workdir={workdir}", *flags)
+    assert_one_line_usage_error(result, words)
+    assert not workdir.exists()  # nothing created for a run that never started
+
+
+def test_workdir_that_is_a_file_is_refused_and_untouched(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    result = run_cli(f"--workdir={path}")
+    assert_one_line_usage_error(result, ["is a file", "directory"])
+    assert path.read_text() == "keep me"
+
+
+def test_workdir_holding_a_run_is_refused_and_untouched(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = run_cli(f"--workdir={tmp_path}")
+    assert_one_line_usage_error(result, ["already holds a run", "new --workdir"])
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -1,0 +1,81 @@
+"""The config-driven path: the default experiment converges; the CLI writes what it promises."""
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments.configs import digits_cnn, digits_mlp
+from jddp.experiment import train_and_evaluate
+from tests.helpers import run_cli
+
+
+def test_default_experiment_converges(tmp_path):
+    summary = train_and_evaluate(digits_mlp.get_config(), str(tmp_path / "run"))
+    # digits_mlp on 8 devices reaches 0.989 in 600 steps (global batch 128); demand 0.95.
+    assert summary["eval_accuracy"] >= 0.95
+
+
+def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path):
+    config = digits_cnn.get_config()
+    config.compute_dtype = "bfloat16"
+    config.grad_accum_steps = 2
+    config.num_train_steps = 150
+    config.eval_every = 150
+    summary = train_and_evaluate(config, str(tmp_path / "run"))
+    assert summary["eval_accuracy"] >= 0.9
+
+
+def test_cli_writes_metrics_events_and_config(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli(
+        f"--workdir={workdir}",
+        "--config.num_train_steps=30",
+        "--config.log_every=10",
+        "--config.eval_every=20",
+        "--config.warmup_steps=5",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "eval accuracy" in result.stdout and str(workdir) in result.stdout
+
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30]
+    for record in records:
+        for key in ("loss", "learning_rate", "examples_per_sec", "grad_norm", "accuracy"):
+            assert isinstance(record[key], float) and np.isfinite(record[key]), key
+        assert record["examples_per_sec"] > 0
+    evaluated = [r["step"] for r in records if "eval_loss" in r and "eval_accuracy" in r]
+    assert evaluated == [20, 30]  # every eval_every steps and at the end
+    # Step s applied the rate of update s-1: linear warmup over 5 updates, then cosine to 0.
+    peak = 2e-3
+    for record in records:
+        update = record["step"] - 1
+        expected = peak * 0.5 * (1 + math.cos(math.pi * (update - 5) / (30 - 5)))
+        assert record["learning_rate"] == pytest.approx(expected, rel=1e-5)
+
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["num_train_steps"] == 30 and config["parallel"]["strategy"] == "ddp"
+    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+
+
+def test_metrics_are_written_with_full_float_precision(tmp_path):
+    workdir = tmp_path / "run"
+    config = digits_mlp.get_config()
+    config.num_train_steps, config.log_every, config.eval_every, config.warmup_steps = 3, 1, 3, 0
+    train_and_evaluate(config, str(workdir))
+    line = (workdir / "metrics.jsonl").read_text().splitlines()[0]
+    loss = json.loads(line)["loss"]
+    assert np.float32(loss) == np.float32(float(repr(loss)))  # round-trips exactly
+    assert len(repr(loss).split(".")[1]) > 6
+
+
+def test_default_run_needs_no_flags(tmp_path):
+    """No flags: the default experiment, a new workdir under runs/, printed at the end."""
+    result = run_cli("--config.num_train_steps=5", "--config.warmup_steps=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (workdir,) = glob.glob(str(tmp_path / "runs" / "digits_mlp-*"))
+    assert os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    assert workdir in result.stdout

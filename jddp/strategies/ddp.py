@@ -4,7 +4,7 @@ The state is one array per leaf, replicated on every device (`NamedSharding(mesh
 crosses the pmap boundary with `in_axes=None` / `out_axes=None`; batches carry a leading axis of
 one slice per device. Stacking replicas along a leading axis instead (the textbook pmap layout)
 makes XLA copy the optimizer state in and out of every step: 18 copies for Adam on an MLP, and
-a step 25-35% slower at 8 devices (experiments/bench/ddp_overhead.py).
+a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 """
 
 from collections.abc import Sequence

@@ -43,7 +43,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 0  # reserved for checkpointing
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
-    c.parallel.strategy = "ddp"
+    c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
+    # Sharded strategies only. Mesh "AXIS:SIZE,...", one size may be -1; "" = the strategy's
+    # default ("data:-1"; hybrid: "replica:<processes>,shard:-1").
+    c.parallel.mesh = ""
+    # ((regex over the parameter path, spec), ...), first match wins; then ("'.*", "fsdp").
+    c.parallel.rules = ()
+    c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
     return c
 
 

@@ -118,9 +118,11 @@ class Task:
         return values
 
     # ------------------------------------------------------------------------- gradients
-    def _micro_grads(self, params, model_state, batch, rng):
+    def _micro_grads(self, params, model_state, batch, rng, params_fn):
         def mean_loss(params):
-            outputs, new_model_state = self.forward(params, model_state, batch, train=True, rng=rng)
+            outputs, new_model_state = self.forward(
+                params_fn(params), model_state, batch, train=True, rng=rng
+            )
             values = self.per_example(outputs, batch)
             means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
             return means["loss"], (means, new_model_state)
@@ -128,14 +130,17 @@ class Task:
         (_, (metrics, model_state)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
         return grads, metrics, model_state
 
-    def local_grads(self, state: TrainState, batch: Batch, rng: jax.Array):
+    def local_grads(self, params, model_state, batch: Batch, rng: jax.Array, params_fn=None):
         """Mean gradient and metrics over `batch`, summed over `grad_accum_steps` micro-batches.
 
-        No collective: a strategy averages the result across devices once per step.
+        No collective of its own: a strategy reduces the result across devices once per step.
+        `params_fn` maps the state's parameters to the ones the model uses (ZeRO-3 gathers its
+        shards there); gradients are taken with respect to `params`.
         """
+        params_fn = params_fn or (lambda params: params)
         steps = self.grad_accum_steps
         if steps == 1:
-            return self._micro_grads(state.params, state.model_state, batch, rng)
+            return self._micro_grads(params, model_state, batch, rng, params_fn)
         size = batch[self.input_key].shape[0]
         if size % steps:
             raise ShapeError(
@@ -148,16 +153,16 @@ class Task:
             grad_sum, metric_sum, model_state = carry
             index, micro_batch = inputs
             grads, metrics, model_state = self._micro_grads(
-                state.params, model_state, micro_batch, jax.random.fold_in(rng, index)
+                params, model_state, micro_batch, jax.random.fold_in(rng, index), params_fn
             )
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(grad_sum, grads), add(metric_sum, metrics), model_state), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         metric_zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.metrics)}
         (grad_sum, metric_sum, model_state), _ = jax.lax.scan(
             accumulate,
-            (zeros, metric_zeros, state.model_state),
+            (zeros, metric_zeros, model_state),
             (jnp.arange(steps), micro_batches),
         )
         mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
@@ -179,9 +184,9 @@ class Task:
         return new_state, metrics
 
     # ------------------------------------------------------------------------------ eval
-    def eval_sums(self, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    def eval_sums(self, params, model_state, batch: Batch) -> dict[str, jax.Array]:
         """Sums of loss and metrics over the examples whose `mask` is 1, and their `count`."""
-        outputs, _ = self.forward(state.params, state.model_state, batch, train=False)
+        outputs, _ = self.forward(params, model_state, batch, train=False)
         mask = batch["mask"].astype(jnp.float32)
         sums = {
             name: jnp.sum(value.astype(jnp.float32) * mask)
@@ -202,3 +207,12 @@ def check_divisible(global_batch_size: int, num_devices: int, grad_accum_steps: 
             f"e.g. {nearest}"
         )
     return global_batch_size // parts
+
+
+def check_rows_divide(rows: int, parts: int) -> None:
+    """A ShapeError unless a batch of `rows` examples splits evenly into `parts` slices."""
+    if rows % parts:
+        raise ShapeError(
+            f"a batch of {rows} examples does not split over {parts} devices; "
+            f"use a multiple of {parts}"
+        )

@@ -16,6 +16,7 @@ from jddp import config as config_lib
 from jddp import data, losses, models, optim
 from jddp.core import check_divisible
 from jddp.errors import WorkdirError
+from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
 from jddp.progress import Progress
 from jddp.trainer import Trainer
@@ -32,28 +33,39 @@ def prepare_workdir(workdir: str) -> None:
     os.makedirs(workdir, exist_ok=True)
 
 
+def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Trainer:
+    """The Trainer a config describes; `strategy` and `mesh` override `parallel.*`."""
+    strategy = strategy or config.parallel.strategy
+    if mesh is None and strategy == config.parallel.strategy:
+        mesh = config.parallel.mesh or None
+    return Trainer(
+        models.create_model(config.model, dataset.num_classes, **config.model_args),
+        losses.softmax_cross_entropy,
+        optim.create_optimizer(config, schedule),
+        metrics={"accuracy": losses.accuracy},
+        strategy=strategy,
+        mesh=mesh,
+        rules=config.parallel.rules if strategy != "ddp" else (),
+        min_shard_size=config.parallel.min_shard_size,
+        grad_accum_steps=config.grad_accum_steps,
+        compute_dtype=config.compute_dtype,
+        log_grad_norm=config.log_grad_norm,
+    )
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Trains `config` into `workdir`; returns the final eval metrics and the wall time."""
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
-    num_devices = jax.local_device_count()
+    dataset = data.get_dataset(config.dataset)
+    schedule = optim.learning_rate_schedule(config)
+    trainer = build_trainer(config, dataset, schedule)
+    num_devices = trainer.num_devices
     check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
     check_divisible(eval_batch_size, num_devices, 1)
-    dataset = data.get_dataset(config.dataset)
-    model = models.create_model(config.model, dataset.num_classes, **config.model_args)
-    schedule = optim.learning_rate_schedule(config)
-    trainer = Trainer(
-        model,
-        losses.softmax_cross_entropy,
-        optim.create_optimizer(config, schedule),
-        metrics={"accuracy": losses.accuracy},
-        strategy=config.parallel.strategy,
-        grad_accum_steps=config.grad_accum_steps,
-        compute_dtype=config.compute_dtype,
-        log_grad_norm=config.log_grad_norm,
-    )
+    trainer.check_layout(jax.ShapeDtypeStruct((1, *dataset.image_shape), np.float32))
 
     # -------------------------------------------------------------------------- workdir
     prepare_workdir(workdir)
@@ -88,12 +100,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "accumulation steps)",
         config.model,
         config.dataset,
-        sum(np.size(x) for x in jax.tree.leaves(trainer.host_state(state).params)),
+        sum(x.size for x in jax.tree.leaves(state.params)),
         config.parallel.strategy,
         num_devices,
         config.global_batch_size,
         config.global_batch_size // (num_devices * config.grad_accum_steps),
         config.grad_accum_steps,
+    )
+    memory = trainer.memory_report(state, first_batch)  # goes into the first record too
+    logging.info(
+        "per device: state (parameters + optimizer state) %s, compiled step peak %s",
+        format_bytes(memory["state_bytes_per_device"]),
+        format_bytes(memory["peak_bytes_per_device"]),
     )
 
     # ----------------------------------------------------------------------------- loop
@@ -122,7 +140,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if evaluate:
             eval_metrics = trainer.evaluate(state, eval_pass())
             record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
-        writer.write(step, record)
+        writer.write(step, record | memory)
+        memory = {}
         progress.update(step, record["loss"], record["examples_per_sec"])
         last_log_step, last_log_time = step, time.perf_counter()
 

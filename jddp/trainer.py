@@ -12,6 +12,7 @@ from flax import linen as nn
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ShapeError
+from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.state import TrainState
 from jddp.strategies import make_strategy
 
@@ -35,11 +36,17 @@ class InFlightBound:
 
 
 class Trainer:
-    """Trains `model` on global batches under a data-parallel strategy over the local devices.
+    """Trains `model` on global batches under a data-parallel strategy.
 
     `loss_fn(outputs, batch)` and each of `metrics` return one value per example. Batches are
-    dicts of arrays whose first axis is the *global* batch; the trainer splits them across
-    devices and `grad_accum_steps` micro-batches, so results do not depend on the device count.
+    dicts of arrays whose first axis is the *global* batch (this process's rows of it when
+    several processes train together); the trainer splits them across devices and
+    `grad_accum_steps` micro-batches, so results do not depend on the device count.
+
+    `strategy`: `ddp` (pmap over the local devices) or `zero1`, `zero2`, `zero3` (= `fsdp`),
+    `hybrid` (a `jax.sharding.Mesh` over all devices: `mesh` like `"replica:2,shard:-1"`,
+    partition `rules` as `(regex, spec)` pairs, tensors under `min_shard_size` elements
+    replicated); see `jddp/strategies/zero.py` and `jddp/sharding/rules.py`.
     """
 
     def __init__(
@@ -51,6 +58,9 @@ class Trainer:
         metrics: Mapping[str, PerExampleFn] | None = None,
         strategy: str = "ddp",
         devices: Sequence[jax.Device] | None = None,
+        mesh: str | None = None,
+        rules: Sequence[tuple[str, str]] = (),
+        min_shard_size: int | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: str = "float32",
         input_key: str = "image",
@@ -66,7 +76,9 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
         )
-        self.strategy = make_strategy(strategy, self.task, devices)
+        self.strategy = make_strategy(
+            strategy, self.task, devices, mesh=mesh, rules=rules, min_shard_size=min_shard_size
+        )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
 
     @property
@@ -85,6 +97,12 @@ class Trainer:
                 "pass input_key= to name the model input"
             )
         return batch[self.task.input_key]
+
+    def check_layout(self, sample_input: jax.ShapeDtypeStruct) -> None:
+        """Raises ConfigError now, before any work, if the partition rules do not fit the model
+        (computed from shapes alone: nothing is initialized)."""
+        key = jax.random.key(0)
+        self.strategy.layout(jax.eval_shape(self.task.init_state, key, sample_input))
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
@@ -125,6 +143,16 @@ class Trainer:
         )
         count = totals.pop("count")
         return {name: value / count for name, value in totals.items()} | {"count": count}
+
+    def memory_report(self, state: TrainState, batch) -> dict[str, int]:
+        """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
+        if not isinstance(batch, PlacedBatch):
+            batch = self.place_batch(batch)
+        compiled = self.strategy.lower_train_step(state, batch.arrays).compile()
+        return {
+            "state_bytes_per_device": state_bytes_per_device(state),
+            "peak_bytes_per_device": peak_bytes(compiled),
+        }
 
     def host_state(self, state: TrainState) -> TrainState:
         """The state as ordinary numpy arrays on the host, whatever the strategy."""

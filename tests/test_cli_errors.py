@@ -22,6 +22,21 @@ MISTAKES = [
     (["--config.num_train_steps=many"], ["num_train_steps", "many"]),
     (["--config.compute_dtype=float8"], ["compute_dtype", "float8", "bfloat16"]),
     (["--config.model_args.depth=3"], ["no key", "depth"]),
+    (
+        ["--config.parallel.strategy=zero3", "--config.parallel.mesh=data:3"],
+        ["parallel.mesh 'data:3'", "3 devices but 8 are present"],
+    ),
+    (
+        ["--config.parallel.strategy=zero1", "--config.parallel.rules=(('kernel','model'),)"],
+        ["names mesh axis 'model'", "data"],
+    ),
+    (
+        [
+            "--config.parallel.strategy=zero3",
+            "--config.parallel.rules=(('hidden_1/kernel','None,None,data'),)",
+        ],
+        ["3 entries", "'hidden_1/kernel'", "(256, 256)"],
+    ),
 ]
 
 

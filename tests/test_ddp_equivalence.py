@@ -1,80 +1,23 @@
 """DDP on 1, 2, 4 and 8 devices trains exactly what one device trains on the same global batches.
 
-The reference is a plain single-device `jax.jit` + optax loop written here, sharing nothing with
-jddp but the model, the optimizer and the initial parameters.
+The reference is a plain single-device `jax.jit` + optax loop (tests/reference.py), sharing
+nothing with jddp but the model, the optimizer and the initial parameters.
 """
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 
 import jddp
-
-GLOBAL_BATCH = 32
-STEPS = 20
-
-
-class SmallNet(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.tanh(nn.Dense(24)(x.reshape(x.shape[0], -1)))
-        return nn.Dense(5)(x)
-
-
-def per_example_ce(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-
-
-def make_batches(seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "image": rng.normal(size=(GLOBAL_BATCH, 4, 3)).astype(np.float32),
-            "label": rng.integers(0, 5, size=(GLOBAL_BATCH,)).astype(np.int32),
-        }
-        for _ in range(STEPS)
-    ]
-
-
-def reference_training(params, optimizer, batches):
-    """Single device: mean cross-entropy over the whole global batch, one optax update per batch."""
-    model = SmallNet()
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["image"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    opt_state = optimizer.init(params)
-    losses = []
-    for batch in batches:
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return jax.device_get(params), losses
-
-
-def assert_trees_close(actual, expected, rtol=1e-5):
-    """Each tensor within `rtol` of the reference, relative to the tensor's largest entry."""
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]
-    for path, a, e in zip(paths, jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        scale = np.max(np.abs(e))
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=path)
-
-
-CLIP_NORM = 0.5
-
-
-def optimizer_for(clip: bool):
-    adam = optax.adam(3e-3)
-    return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adam) if clip else adam
-
+from tests.reference import (
+    CLIP_NORM,
+    SmallNet,
+    make_batches,
+    optimizer_for,
+    per_example_ce,
+    train_and_compare,
+)
 
 CASES = [(n, accum, False) for n in (1, 2, 4, 8) for accum in (1, 2, 4)]
 CASES += [(n, 2, True) for n in (1, 2, 4, 8)]
@@ -91,19 +34,7 @@ def test_ddp_matches_single_device_reference(num_devices, accum, clip):
         devices=jax.devices()[:num_devices],
         grad_accum_steps=accum,
     )
-    state = trainer.init(seed=0, sample_batch=batches[0])
-    initial_params = trainer.host_state(state).params
-
-    losses, grad_norms = [], []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
-        grad_norms.append(float(metrics["grad_norm"]))
-
-    expected_params, expected_losses = reference_training(initial_params, optimizer, batches)
-    assert_trees_close(trainer.host_state(state).params, expected_params)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    assert int(trainer.host_state(state).step) == STEPS
+    grad_norms = train_and_compare(trainer, optimizer, batches)
     if clip:  # the clip must have bitten, or this case would prove nothing about clipping
         assert max(grad_norms) > CLIP_NORM
 

@@ -47,6 +47,9 @@ def test_cli_writes_metrics_events_and_config(tmp_path):
         for key in ("loss", "learning_rate", "examples_per_sec", "grad_norm", "accuracy"):
             assert isinstance(record[key], float) and np.isfinite(record[key]), key
         assert record["examples_per_sec"] > 0
+    memory = ("state_bytes_per_device", "peak_bytes_per_device")
+    assert all(records[0][key] > 0 for key in memory)  # reported once, in the first record
+    assert not any(key in r for r in records[1:] for key in memory)
     evaluated = [r["step"] for r in records if "eval_loss" in r and "eval_accuracy" in r]
     assert evaluated == [20, 30]  # every eval_every steps and at the end
     # Step s applied the rate of update s-1: linear warmup over 5 updates, then cosine to 0.
@@ -59,6 +62,21 @@ def test_cli_writes_metrics_events_and_config(tmp_path):
     config = json.loads((workdir / "config.json").read_text())
     assert config["num_train_steps"] == 30 and config["parallel"]["strategy"] == "ddp"
     assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+
+
+def test_zero3_experiment_learns_and_holds_less_per_device_than_ddp(tmp_path):
+    first_records = {}
+    for strategy in ("ddp", "zero3"):
+        config = digits_mlp.get_config()
+        config.num_train_steps, config.eval_every, config.log_every = 100, 100, 100
+        config.parallel.strategy = strategy
+        summary = train_and_evaluate(config, str(tmp_path / strategy))
+        assert summary["eval_accuracy"] > 0.9
+        lines = (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()
+        first_records[strategy] = json.loads(lines[0])
+    ddp, zero3 = first_records["ddp"], first_records["zero3"]
+    assert zero3["state_bytes_per_device"] < ddp["state_bytes_per_device"] / 3
+    assert zero3["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
 
 
 def test_metrics_are_written_with_full_float_precision(tmp_path):

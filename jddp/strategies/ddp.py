@@ -15,8 +15,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.core import Task
-from jddp.errors import ShapeError
+from jddp.core import Task, check_rows_divide
 from jddp.state import TrainState
 
 AXIS = "batch"
@@ -26,13 +25,14 @@ class DDP:
     """Replicated state, one slice of every global batch per device, identical updates."""
 
     name = "ddp"
+    batch_axis_name = AXIS  # SyncBatchNorm: nn.BatchNorm(axis_name=...) averages over replicas
 
     def __init__(self, task: Task, devices: Sequence[jax.Device] | None = None):
         self.task = task
         self.devices = list(devices) if devices is not None else jax.local_devices()
-        mesh = Mesh(np.array(self.devices), (AXIS,))
-        self._replicated = NamedSharding(mesh, P())
-        self._per_device = NamedSharding(mesh, P(AXIS))
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))  # placement only; pmap maps over it
+        self._replicated = NamedSharding(self.mesh, P())
+        self._per_device = NamedSharding(self.mesh, P(AXIS))
         self._train_step = jax.pmap(
             self._train,
             AXIS,
@@ -53,12 +53,14 @@ class DDP:
     def _train(self, state: TrainState, batch):
         # Each replica draws its own dropout masks: its examples differ from its neighbours'.
         rng = jax.random.fold_in(state.step_key(), lax.axis_index(AXIS))
-        grads, metrics, model_state = self.task.local_grads(state, batch, rng)
+        grads, metrics, model_state = self.task.local_grads(
+            state.params, state.model_state, batch, rng
+        )
         grads, metrics = lax.pmean((grads, metrics), AXIS)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
     def _eval(self, state: TrainState, batch):
-        return lax.psum(self.task.eval_sums(state, batch), AXIS)
+        return lax.psum(self.task.eval_sums(state.params, state.model_state, batch), AXIS)
 
     # ----------------------------------------------------------------------- placement
     def init_state(self, seed: int, sample_input) -> TrainState:
@@ -76,11 +78,7 @@ class DDP:
 
         def split(x):
             x = np.asarray(x)
-            if x.shape[0] % n:
-                raise ShapeError(
-                    f"a batch of {x.shape[0]} examples does not split over {n} devices; "
-                    f"use a multiple of {n}"
-                )
+            check_rows_divide(x.shape[0], n)
             return jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), self._per_device)
 
         return jax.tree.map(split, batch)
@@ -95,3 +93,17 @@ class DDP:
 
     def eval_step(self, state: TrainState, batch):
         return self._eval_step(state, batch)
+
+    def lower_train_step(self, state, batch):
+        return self._train_step.lower(state, batch)
+
+    def layout(self, state: TrainState):
+        """Everything replicated: the state, and the averaged gradients."""
+        return jax.tree.map(lambda _: P(), state), jax.tree.map(lambda _: P(), state.params)
+
+    def abstract_inputs(self, state: TrainState, batch):
+        """ShapeDtypeStructs laid out as `train_step` takes them, for lowering without data."""
+        n = self.num_devices
+        return state, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((n, x.shape[0] // n, *x.shape[1:]), x.dtype), batch
+        )

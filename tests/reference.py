@@ -1,0 +1,89 @@
+"""The independent reference every equivalence test compares with: a plain single-device
+`jax.jit` + optax loop that shares nothing with jddp but the model, optimizer and initial
+parameters, plus the small model and batches those tests train."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+GLOBAL_BATCH = 32
+STEPS = 20
+
+
+class SmallNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(24)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(5)(x)
+
+
+def per_example_ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+
+
+def make_batches(seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.normal(size=(GLOBAL_BATCH, 4, 3)).astype(np.float32),
+            "label": rng.integers(0, 5, size=(GLOBAL_BATCH,)).astype(np.int32),
+        }
+        for _ in range(STEPS)
+    ]
+
+
+def reference_training(params, optimizer, batches):
+    """Single device: mean cross-entropy over the whole global batch, one optax update per batch."""
+    model = SmallNet()
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["image"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = optimizer.init(params)
+    losses = []
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return jax.device_get(params), losses
+
+
+def assert_trees_close(actual, expected, rtol=1e-5):
+    """Each tensor within `rtol` of the reference, relative to the tensor's largest entry."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]
+    for path, a, e in zip(paths, jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        scale = np.max(np.abs(e))
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=path)
+
+
+CLIP_NORM = 0.5
+
+
+def optimizer_for(clip: bool):
+    adam = optax.adam(3e-3)
+    return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adam) if clip else adam
+
+
+def train_and_compare(trainer, optimizer, batches) -> list[float]:
+    """Trains `trainer` on `batches` from its own initial parameters, checks parameters and
+    per-step losses against `reference_training` from the same start; returns the grad norms."""
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    initial = trainer.host_state(state).params
+    losses, grad_norms = [], []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        grad_norms.append(float(metrics["grad_norm"]))
+    expected_params, expected_losses = reference_training(initial, optimizer, batches)
+    final = trainer.host_state(state)
+    assert_trees_close(final.params, expected_params)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert int(final.step) == len(batches)
+    return grad_norms

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import jddp
+from jddp.hlo import collectives, total_bytes
 from jddp.memory import peak_bytes
-from tests.collectives import collectives, total_bytes
 from tests.reference import (
     CLIP_NORM,
     SmallNet,
@@ -143,7 +143,7 @@ def test_compiled_step_holds_exactly_the_strategys_collectives(strategy):
     state = trainer.init(seed=0, sample_batch=batch)
     placed = trainer.place_batch(batch)
     ops = collectives(trainer.strategy.lower_train_step(state, placed.arrays).compile().as_text())
-    kinds = {kind for kind, _ in ops}
+    kinds = {kind for kind, _, _ in ops}
     assert kinds <= {"all-reduce", "reduce-scatter", "all-gather"}, kinds
     all_reduce = total_bytes(ops, "all-reduce")  # scalars (loss, norm partials) left out
     scatter, gather = total_bytes(ops, "reduce-scatter"), total_bytes(ops, "all-gather")

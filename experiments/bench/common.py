@@ -1,6 +1,7 @@
 """What every benchmark shares: interleaved timing with medians, the machine's matmul yardstick,
 FLOP counts, and writing a table to stdout and JSON."""
 
+import collections
 import json
 import os
 import statistics
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MATMUL_SIZE = 2048
+IN_FLIGHT = 4  # steps dispatched ahead, as jddp's Trainer allows (unbounded deadlocks XLA:CPU)
 
 
 def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) -> dict:
@@ -24,6 +26,20 @@ def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) 
         for name in names if round_index % 2 == 0 else names[::-1]:
             times[name].append(variants[name]())
     return {name: {"median_sec": statistics.median(t), "all_sec": t} for name, t in times.items()}
+
+
+def timed_steps(step, state, batch, steps: int):
+    """Runs `state, loss = step(state, batch)` `steps` times with at most IN_FLIGHT steps
+    outstanding; returns (state, seconds)."""
+    in_flight = collections.deque()
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, loss = step(state, batch)
+        in_flight.append(loss)
+        if len(in_flight) > IN_FLIGHT:
+            in_flight.popleft().block_until_ready()
+    jax.block_until_ready(state)
+    return state, time.perf_counter() - start
 
 
 def paired_ratio(timings: dict, numerator: str, denominator: str) -> float:

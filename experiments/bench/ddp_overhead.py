@@ -12,14 +12,12 @@ the median of each round's ratio.
 """
 
 import argparse
-import collections
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -37,7 +35,6 @@ ONE_DEVICE_XLA_FLAGS = re.sub(
 )
 LAYERS = [784, 1024, 1024, 10]
 GLOBAL_BATCH = 256
-IN_FLIGHT = 4
 
 
 def synthetic_batch() -> dict[str, np.ndarray]:
@@ -50,19 +47,6 @@ def synthetic_batch() -> dict[str, np.ndarray]:
 
 def model() -> MLP:
     return MLP(num_classes=LAYERS[-1], hidden_sizes=tuple(LAYERS[1:-1]))
-
-
-def timed_steps(step, state, batch, steps):
-    """Runs `steps` steps (at most IN_FLIGHT outstanding); returns (state, seconds)."""
-    in_flight = collections.deque()
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, loss = step(state, batch)
-        in_flight.append(loss)
-        if len(in_flight) > IN_FLIGHT:
-            in_flight.popleft().block_until_ready()
-    jax.block_until_ready(state)
-    return state, time.perf_counter() - start
 
 
 def jddp_variant(devices, batch, log_grad_norm=False):
@@ -143,7 +127,7 @@ def compare_with_handwritten(repeats: int, steps: int) -> tuple[list[dict], dict
     def window(name):
         def run():
             step, state, placed = runs[name]
-            runs[name][1], seconds = timed_steps(step, state, placed, steps)
+            runs[name][1], seconds = common.timed_steps(step, state, placed, steps)
             return seconds
 
         return run
@@ -203,7 +187,7 @@ def single_device_flops(repeats: int, steps: int) -> dict:
     def step_window(name):
         def run():
             step, state, placed = runs[name]
-            runs[name][1], seconds = timed_steps(step, state, placed, steps)
+            runs[name][1], seconds = common.timed_steps(step, state, placed, steps)
             return seconds / steps
 
         return run

@@ -1,0 +1,57 @@
+"""Reading the collectives out of a compiled program's HLO text (`compiled.as_text()`)."""
+
+import math
+import re
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+_OP = re.compile(
+    r"= (?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) (?P<kind>" + "|".join(KINDS) + r")\("
+    r"(?P<rest>.*)$",
+    re.MULTILINE,
+)
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?")
+
+
+def _group_size(rest: str) -> int:
+    if match := _EXPLICIT_GROUPS.search(rest):
+        return len(match.group(1).split(","))
+    if match := _IOTA_GROUPS.search(rest):
+        return int(match.group(2))
+    if match := _MESH_GROUPS.search(rest):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
+        chosen = re.findall(r"'(\w+)'", match.group(2)) if match.group(2) else list(sizes)
+        return math.prod(int(sizes[axis]) for axis in chosen)
+    raise ValueError(f"cannot read the replica groups of: {rest[:200]}")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, list[int], int]]:
+    """(kind, [bytes of each result array], devices per group) for every collective op."""
+    found = []
+    for match in _OP.finditer(hlo_text):
+        sizes = [
+            DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _ARRAY.findall(match.group("shape"))
+        ]
+        found.append((match.group("kind"), sizes, _group_size(match.group("rest"))))
+    return found
+
+
+def total_bytes(ops, kind: str, min_bytes: int = 5) -> int:
+    """Bytes of the `kind` results at least `min_bytes` large (skips scalar metric reductions)."""
+    return sum(b for k, sizes, _ in ops if k == kind for b in sizes if b >= min_bytes)
+
+
+def ring_bytes(ops, min_bytes: int = 5) -> int:
+    """Bytes one device sends per step in ring terms, as the ZeRO paper counts them: an
+    all-reduce moves twice its size, a reduce-scatter its input (result x group), an all-gather
+    its result. The (N-1)/N factor is left out, as in the paper's formulas; results smaller than
+    `min_bytes` (scalar metrics) are skipped."""
+    total = 0
+    for kind, sizes, group in ops:
+        big = sum(b for b in sizes if b >= min_bytes)
+        total += {"all-reduce": 2 * big, "reduce-scatter": big * group}.get(kind, big)
+    return total

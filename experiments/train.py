@@ -8,12 +8,11 @@ A user mistake (bad flag, config value, workdir) ends in one line on stderr and 
 """
 
 import datetime
-import logging as logging_std
 import os
 
 from absl import app, flags
 
-from jddp.cli import ConfigFlag, fail
+from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
 CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "configs", "digits_mlp.py"))
 _WORKDIR = flags.DEFINE_string(
@@ -38,12 +37,17 @@ def main(argv: list[str]) -> None:
     from jddp.experiment import train_and_evaluate
 
     workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
-    # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
-    logging_std.getLogger("jax._src.xla_bridge").setLevel(logging_std.WARNING)
+    quiet_library_logs()
     try:
         summary = train_and_evaluate(CONFIG.value, workdir)
     except JddpError as e:
         fail(str(e))
+    if summary.get("preempted"):
+        print(
+            f"preempted: checkpoint saved at step {summary['step']}; run the same command to "
+            f"resume; workdir {os.path.abspath(workdir)}"
+        )
+        return
     print(
         f"done: eval accuracy {summary['eval_accuracy']:.4f}, "
         f"eval loss {summary['eval_loss']:.4f}, wall time {summary['wall_time_sec']:.1f} s; "

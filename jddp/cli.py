@@ -1,6 +1,7 @@
 """Command-line plumbing shared by jddp's programs: an ml_collections config file flag whose every
 user mistake (missing file, unknown key, bad value) ends in one line on stderr and exit code 2."""
 
+import logging
 import os
 import re
 import sys
@@ -9,6 +10,18 @@ from absl import flags
 from ml_collections import config_flags
 
 USAGE_EXIT_CODE = 2
+
+
+def quiet_library_logs() -> None:
+    """Keeps orbax's per-save INFO chatter out of the training log (warnings still show)."""
+
+    def keep(record) -> bool:
+        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(keep)
+    # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def fail(message: str) -> None:

@@ -40,7 +40,13 @@ def default_config() -> ml_collections.ConfigDict:
     # Cadence, in steps.
     c.log_every = 50
     c.eval_every = 500
-    c.checkpoint_every = 0  # reserved for checkpointing
+    # Checkpoints (WORKDIR/checkpoints): every N steps and at the end; 0 = none at all.
+    c.checkpoint_every = 500
+    c.max_to_keep = 3
+    c.nan_policy = "halt"  # halt: stop, keep the last good checkpoint | skip: drop that update
+    c.init_from = ""  # a workdir or checkpoint/export dir whose parameters start this run
+    c.init_from_optimizer = False  # ... and its optimizer state too
+    c.allow_config_change = False  # resume checkpoints written by another model config
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
@@ -68,6 +74,7 @@ _NON_NEGATIVE = (
     "grad_clip_norm",
     "min_lr_ratio",
 )
+NAN_POLICIES = ("halt", "skip")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -91,5 +98,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"learning_rate must be > 0, got {config.learning_rate!r}; set --config.learning_rate"
         )
+    if config.nan_policy not in NAN_POLICIES:
+        raise ConfigError(
+            f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {config.nan_policy!r}"
+        )
+    if config.max_to_keep < 1:
+        raise ConfigError(f"max_to_keep must be >= 1, got {config.max_to_keep}")
     if not 0 <= config.min_lr_ratio <= 1:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}")

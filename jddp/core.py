@@ -62,6 +62,7 @@ class Task:
     compute_dtype: Any = jnp.float32
     grad_accum_steps: int = 1
     log_grad_norm: bool = True
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -170,17 +171,33 @@ class Task:
 
     # ---------------------------------------------------------------------------- update
     def apply_gradients(self, state: TrainState, grads, model_state, metrics):
-        """The optimizer update with already-averaged gradients; adds `grad_norm` to metrics
-        when `log_grad_norm` (one more pass over the gradients, free when clipping computes it)."""
+        """The optimizer update with already-averaged gradients.
+
+        Counts a step whose loss (or gradient norm, when computed) is not finite in
+        `nonfinite_steps`; with `skip_nonfinite` such a step leaves parameters, optimizer state and
+        mutable collections as they were, on every device alike (the decision is made on the
+        averaged values). Adds `grad_norm` to metrics when `log_grad_norm`: one more pass over the
+        gradients, shared with clipping when the optimizer clips.
+        """
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        updated = (optax.apply_updates(state.params, updates), opt_state, model_state)
+        finite = jnp.isfinite(metrics["loss"])
+        if self.log_grad_norm or self.skip_nonfinite:
+            grad_norm = optax.global_norm(grads)
+            finite &= jnp.isfinite(grad_norm)
+            if self.log_grad_norm:
+                metrics = {**metrics, "grad_norm": grad_norm}
+        if self.skip_nonfinite:
+            kept = (state.params, state.opt_state, state.model_state)
+            updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+        params, opt_state, model_state = updated
         new_state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=params,
             opt_state=opt_state,
             model_state=model_state,
+            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
         )
-        if self.log_grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         return new_state, metrics
 
     # ------------------------------------------------------------------------------ eval

@@ -22,3 +22,11 @@ class ShapeError(JddpError):
 
 class WorkdirError(JddpError):
     """The workdir cannot be used as asked."""
+
+
+class CheckpointError(JddpError):
+    """A checkpoint to start from is missing or does not fit the model."""
+
+
+class TrainingHalted(JddpError):
+    """Training stopped on purpose (non-finite loss or gradients under nan_policy=halt)."""

@@ -1,6 +1,7 @@
 """`train_and_evaluate(config, workdir)`: one experiment config trained from start to end.
 
-Read top to bottom: workdir, data, model and optimizer, the loop, the summary.
+Read top to bottom: checks, workdir, data, state (resumed, init_from or fresh), the loop with
+its checkpoints, the export and summary.
 """
 
 import json
@@ -12,23 +13,30 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from jddp import checkpoint, data, losses, models, optim, resume
 from jddp import config as config_lib
-from jddp import data, losses, models, optim
+from jddp.checkpoint import Checkpoints
 from jddp.core import check_divisible
-from jddp.errors import WorkdirError
+from jddp.errors import TrainingHalted, WorkdirError
 from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
+from jddp.preemption import PreemptionWatch
 from jddp.progress import Progress
 from jddp.trainer import Trainer
 
 
-def prepare_workdir(workdir: str) -> None:
-    """Creates `workdir`, refusing a file or a directory that already holds a run."""
+def prepare_workdir(workdir: str, *, resumable: bool) -> None:
+    """Creates `workdir`. Refuses a file, and a directory that holds a run this one cannot
+    continue (one without checkpoints, or when checkpointing is off)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"workdir {workdir!r} is a file; pass a directory path to --workdir")
-    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints"))
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and not (
+        resumable and has_checkpoints
+    ):
         raise WorkdirError(
-            f"workdir {workdir!r} already holds a run (metrics.jsonl); pass a new --workdir"
+            f"workdir {workdir!r} already holds a run without checkpoints to resume "
+            "(metrics.jsonl); pass a new --workdir"
         )
     os.makedirs(workdir, exist_ok=True)
 
@@ -50,11 +58,13 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
+        skip_nonfinite=config.nan_policy == "skip",
     )
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `config` into `workdir`; returns the final eval metrics and the wall time."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains `config` into `workdir`, resuming its newest checkpoint if it has one; returns the
+    final eval metrics and the wall time (or `preempted` and the step it saved)."""
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
@@ -65,15 +75,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
     check_divisible(eval_batch_size, num_devices, 1)
-    trainer.check_layout(jax.ShapeDtypeStruct((1, *dataset.image_shape), np.float32))
+    sample_batch = {"image": np.zeros((1, *dataset.image_shape), np.float32)}
+    trainer.check_layout(jax.ShapeDtypeStruct(sample_batch["image"].shape, np.float32))
+    resume.check_before_start(workdir, config, trainer, sample_batch)
 
     # -------------------------------------------------------------------------- workdir
-    prepare_workdir(workdir)
+    prepare_workdir(workdir, resumable=config.checkpoint_every > 0)
     is_writer = jax.process_index() == 0
     logging.info("workdir: %s", os.path.abspath(workdir))
     if is_writer:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    checkpoints = None
+    if config.checkpoint_every > 0:
+        checkpoints = Checkpoints(
+            os.path.join(workdir, "checkpoints"),
+            every=config.checkpoint_every,
+            max_to_keep=config.max_to_keep,
+        )
 
     # ----------------------------------------------------------------------------- data
     train_source, eval_source = data.open_splits(
@@ -92,67 +111,104 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             eval_source, dataset.preprocess, batch_size=eval_batch_size, threads=config.data.threads
         )
 
-    # ---------------------------------------------------------------------------- state
-    first_batch = next(batches)
-    state = trainer.init(config.seed, first_batch)
+    # ------------------------------------------------ state: resumed, init_from, or fresh
+    start_step, state, data_state = resume.restore_or_start(
+        trainer, config, checkpoints, sample_batch
+    )
+    if data_state is not None:
+        batches.set_state(data_state)
     logging.info(
         "%s on %s: %d parameters, strategy %s on %d devices, global batch %d (%d per device x %d "
         "accumulation steps)",
         config.model,
         config.dataset,
         sum(x.size for x in jax.tree.leaves(state.params)),
-        config.parallel.strategy,
+        trainer.strategy.name,
         num_devices,
         config.global_batch_size,
         config.global_batch_size // (num_devices * config.grad_accum_steps),
         config.grad_accum_steps,
     )
-    memory = trainer.memory_report(state, first_batch)  # goes into the first record too
-    logging.info(
-        "per device: state (parameters + optimizer state) %s, compiled step peak %s",
-        format_bytes(memory["state_bytes_per_device"]),
-        format_bytes(memory["peak_bytes_per_device"]),
+    placed = data.prefetch_to_device(
+        _with_positions(batches), lambda item: (trainer.place_batch(item[0]), item[1])
     )
+    memory = {}
+    if start_step < config.num_train_steps:
+        memory = trainer.memory_report(state, _zero_batch(config, dataset))
+        logging.info(
+            "per device: state (parameters + optimizer state) %s, compiled step peak %s",
+            format_bytes(memory["state_bytes_per_device"]),
+            format_bytes(memory["peak_bytes_per_device"]),
+        )
 
     # ----------------------------------------------------------------------------- loop
-    writer = MetricsWriter(workdir, enabled=is_writer)
-    progress = Progress(config.num_train_steps, enabled=is_writer)
-    placed = data.prefetch_to_device(_chain(first_batch, batches), trainer.place_batch)
+    writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)
+    progress = Progress(config.num_train_steps, first_step=start_step, enabled=is_writer)
+    preemption = PreemptionWatch()
     eval_metrics: dict[str, float] = {}
-    last_log_step, last_log_time = 0, time.perf_counter()
-    for step in range(1, config.num_train_steps + 1):
-        state, metrics = trainer.step(state, next(placed))
-        if step == 1:  # compilation: time the steady state from here
-            metrics["loss"].block_until_ready()
-            last_log_time = time.perf_counter()
-        is_last = step == config.num_train_steps
-        evaluate = step % config.eval_every == 0 or is_last
-        if not (step % config.log_every == 0 or evaluate):
-            continue
-        record = {name: float(value) for name, value in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        record["learning_rate"] = float(schedule(step - 1))  # the rate this step applied
-        record["examples_per_sec"] = (
-            (step - last_log_step) * config.global_batch_size / max(now - last_log_time, 1e-9)
-            if step > 1
-            else config.global_batch_size / (now - start_time)
-        )
-        if evaluate:
-            eval_metrics = trainer.evaluate(state, eval_pass())
-            record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
-        writer.write(step, record | memory)
-        memory = {}
-        progress.update(step, record["loss"], record["examples_per_sec"])
-        last_log_step, last_log_time = step, time.perf_counter()
+    preempted_at = None
+    last_log_step, last_log_time = start_step, time.perf_counter()
+    try:
+        for step in range(start_step + 1, config.num_train_steps + 1):
+            batch, data_state = next(placed)
+            state, metrics = trainer.step(state, batch)
+            if step == start_step + 1:  # compilation: time the steady state from here
+                metrics["loss"].block_until_ready()
+                last_log_time = time.perf_counter()
+            is_last = step == config.num_train_steps
+            evaluate = step % config.eval_every == 0 or is_last
+            if step % config.log_every == 0 or evaluate:
+                record = {name: float(value) for name, value in jax.device_get(metrics).items()}
+                record["nonfinite_steps"] = _nonfinite_steps(state, config, step)
+                now = time.perf_counter()
+                record["learning_rate"] = float(schedule(step - 1))  # the rate this step applied
+                record["examples_per_sec"] = (
+                    (step - last_log_step) * config.global_batch_size / (now - last_log_time)
+                    if step > start_step + 1
+                    else config.global_batch_size / (now - start_time)  # includes compiling
+                )
+                if evaluate:
+                    eval_metrics = trainer.evaluate(state, eval_pass())
+                    record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
+                writer.write(step, record | memory)
+                memory = {}
+                progress.update(step, record["loss"], record["examples_per_sec"])
+                last_log_step, last_log_time = step, time.perf_counter()
+            preempted = preemption.reached(step)
+            if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
+                _nonfinite_steps(state, config, step)  # never save a state holding NaN
+                meta = resume.checkpoint_meta(config, trainer, step, data_state)
+                checkpoints.save(step, state, meta, force=True)
+            if preempted:
+                preempted_at = step
+                logging.warning(
+                    "preempted: saved a checkpoint at step %d and stopping; run the same command "
+                    "to resume",
+                    step,
+                )
+                break
+    finally:
+        preemption.close()
+        progress.close()
+        writer.close()
+        if checkpoints is not None:
+            checkpoints.wait()  # a started save is a good one: let it commit
+            checkpoints.close()
 
-    # -------------------------------------------------------------------------- summary
-    progress.close()
-    writer.close()
-    wall_time = time.perf_counter() - start_time
+    # ------------------------------------------------------------------ export & summary
+    if preempted_at is not None:
+        return {
+            "preempted": True,
+            "step": preempted_at,
+            "wall_time_sec": time.perf_counter() - start_time,
+        }
+    if not eval_metrics:  # resumed a run that had already finished
+        eval_metrics = trainer.evaluate(state, eval_pass())
+    checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
     summary = {
         "eval_accuracy": eval_metrics["accuracy"],
         "eval_loss": eval_metrics["loss"],
-        "wall_time_sec": wall_time,
+        "wall_time_sec": time.perf_counter() - start_time,
     }
     if is_writer:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -160,6 +216,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return summary
 
 
-def _chain(first, rest):
-    yield first
-    yield from rest
+def _nonfinite_steps(state, config, step: int) -> int:
+    """The count of non-finite steps so far; under `nan_policy=halt` any is the end."""
+    count = int(state.nonfinite_steps)
+    if count and config.nan_policy == "halt":
+        raise TrainingHalted(
+            f"loss or gradients became non-finite by step {step}; stopped without saving it, "
+            "the checkpoints already in the workdir are untouched; lower the learning rate, set "
+            "grad_clip_norm, or set nan_policy=skip to drop such updates"
+        )
+    return count
+
+
+def _with_positions(batches):
+    """(batch, iterator state after it): what a checkpoint at that batch's step must record."""
+    while True:
+        batch = next(batches)
+        yield batch, batches.get_state()
+
+
+def _zero_batch(config, dataset) -> dict:
+    """A zero global batch shaped like the training data, to compile the step for its report."""
+    size = config.global_batch_size // jax.process_count()
+    return {
+        "image": np.zeros((size, *dataset.image_shape), np.float32),
+        "label": np.zeros((size,), np.int32),
+    }

@@ -12,18 +12,25 @@ class MetricsWriter:
     Only one process of a multi-process run should write: pass `enabled=False` elsewhere.
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+    def __init__(self, workdir: str, *, start_step: int = 0, enabled: bool = True):
+        """Continues a run restored at `start_step`: records of later steps (written before the
+        run stopped, and about to be written again) are dropped from both."""
         self.enabled = enabled
         if not enabled:
             return
         self.path = os.path.join(workdir, "metrics.jsonl")
+        _drop_records_after(self.path, start_step)
         self._file = open(self.path, "a")
-        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tensorboard = SummaryWriter(
+            os.path.join(workdir, "tensorboard"), purge_step=start_step + 1
+        )
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": int(step), **{name: float(value) for name, value in metrics.items()}}
+        record = {"step": int(step)}
+        for name, value in metrics.items():
+            record[name] = value if isinstance(value, int) else float(value)
         # json writes floats with repr(): the shortest string that reads back bit-exactly.
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -36,3 +43,22 @@ class MetricsWriter:
         if self.enabled:
             self._file.close()
             self._tensorboard.close()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+
+
+def _step_of(line: str) -> int | None:
+    try:  # a line torn by a crash mid-write has no step
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -16,6 +16,10 @@ def learning_rate_schedule(config) -> optax.Schedule:
             f"warmup_steps={config.warmup_steps} must be in [0, num_train_steps="
             f"{config.num_train_steps}); lower --config.warmup_steps"
         )
+    if config.warmup_steps == 0:  # (optax logs a warning for a zero-length warmup)
+        return optax.cosine_decay_schedule(
+            config.learning_rate, config.num_train_steps, alpha=config.min_lr_ratio
+        )
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,

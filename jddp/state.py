@@ -11,7 +11,8 @@ class TrainState(struct.PyTreeNode):
     """The model's parameters, optimizer state and mutable collections at one step.
 
     `model_state` holds non-trained collections such as `batch_stats` (empty dict if none);
-    `rng` is raw PRNG key data: the key for step `s` is `fold_in(rng, s)`.
+    `rng` is raw PRNG key data: the key for step `s` is `fold_in(rng, s)`;
+    `nonfinite_steps` counts the steps whose loss or gradients were not finite.
     """
 
     step: jax.Array
@@ -19,6 +20,7 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
     model_state: Any
     rng: jax.Array
+    nonfinite_steps: jax.Array
 
     @classmethod
     def create(cls, params, opt_state, model_state, rng) -> "TrainState":
@@ -28,6 +30,7 @@ class TrainState(struct.PyTreeNode):
             opt_state=opt_state,
             model_state=model_state,
             rng=rng,
+            nonfinite_steps=jnp.zeros((), jnp.int32),
         )
 
     def step_key(self) -> jax.Array:

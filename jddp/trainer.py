@@ -65,6 +65,7 @@ class Trainer:
         compute_dtype: str = "float32",
         input_key: str = "image",
         log_grad_norm: bool = True,
+        skip_nonfinite: bool = False,
     ):
         self.task = Task(
             model=model,
@@ -75,6 +76,7 @@ class Trainer:
             compute_dtype=compute_dtype_of(compute_dtype),
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
+            skip_nonfinite=skip_nonfinite,
         )
         self.strategy = make_strategy(
             strategy, self.task, devices, mesh=mesh, rules=rules, min_shard_size=min_shard_size
@@ -97,6 +99,25 @@ class Trainer:
                 "pass input_key= to name the model input"
             )
         return batch[self.task.input_key]
+
+    def abstract_state(self, sample_batch) -> TrainState:
+        """The state's shapes, dtypes and shardings, without computing it: a restore target."""
+        sample_input = np.asarray(self._model_input(sample_batch))[:1]
+        state = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
+        return jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            state,
+            self.strategy.state_shardings(state),
+        )
+
+    def replace_params(self, state: TrainState, params) -> TrainState:
+        """`state` with `params` (host arrays shaped like its own) placed as its own are."""
+        placed = jax.tree.map(
+            lambda x, host: jax.make_array_from_callback(x.shape, x.sharding, lambda i: host[i]),
+            state.params,
+            params,
+        )
+        return state.replace(params=placed)
 
     def check_layout(self, sample_input: jax.ShapeDtypeStruct) -> None:
         """Raises ConfigError now, before any work, if the partition rules do not fit the model

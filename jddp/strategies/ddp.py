@@ -97,6 +97,9 @@ class DDP:
     def lower_train_step(self, state, batch):
         return self._train_step.lower(state, batch)
 
+    def state_shardings(self, state: TrainState):
+        return jax.tree.map(lambda _: self._replicated, state)
+
     def layout(self, state: TrainState):
         """Everything replicated: the state, and the averaged gradients."""
         return jax.tree.map(lambda _: P(), state), jax.tree.map(lambda _: P(), state.params)

@@ -111,7 +111,13 @@ class ZeroStrategy:
             opt_state=mirror_specs(state.opt_state, state.params, specs),
             model_state=jax.tree.map(lambda _: P(), state.model_state),
             rng=P(),
+            nonfinite_steps=P(),
         )
+
+    def state_shardings(self, state: TrainState):
+        """NamedShardings of every state leaf (state may be abstract)."""
+        self._programs(state)
+        return self._state_shardings
 
     def layout(self, state: TrainState) -> tuple[TrainState, object]:
         """(PartitionSpecs of the state, PartitionSpecs of the reduced gradients)."""
@@ -125,7 +131,7 @@ class ZeroStrategy:
             jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 state,
-                self.state_shardings,
+                self._state_shardings,
             ),
             jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
@@ -143,18 +149,18 @@ class ZeroStrategy:
             )
             if not self.shard_grads:
                 self._grad_specs = jax.tree.map(lambda _: P(), self._grad_specs)
-            self.state_shardings = jax.tree.map(
+            self._state_shardings = jax.tree.map(
                 lambda spec: NamedSharding(self.mesh, spec), self._specs
             )
             self._train_step = jax.jit(
                 self._train,
-                in_shardings=(self.state_shardings, self._batch_sharding),
-                out_shardings=(self.state_shardings, self._replicated),
+                in_shardings=(self._state_shardings, self._batch_sharding),
+                out_shardings=(self._state_shardings, self._replicated),
                 donate_argnums=0,
             )
             self._eval_step = jax.jit(
                 self._eval,
-                in_shardings=(self.state_shardings, self._batch_sharding),
+                in_shardings=(self._state_shardings, self._batch_sharding),
                 out_shardings=self._replicated,
             )
             self._programs_for = structure
@@ -221,13 +227,13 @@ class ZeroStrategy:
         equal an unsharded initialization from the same seed."""
         key = jax.random.key(seed)
         self._programs(jax.eval_shape(self.task.init_state, key, sample_input))
-        return jax.jit(self.task.init_state, out_shardings=self.state_shardings).lower(
+        return jax.jit(self.task.init_state, out_shardings=self._state_shardings).lower(
             key, sample_input
         )
 
     def place_state(self, state: TrainState) -> TrainState:
         self._programs(state)
-        return jax.device_put(state, self.state_shardings)
+        return jax.device_put(state, self._state_shardings)
 
     def place_batch(self, batch):
         """This process's rows of a global batch, as global arrays split over every device."""

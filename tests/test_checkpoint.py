@@ -1,0 +1,238 @@
+"""Checkpoints: restore across strategies and device counts, fall back past damage, the NaN guard,
+init_from and export, and one-line refusals that leave the user's files alone."""
+
+import glob
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jddp
+from experiments.configs import digits_mlp
+from jddp import data
+from jddp.checkpoint import Checkpoints, load_params
+from jddp.errors import TrainingHalted
+from jddp.experiment import train_and_evaluate
+from tests.helpers import run_cli
+from tests.reference import (
+    SmallNet,
+    assert_trees_close,
+    make_batches,
+    optimizer_for,
+    per_example_ce,
+    reference_training,
+)
+
+
+def make_trainer(strategy, num_devices, mesh=None, **kwargs):
+    sharded = {"mesh": mesh, "min_shard_size": 1} if strategy != "ddp" else {}
+    return jddp.Trainer(
+        SmallNet(),
+        per_example_ce,
+        optimizer_for(clip=True),
+        strategy=strategy,
+        devices=jax.devices()[:num_devices],
+        grad_accum_steps=2,
+        **sharded,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        (("ddp", 8, None), ("zero3", 4, None)),
+        (("zero3", 8, None), ("ddp", 2, None)),
+        (("zero1", 4, None), ("zero2", 8, None)),
+        (("hybrid", 8, "replica:2,shard:4"), ("zero3", 2, None)),
+    ],
+)
+def test_restore_into_another_strategy_and_device_count(tmp_path, source, target):
+    batches = make_batches()
+    writer = make_trainer(*source)
+    state = writer.init(seed=0, sample_batch=batches[0])
+    initial = writer.host_state(state).params
+    for batch in batches[:10]:
+        state, _ = writer.step(state, batch)
+    saved = writer.host_state(state)
+    checkpoints = Checkpoints(str(tmp_path / "checkpoints"), every=10, max_to_keep=2)
+    checkpoints.save(10, state, {"data": None}, force=True)
+    checkpoints.wait()
+    checkpoints.close()
+
+    reader = make_trainer(*target)
+    checkpoints = Checkpoints(str(tmp_path / "checkpoints"), every=10, max_to_keep=2)
+    step, state, meta = checkpoints.restore_latest(reader.abstract_state(batches[0]))
+    checkpoints.close()
+    assert step == 10 and meta == {"data": None}
+    assert state.params["Dense_0"]["kernel"].sharding.mesh.size == target[1]
+    jax.tree.map(np.testing.assert_array_equal, reader.host_state(state), saved)  # exact
+    for batch in batches[10:]:
+        state, _ = reader.step(state, batch)
+    expected, _ = reference_training(initial, optimizer_for(clip=True), batches)
+    assert_trees_close(reader.host_state(state).params, expected)
+
+
+def small_config(**overrides):
+    config = digits_mlp.get_config()
+    config.num_train_steps, config.log_every, config.eval_every = 30, 5, 30
+    config.checkpoint_every, config.warmup_steps = 10, 5
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def read_records(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    keep = {"step", "loss", "grad_norm", "accuracy", "learning_rate", "eval_loss"}
+    return [{k: v for k, v in json.loads(line).items() if k in keep} for line in lines]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path, caplog, damage):
+    workdir = tmp_path / "run"
+    train_and_evaluate(small_config(), str(workdir))
+    first_run = read_records(workdir)
+    files = [
+        f
+        for f in glob.glob(str(workdir / "checkpoints/30/state/**"), recursive=True)
+        if os.path.isfile(f) and os.path.getsize(f)
+    ]
+    for path in files:
+        if damage == "truncated":
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        elif path.endswith("manifest.ocdbt") or "/d/" in path:
+            os.remove(path)
+    with caplog.at_level(logging.WARNING):
+        train_and_evaluate(small_config(), str(workdir))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("checkpoints/30 is damaged" in w for w in warnings), warnings
+    assert glob.glob(str(workdir / "checkpoints_damaged" / "30-*" / "state"))  # kept, not deleted
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "20", "30"]
+    assert read_records(workdir) == first_run  # resumed at 20, steps 25 and 30 logged again
+
+
+class InjectNaN:
+    """A grain iterator whose batch number `at` (0-based) has NaN images."""
+
+    def __init__(self, iterator, at):
+        self.iterator, self.at, self.index = iterator, at, 0
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.index += 1
+        if self.index - 1 == self.at:
+            batch = {**batch, "image": np.full_like(batch["image"], np.nan)}
+        return batch
+
+    def get_state(self):
+        return self.iterator.get_state()
+
+    def set_state(self, state):
+        self.iterator.set_state(state)
+
+
+@pytest.fixture
+def nan_at_step_16(monkeypatch):
+    real = data.train_batches
+    monkeypatch.setattr(data, "train_batches", lambda *a, **k: InjectNaN(real(*a, **k), at=15))
+
+
+def test_nan_policy_halt_stops_and_keeps_the_last_good_checkpoint(tmp_path, nan_at_step_16):
+    workdir = tmp_path / "run"
+    with pytest.raises(TrainingHalted, match="non-finite by step 20.*nan_policy=skip"):
+        train_and_evaluate(small_config(checkpoint_every=5), str(workdir))
+    assert sorted(map(int, os.listdir(workdir / "checkpoints"))) == [5, 10, 15]  # none after
+    params = load_params(str(workdir / "checkpoints" / "15"))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    assert not (workdir / "export").exists()
+
+
+def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, nan_at_step_16):
+    workdir = tmp_path / "run"
+    summary = train_and_evaluate(small_config(nan_policy="skip"), str(workdir))
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_steps"] for r in records] == [0, 0, 0, 1, 1, 1]
+    assert all(np.isfinite(r["loss"]) for r in records if r["step"] != 20 - 4)
+    assert summary["eval_accuracy"] > 0.85
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_skipped_update_leaves_state_unchanged_on_every_device(strategy):
+    trainer = make_trainer(strategy, 8, skip_nonfinite=True)
+    good, bad = make_batches()[0], {**make_batches()[1]}
+    bad["image"] = bad["image"].copy()
+    bad["image"][3] = np.nan  # one example poisons the averaged gradient everywhere
+    state = trainer.init(seed=0, sample_batch=good)
+    state, _ = trainer.step(state, good)
+    before = trainer.host_state(state)
+    state, metrics = trainer.step(state, bad)
+    after = trainer.host_state(state)
+    assert not np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+    jax.tree.map(np.testing.assert_array_equal, after.opt_state, before.opt_state)
+    assert (int(after.step), int(after.nonfinite_steps)) == (2, 1)
+    for leaf in jax.tree.leaves(state.params):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards if s.replica_id == 0]
+        assert all(np.isfinite(s).all() for s in shards)
+    state, _ = trainer.step(state, good)  # and training goes on
+    assert int(trainer.host_state(state).nonfinite_steps) == 1
+
+
+def test_export_equals_the_final_checkpoint_and_init_from_starts_there(tmp_path):
+    first = tmp_path / "first"
+    summary = train_and_evaluate(small_config(), str(first))
+    exported = load_params(str(first / "export"))
+    jax.tree.map(
+        np.testing.assert_array_equal, exported, load_params(str(first / "checkpoints/30"))
+    )
+    second = tmp_path / "second"
+    config = small_config(init_from=str(first), learning_rate=1e-12, warmup_steps=0)
+    config.num_train_steps, config.eval_every = 1, 1
+    again = train_and_evaluate(config, str(second))
+    assert again["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
+
+
+def assert_one_line_error(result, *words):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+FAST = ["--config.num_train_steps=10", "--config.checkpoint_every=5", "--config.warmup_steps=0"]
+
+
+def test_init_from_nothing_or_another_model_is_refused_in_one_line(tmp_path):
+    result = run_cli(f"--workdir={tmp_path / 'a'}", f"--config.init_from={tmp_path / 'nothing'}")
+    assert_one_line_error(result, "init_from", "does not exist")
+    assert not (tmp_path / "a").exists()
+    cnn = tmp_path / "cnn"
+    made = run_cli(f"--workdir={cnn}", "--config=experiments/configs/digits_cnn.py", *FAST)
+    assert made.returncode == 0, made.stderr
+    before = sorted(os.listdir(cnn / "checkpoints"))
+    result = run_cli(f"--workdir={tmp_path / 'b'}", f"--config.init_from={cnn}", *FAST)
+    assert_one_line_error(result, "parameter", "shape", "in init_from", "same model")
+    assert sorted(os.listdir(cnn / "checkpoints")) == before
+
+
+def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
+    workdir = tmp_path / "run"
+    assert run_cli(f"--workdir={workdir}", *FAST).returncode == 0
+    before = {p: os.path.getmtime(p) for p in glob.glob(str(workdir / "**"), recursive=True)}
+    result = run_cli(f"--workdir={workdir}", "--config=experiments/configs/digits_cnn.py", *FAST)
+    assert_one_line_error(result, "another model", "model: 'mlp'", "'cnn'", "allow_config_change")
+    overridden = run_cli(
+        f"--workdir={workdir}",
+        "--config=experiments/configs/digits_cnn.py",
+        "--config.allow_config_change=true",
+        *FAST,
+    )
+    assert_one_line_error(overridden, "shape", "another model")  # it cannot fit, says why
+    after = {p: os.path.getmtime(p) for p in before if not p.endswith("config.json")}
+    assert after == {p: t for p, t in before.items() if not p.endswith("config.json")}

@@ -1,0 +1,139 @@
+"""Kill a real training process (SIGKILL at several points, one of them inside an asynchronous
+save; SIGTERM as schedulers preempt) and run the same command again: the run logs exactly what an
+uninterrupted run logs and ends with bitwise the same parameters."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jddp.checkpoint import load_params
+from tests.helpers import REPO
+
+FLAGS = [
+    "--config.num_train_steps=50",
+    "--config.log_every=5",
+    "--config.eval_every=25",
+    "--config.checkpoint_every=10",
+    "--config.warmup_steps=5",
+    "--config.global_batch_size=64",
+    # ~1.1M parameters: a save takes long enough to be caught in the middle of it.
+    "--config.model_args.hidden_sizes=(1024,1024)",
+]
+TIMING_KEYS = {"examples_per_sec", "state_bytes_per_device", "peak_bytes_per_device"}
+DEADLINE_SEC = 240  # hard limit for any one process; it is SIGKILLed past it
+
+
+def start(workdir, log_name):
+    log = open(os.path.join(os.path.dirname(workdir), log_name), "w")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *FLAGS],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def wait_until(process, condition) -> bool:
+    """Polls `condition` until it holds (True) or the process exits (False)."""
+    deadline = time.monotonic() + DEADLINE_SEC
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if process.poll() is not None:
+            return condition()
+        time.sleep(0.002)
+    process.kill()
+    raise AssertionError("training process ran past its deadline")
+
+
+def finish(process) -> int:
+    try:
+        return process.wait(timeout=DEADLINE_SEC)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+def logged_steps(workdir) -> int:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    steps = [json.loads(line)["step"] for line in open(path) if line.endswith("\n")]
+    return max(steps, default=0)
+
+
+def saving(workdir) -> bool:
+    return bool(glob.glob(os.path.join(workdir, "checkpoints", "*tmp*")))
+
+
+def records(workdir):
+    lines = open(os.path.join(workdir, "metrics.jsonl")).read().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def assert_same_run(workdir, reference):
+    assert records(workdir) == records(reference)  # same steps, bit-identical floats
+    jax.tree.map(np.testing.assert_array_equal, load_params(workdir), load_params(reference))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    assert finish(start(workdir, "uninterrupted.log")) == 0
+    return workdir
+
+
+def test_sigkill_anywhere_then_rerun_reproduces_the_run_bit_for_bit(tmp_path, uninterrupted):
+    workdir = str(tmp_path / "run")
+    # 1. Between checkpoints.
+    process = start(workdir, "kill1.log")
+    assert wait_until(process, lambda: logged_steps(workdir) >= 15)
+    process.kill()
+    process.wait()
+    # 2. Inside an asynchronous save (a checkpoint's temporary directory exists).
+    killed_mid_save = False
+    for attempt in range(4):
+        process = start(workdir, f"kill2-{attempt}.log")
+        if not wait_until(process, lambda: saving(workdir) and logged_steps(workdir) > 10):
+            break
+        process.kill()
+        process.wait()
+        killed_mid_save = saving(workdir)  # the cut-short save is still there, uncommitted
+        if killed_mid_save:
+            break
+    assert killed_mid_save, "never caught a save in progress"
+    # 3. Late in the run.
+    process = start(workdir, "kill3.log")
+    assert wait_until(process, lambda: logged_steps(workdir) >= 40)
+    process.kill()
+    process.wait()
+    # Run the same command to the end.
+    assert finish(start(workdir, "final.log")) == 0
+    assert not saving(workdir)  # the interrupted save was never taken for a checkpoint
+    assert_same_run(workdir, uninterrupted)
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path, uninterrupted):
+    workdir = str(tmp_path / "run")
+    process = start(workdir, "term.log")
+    assert wait_until(process, lambda: logged_steps(workdir) >= 20)
+    process.send_signal(signal.SIGTERM)
+    assert finish(process) == 0
+    output = open(tmp_path / "term.log").read()
+    (line,) = [x for x in output.splitlines() if x.startswith("preempted:")]
+    step = int(line.split("step ")[1].split(";")[0])
+    assert step >= 20 and step < 50
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
+    assert "Traceback" not in output
+    assert finish(start(workdir, "resume.log")) == 0
+    assert_same_run(workdir, uninterrupted)

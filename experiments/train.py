@@ -5,12 +5,14 @@
 
 With no flags it trains the default experiment (digits_mlp) into a new workdir under runs/.
 A user mistake (bad flag, config value, workdir) ends in one line on stderr and exit code 2.
+Several processes: start each with the same command under `jddp-launch`, srun, mpirun, a
+Kubernetes Indexed Job or on every TPU VM worker, or pass the three process flags below.
 """
 
 import datetime
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
@@ -20,6 +22,16 @@ _WORKDIR = flags.DEFINE_string(
     None,
     "Directory for metrics, TensorBoard files and checkpoints "
     "(default: a new runs/CONFIG-TIMESTAMP).",
+)
+# Multi-process jobs: all three, or none (then from jddp-launch, SLURM, Open MPI, Kubernetes or
+# a TPU pod's environment; with none of those, one process).
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, from 0.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_seconds",
+    30,
+    "A process silent this long is declared lost and the job stops (multi-process only).",
 )
 
 
@@ -33,15 +45,28 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; flags look like --config.KEY=VALUE")
     # Imported here so that --help and flag errors answer without loading JAX.
+    import jax
+
+    from jddp import runtime
     from jddp.errors import JddpError
     from jddp.experiment import train_and_evaluate
 
     workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
     quiet_library_logs()
     try:
+        runtime.initialize(
+            _COORDINATOR.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            heartbeat_timeout_seconds=_HEARTBEAT.value,
+        )
+        if jax.process_index() > 0:  # one voice in the log: process 0's
+            logging.set_verbosity(logging.WARNING)
         summary = train_and_evaluate(CONFIG.value, workdir)
     except JddpError as e:
         fail(str(e))
+    if jax.process_index() > 0:
+        return
     if summary.get("preempted"):
         print(
             f"preempted: checkpoint saved at step {summary['step']}; run the same command to "

@@ -9,6 +9,7 @@ strategy or device count is restoring into other shardings: orbax reshards on lo
 """
 
 import datetime
+import json
 import os
 import shutil
 from typing import Any
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from jddp.errors import CheckpointError
 
@@ -29,6 +31,11 @@ class Checkpoints:
 
     def __init__(self, directory: str, *, every: int, max_to_keep: int):
         self.directory = os.path.abspath(directory)
+        # Every process must find the directory in the same state, or orbax's processes take
+        # different paths (one creates it, the others do not) and its barriers mismatch.
+        os.makedirs(self.directory, exist_ok=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jddp: checkpoints in {self.directory}")
         policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.AnySavePolicy(
@@ -151,22 +158,23 @@ def first_mismatch(expected: dict, actual: dict, source: str) -> str | None:
 
 
 def peek_latest(directory: str):
-    """(meta, shapes by path) of the newest readable checkpoint under `directory`, or None;
-    reads metadata only and changes nothing (damaged ones are skipped here, reported later)."""
+    """(meta, shapes by path) of the newest readable checkpoint under `directory`, or None.
+
+    Reads metadata files only, changes nothing, and takes no part in orbax's cross-process
+    barriers (processes may call it while the directory changes under them); damaged
+    checkpoints are skipped here and reported by `Checkpoints.restore_latest`."""
     if not os.path.isdir(directory):
         return None
-    manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False),
-        item_handlers={STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
-    )
-    for step in sorted(manager.all_steps(), reverse=True):
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    for step in sorted(steps, reverse=True):
+        folder = os.path.join(directory, str(step))
         try:
-            meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-            shapes = shapes_by_path(manager.item_metadata(step)[STATE].tree)
-        except Exception:  # noqa: BLE001, S112 - unreadable: the restore will report it
+            with open(os.path.join(folder, META, "metadata")) as f:
+                meta = json.load(f)
+            tree = ocp.StandardCheckpointer().metadata(os.path.join(folder, STATE))
+            return meta, shapes_by_path(tree.item_metadata.tree)
+        except Exception:  # noqa: BLE001, S112 - unreadable or uncommitted: skip it here
             continue
-        return meta[META], shapes
     return None
 
 

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jddp import checkpoint, data, losses, models, optim, resume
+from jddp import checkpoint, data, losses, models, optim, resume, runtime
 from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
 from jddp.core import check_divisible
@@ -78,6 +78,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sample_batch = {"image": np.zeros((1, *dataset.image_shape), np.float32)}
     trainer.check_layout(jax.ShapeDtypeStruct(sample_batch["image"].shape, np.float32))
     resume.check_before_start(workdir, config, trainer, sample_batch)
+    runtime.barrier("checks done")  # no process writes before every process has looked
 
     # -------------------------------------------------------------------------- workdir
     prepare_workdir(workdir, resumable=config.checkpoint_every > 0)
@@ -95,6 +96,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         )
 
     # ----------------------------------------------------------------------------- data
+    # Each process reads only its rows of every global batch.
+    processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     train_source, eval_source = data.open_splits(
         dataset, config.data.data_dir or None, config.data.cache_max_mb
     )
@@ -104,11 +107,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         global_batch_size=config.global_batch_size,
         seed=config.seed,
         threads=config.data.threads,
+        **processes,
     )
 
     def eval_pass():
         return data.eval_batches(
-            eval_source, dataset.preprocess, batch_size=eval_batch_size, threads=config.data.threads
+            eval_source,
+            dataset.preprocess,
+            batch_size=eval_batch_size,
+            threads=config.data.threads,
+            **processes,
         )
 
     # ------------------------------------------------ state: resumed, init_from, or fresh
@@ -117,6 +125,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     if data_state is not None:
         batches.set_state(data_state)
+    runtime.check_same_everywhere(
+        "config, seed and initial parameters", [config.to_json_best_effort(), _checksum(state)]
+    )
     logging.info(
         "%s on %s: %d parameters, strategy %s on %d devices, global batch %d (%d per device x %d "
         "accumulation steps)",
@@ -178,7 +189,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
                 _nonfinite_steps(state, config, step)  # never save a state holding NaN
                 meta = resume.checkpoint_meta(config, trainer, step, data_state)
-                checkpoints.save(step, state, meta, force=True)
+                checkpoints.save(step, trainer.global_state(state), meta, force=True)
             if preempted:
                 preempted_at = step
                 logging.warning(
@@ -226,6 +237,17 @@ def _nonfinite_steps(state, config, step: int) -> int:
             "grad_clip_norm, or set nan_policy=skip to drop such updates"
         )
     return count
+
+
+def _checksum(state) -> float:
+    """Sum of the replicated leaves of `state` as this process sees them (under ddp: all)."""
+    return float(
+        sum(
+            np.sum(np.asarray(x.addressable_shards[0].data), dtype=np.float64)
+            for x in jax.tree.leaves(state)
+            if x.sharding.is_fully_replicated
+        )
+    )
 
 
 def _with_positions(batches):

@@ -127,7 +127,8 @@ class Trainer:
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        check_divisible(len(self._model_input(batch)), self.num_devices, self.task.grad_accum_steps)
+        global_rows = len(self._model_input(batch)) * jax.process_count()  # equal rows each
+        check_divisible(global_rows, self.num_devices, self.task.grad_accum_steps)
         return PlacedBatch(self.strategy.place_batch(batch))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -174,6 +175,10 @@ class Trainer:
             "state_bytes_per_device": state_bytes_per_device(state),
             "peak_bytes_per_device": peak_bytes(compiled),
         }
+
+    def global_state(self, state: TrainState) -> TrainState:
+        """`state` as global arrays spanning every process: what orbax saves."""
+        return self.strategy.global_state(state)
 
     def host_state(self, state: TrainState) -> TrainState:
         """The state as ordinary numpy arrays on the host, whatever the strategy."""

@@ -29,7 +29,9 @@ class DDP:
 
     def __init__(self, task: Task, devices: Sequence[jax.Device] | None = None):
         self.task = task
-        self.devices = list(devices) if devices is not None else jax.local_devices()
+        # Every device of every process; each process feeds and reads its local ones.
+        self.devices = list(devices) if devices is not None else jax.devices()
+        self._local_count = sum(d.process_index == jax.process_index() for d in self.devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))  # placement only; pmap maps over it
         self._replicated = NamedSharding(self.mesh, P())
         self._per_device = NamedSharding(self.mesh, P(AXIS))
@@ -69,19 +71,42 @@ class DDP:
         return self.place_state(state)
 
     def place_state(self, state: TrainState) -> TrainState:
-        """One full copy of `state` on every device."""
-        return jax.device_put(state, self._replicated)
+        """One full copy of `state` on every device.
+
+        From host arrays: across processes JAX then also checks that every process passes the
+        same values, and device_put of a device array to this sharding built a broken array
+        with one local device per process (jax 0.10.2)."""
+        return jax.device_put(jax.device_get(state), self._replicated)
 
     def place_batch(self, batch):
-        """Split a batch along its first axis into one contiguous slice per device."""
-        n = self.num_devices
+        """This process's rows of a global batch, one contiguous slice per local device (process
+        p's slices are devices p*L .. p*L+L-1 of the global device axis)."""
+        local = self._local_count
 
         def split(x):
             x = np.asarray(x)
-            check_rows_divide(x.shape[0], n)
-            return jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), self._per_device)
+            check_rows_divide(x.shape[0], local)
+            slices = x.reshape(local, x.shape[0] // local, *x.shape[1:])
+            return jax.make_array_from_process_local_data(
+                self._per_device, slices, (self.num_devices, *slices.shape[1:])
+            )
 
         return jax.tree.map(split, batch)
+
+    def global_state(self, state: TrainState) -> TrainState:
+        """`state` as arrays over every device of every process (for orbax): across processes,
+        pmap returns each process's replicas as arrays of its own devices; this joins them,
+        without copying, into one replicated global array per leaf."""
+        if jax.process_count() == 1:
+            return state
+
+        def join(x):
+            if x.sharding == self._replicated:
+                return x
+            buffers = [shard.data for shard in x.addressable_shards]
+            return jax.make_array_from_single_device_arrays(x.shape, self._replicated, buffers)
+
+        return jax.tree.map(join, state)
 
     def host_state(self, state: TrainState) -> TrainState:
         """The state as host numpy arrays (read from the first replica, no gather)."""

@@ -246,6 +246,9 @@ class ZeroStrategy:
 
         return jax.tree.map(place, batch)
 
+    def global_state(self, state: TrainState) -> TrainState:
+        return state  # jit's outputs already span every process's devices
+
     def host_state(self, state: TrainState) -> TrainState:
         """The whole state as host numpy arrays (gathered from the shards)."""
         if jax.process_count() > 1:

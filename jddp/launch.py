@@ -1,0 +1,157 @@
+"""Start N processes of one job on this machine, as torchrun does.
+
+    python -m jddp.launch --nproc 2 [--devices_per_proc 2 | --gpus_per_proc 1] -- \
+        python -m experiments.train --config=... --workdir=...
+
+(also installed as `jddp-launch`). Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on
+127.0.0.1), `JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.initialize` reads;
+`--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives each
+its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is. Output
+lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child. When a child
+fails, the others are stopped and the launcher exits with the failed child's code.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SEC = 10  # after SIGTERM, before SIGKILL, when stopping the survivors of a failure
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, args, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JDDP_NUM_PROCESSES=str(args.nproc),
+        JDDP_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
+    if args.devices_per_proc:
+        flags = env.get("XLA_FLAGS", "").split()
+        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={args.devices_per_proc}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    if args.gpus_per_proc:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = (
+            visible.split(",")
+            if visible
+            else [str(i) for i in range(args.nproc * args.gpus_per_proc)]
+        )
+        mine = ids[rank * args.gpus_per_proc : (rank + 1) * args.gpus_per_proc]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return env
+
+
+def _relay(rank: int, stream, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            sys.stdout.write(f"[{rank}] {line}")
+            sys.stdout.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def run(args) -> int:
+    port = free_port()
+    lock = threading.Lock()
+    children = []
+    for rank in range(args.nproc):
+        child = subprocess.Popen(
+            args.command,
+            env=child_env(rank, args, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=_relay, args=(rank, child.stdout, lock), daemon=True).start()
+        children.append(child)
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(
+                f"[launcher] process {rank} of {args.nproc} failed ({_describe(code)}); "
+                "stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop(children)
+            return code if code > 0 else 128 - code
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _stop(children) -> None:
+    """SIGTERM, then SIGKILL after GRACE_SEC: a survivor may be stuck in a collective."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + GRACE_SEC
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jddp-launch", description="Start N processes of one JAX job on this machine."
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--devices_per_proc",
+        type=int,
+        default=0,
+        help="simulated CPU devices per process (sets XLA_FLAGS)",
+    )
+    parser.add_argument(
+        "--gpus_per_proc",
+        type=int,
+        default=0,
+        help="GPUs per process (slices CUDA_VISIBLE_DEVICES)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the command every process runs"
+    )
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the command to run after --, e.g. -- python -m experiments.train")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Processes: one call that joins this process to the others of its job, from flags or from the
+environment a launcher set, or does nothing for a job of one process.
+
+Sources, first found wins:
+1. arguments (the train entry's `--coordinator_address`, `--num_processes`, `--process_id`);
+2. `JDDP_COORDINATOR_ADDRESS`, `JDDP_NUM_PROCESSES`, `JDDP_PROCESS_ID` (set by `jddp-launch` and
+   by the Kubernetes manifest in launch/; on Kubernetes an Indexed Job's `JOB_COMPLETION_INDEX`
+   stands in for the process id);
+3. JAX's own cluster detection, for SLURM (`srun`), Open MPI (`mpirun`) and Cloud TPU pods,
+   when their variables say the job has more than one process.
+"""
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from absl import logging
+
+from jddp.errors import ConfigError
+
+DEFAULT_HEARTBEAT_TIMEOUT_SEC = 30  # a dead peer ends the survivors within ~this long
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: `source` names where the settings came from."""
+
+    source: str
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _int(environ, name):
+    return int(environ[name]) if environ.get(name) else None
+
+
+def detect(environ=None, *, coordinator_address=None, num_processes=None, process_id=None):
+    """The Launch that the arguments and `environ` describe; `source="single"` for one process.
+
+    SLURM, Open MPI and TPU launches leave the three values to JAX's detection (None here).
+    """
+    environ = os.environ if environ is None else environ
+    given = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            raise ConfigError(
+                "--coordinator_address, --num_processes and --process_id go together; pass all "
+                "three, or none to take them from the environment"
+            )
+        return Launch("flags", *given)
+    if environ.get("JDDP_COORDINATOR_ADDRESS"):
+        process = _int(environ, "JDDP_PROCESS_ID")
+        if process is None:
+            process = _int(environ, "JOB_COMPLETION_INDEX")  # Kubernetes Indexed Job
+        count = _int(environ, "JDDP_NUM_PROCESSES")
+        if process is None or count is None:
+            raise ConfigError(
+                "JDDP_COORDINATOR_ADDRESS is set but JDDP_NUM_PROCESSES or JDDP_PROCESS_ID "
+                "(or JOB_COMPLETION_INDEX) is not; set all of them"
+            )
+        source = "jddp-launch" if environ.get("JDDP_PROCESS_ID") else "kubernetes"
+        return Launch(source, environ["JDDP_COORDINATOR_ADDRESS"], count, process)
+    if environ.get("SLURM_JOB_ID") and (_int(environ, "SLURM_NTASKS") or 1) > 1:
+        return Launch("slurm")
+    if environ.get("OMPI_MCA_orte_hnp_uri") and (_int(environ, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return Launch("openmpi")
+    if len([h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return Launch("tpu")
+    return Launch("single")
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_SEC,
+) -> Launch:
+    """Joins this process to its job with `jax.distributed.initialize` (call it before any other
+    JAX call); does nothing for a single process. CPU collectives go through gloo."""
+    launch = detect(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    if launch.source == "single":
+        return launch
+    # Only the CPU backend reads this; accelerators keep NCCL / ICI.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=launch.coordinator_address,
+        num_processes=launch.num_processes,
+        process_id=launch.process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+    )
+    logging.info(
+        "process %d of %d (%s), %d of %d devices local",
+        jax.process_index(),
+        jax.process_count(),
+        launch.source,
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return launch
+
+
+def check_same_everywhere(what: str, value) -> None:
+    """Raises ConfigError unless every process holds the same `value` (a no-op for one)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest()[:8], np.uint32)
+    gathered = np.asarray(multihost_utils.process_allgather(digest))
+    differing = [p for p in range(len(gathered)) if not np.array_equal(gathered[p], gathered[0])]
+    if differing:
+        raise ConfigError(
+            f"processes {differing} disagree with process 0 on the {what}; start every process "
+            "with the same command, config and jddp version"
+        )
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches the barrier `name` (a no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jddp: {name}")

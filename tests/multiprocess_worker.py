@@ -1,0 +1,58 @@
+"""One process of a multi-process test job (started by jddp-launch from test_multiprocess.py):
+trains the reference SmallNet on this process's rows of the shared global batches and, in
+process 0, writes the losses and the initial and final parameters to ARGV[2] (.npz)."""
+
+import sys
+
+from jddp import runtime
+
+runtime.initialize()  # from the JDDP_* variables jddp-launch sets
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jddp  # noqa: E402
+from jddp.checkpoint import shapes_by_path  # noqa: E402
+from tests.reference import SmallNet, make_batches, optimizer_for, per_example_ce  # noqa: E402
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    paths = shapes_by_path(tree)
+    return dict(zip(paths, (np.asarray(x) for x in jax.tree.leaves(tree)), strict=True))
+
+
+def main(strategy: str, out: str) -> None:
+    options = {"min_shard_size": 1} if strategy != "ddp" else {}
+    trainer = jddp.Trainer(
+        SmallNet(),
+        per_example_ce,
+        optimizer_for(clip=True),
+        strategy=strategy,
+        grad_accum_steps=2,
+        **options,
+    )
+    process, count = jax.process_index(), jax.process_count()
+    batches = make_batches()
+    rows = len(batches[0]["label"]) // count
+
+    def mine(batch):
+        return {k: v[process * rows : (process + 1) * rows] for k, v in batch.items()}
+
+    state = trainer.init(seed=0, sample_batch=mine(batches[0]))
+    initial = trainer.host_state(state).params
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, mine(batch))
+        losses.append(float(metrics["loss"]))
+    final = trainer.host_state(state).params
+    if process == 0:
+        np.savez(
+            out,
+            losses=np.array(losses),
+            **{f"initial/{k}": v for k, v in flat(initial).items()},
+            **{f"final/{k}": v for k, v in flat(final).items()},
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,260 @@
+"""Several real processes on 127.0.0.1 (gloo collectives), each under a hard SIGKILL timeout:
+the same training as one process and as one device, checkpoints that cross process counts,
+a lost peer that stops the job, and the environments of SLURM, Open MPI and Kubernetes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jddp
+import jddp.launch
+from experiments.configs import digits_mlp
+from jddp import data, optim
+from jddp.checkpoint import Checkpoints, load_params
+from jddp.experiment import build_trainer
+from tests.helpers import REPO
+from tests.reference import (
+    SmallNet,
+    assert_trees_close,
+    make_batches,
+    optimizer_for,
+    per_example_ce,
+    reference_training,
+)
+
+HARD_TIMEOUT_SEC = 240
+
+
+def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None):
+    """`jddp-launch` in a subprocess; SIGKILLed (with its children) past `timeout`."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jddp.launch",
+            f"--nproc={nproc}",
+            f"--devices_per_proc={devices_per_proc}",
+            "--",
+            *command,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, output
+
+
+def unflatten(flat: dict) -> dict:
+    tree = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("nproc,devices_per_proc", [(2, 2), (4, 1)])
+def test_processes_train_what_one_process_and_one_device_train(
+    tmp_path, strategy, nproc, devices_per_proc
+):
+    out = str(tmp_path / "result.npz")
+    code, output = launch(
+        nproc, devices_per_proc, sys.executable, "-m", "tests.multiprocess_worker", strategy, out
+    )
+    assert code == 0, output
+    result = np.load(out)
+    initial = unflatten({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
+    final = unflatten({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+
+    # The single-device reference loop, from the same initial parameters.
+    optimizer, batches = optimizer_for(clip=True), make_batches()
+    expected, expected_losses = reference_training(initial, optimizer, batches)
+    assert_trees_close(final, expected)
+    np.testing.assert_allclose(result["losses"], expected_losses, rtol=1e-5)
+
+    # One process with the same 4 devices.
+    options = {"min_shard_size": 1} if strategy != "ddp" else {}
+    trainer = jddp.Trainer(
+        SmallNet(),
+        per_example_ce,
+        optimizer,
+        strategy=strategy,
+        devices=jax.devices()[:4],
+        grad_accum_steps=2,
+        **options,
+    )
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, initial)
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert_trees_close(final, trainer.host_state(state).params)
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+
+
+CLI = [
+    sys.executable,
+    "-m",
+    "experiments.train",
+    "--config.num_train_steps=20",
+    "--config.log_every=5",
+    "--config.eval_every=20",
+    "--config.checkpoint_every=10",
+    "--config.warmup_steps=0",
+]
+
+
+def test_cli_across_processes_logs_like_one_process_and_its_checkpoint_restores_in_one(tmp_path):
+    code, output = launch(2, 2, *CLI, f"--workdir={tmp_path / 'two'}")
+    assert code == 0, output
+    assert output.count("done: eval accuracy") == 1  # process 0 speaks for the job
+    one = subprocess.run(
+        [*CLI, f"--workdir={tmp_path / 'one'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=HARD_TIMEOUT_SEC,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert one.returncode == 0, one.stderr
+
+    def losses(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"], r.get("eval_loss", np.nan)) for r in map(json.loads, lines)]
+
+    two, single = losses("two"), losses("one")
+    assert [s for s, _, _ in two] == [s for s, _, _ in single] == [5, 10, 15, 20]
+    np.testing.assert_allclose([x[1:] for x in two], [x[1:] for x in single], rtol=1e-5)
+    exported = load_params(str(tmp_path / "two"))
+    assert_trees_close(exported, load_params(str(tmp_path / "one")))
+
+    # The checkpoint the two processes wrote, restored in this one process (8 devices).
+    config = digits_mlp.get_config()
+    trainer = build_trainer(
+        config, data.get_dataset("digits"), optim.learning_rate_schedule(config)
+    )
+    checkpoints = Checkpoints(str(tmp_path / "two" / "checkpoints"), every=10, max_to_keep=3)
+    target = trainer.abstract_state({"image": np.zeros((1, 8, 8, 1), np.float32)})
+    step, state, meta = checkpoints.restore_latest(target)
+    checkpoints.close()
+    assert (step, meta["processes"], meta["devices"]) == (20, 2, 4)
+    jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, exported)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def logged_step(workdir) -> int:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    lines = [line for line in open(path) if line.endswith("\n")]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for(condition, deadline):
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
+    workdir = str(tmp_path / "run")
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jddp.launch",
+            "--nproc=2",
+            "--devices_per_proc=1",
+            "--",
+            *CLI[:3],
+            "--config.num_train_steps=100000",
+            "--config.log_every=10",
+            "--config.checkpoint_every=0",
+            f"--workdir={workdir}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert wait_for(lambda: logged_step(workdir) >= 20, time.monotonic() + 180)
+        workers = sorted(children_of(launcher.pid))
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=60)  # the job ends within 60 s
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert "process 1 of 2 failed (killed by SIGKILL)" in output
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # survivor gone too
+
+
+def test_without_a_launcher_the_survivor_exits_on_the_heartbeat_timeout(tmp_path):
+    port = jddp.launch.free_port()
+    workdir = str(tmp_path / "run")
+    processes = [
+        subprocess.Popen(
+            [
+                *CLI[:3],
+                "--config.num_train_steps=100000",
+                "--config.checkpoint_every=0",
+                "--config.log_every=10",
+                f"--workdir={workdir}",
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={rank}",
+                "--heartbeat_timeout_seconds=10",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert wait_for(lambda: logged_step(workdir) >= 20, time.monotonic() + 180)
+        processes[1].kill()
+        output, _ = processes[0].communicate(timeout=60)
+    finally:
+        for process in processes:
+            process.kill()
+    assert processes[0].returncode != 0
+    assert "stopped sending heartbeats" in output and "\n1\n" in output  # names task 1

@@ -14,6 +14,7 @@ import re
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "digits_mlp.py")
@@ -90,6 +91,13 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value or _default_workdir(_config_path())
     # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
     logging_std.getLogger("jax._src.xla_bridge").setLevel(logging_std.WARNING)
+    # TFDS logs at INFO that it loaded or reused a prepared dataset: noise on every run (its
+    # warnings and its progress bars while preparing stay).
+    absl_logging.get_absl_handler().addFilter(
+        lambda record: (
+            record.levelno >= logging_std.WARNING or "tensorflow_datasets" not in record.pathname
+        )
+    )
     try:
         summary = train_and_evaluate(_CONFIG.value, workdir)
     except JddpError as e:

@@ -15,8 +15,9 @@ from absl import logging
 from jddp import config as config_lib
 from jddp import data, losses, models, optim
 from jddp.core import check_divisible
-from jddp.errors import WorkdirError
+from jddp.errors import ConfigError, WorkdirError
 from jddp.metrics_writer import MetricsWriter
+from jddp.model_fit import check_model_fits
 from jddp.progress import Progress
 from jddp.trainer import Trainer
 
@@ -41,7 +42,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
     check_divisible(eval_batch_size, num_devices, 1)
-    dataset = data.get_dataset(config.dataset)
+    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
+    if dataset.kind != data.CLASSIFICATION:  # until the language-model task lands
+        raise ConfigError(
+            f"dataset {config.dataset!r} is for language models, which this "
+            "experiment cannot train yet; choose a classification dataset"
+        )
     model = models.create_model(config.model, dataset.num_classes, **config.model_args)
     schedule = optim.learning_rate_schedule(config)
     trainer = Trainer(
@@ -53,7 +59,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
+        input_key=dataset.input_key,
     )
+
+    # ------------------------------------------- data (a missing or bad dataset leaves no workdir)
+    data_options = data.DataOptions.from_config(config.data)
+    splits = data.open_dataset(dataset, data_options)
+    sample_batch = splits.sample_batch()
+    check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
 
     # -------------------------------------------------------------------------- workdir
     prepare_workdir(workdir)
@@ -63,26 +76,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
 
-    # ----------------------------------------------------------------------------- data
-    train_source, eval_source = data.open_splits(
-        dataset, config.data.data_dir or None, config.data.cache_max_mb
-    )
+    # ------------------------------------------------------------------- input pipeline
+    # Each process reads only its rows of every global batch (see jddp/data/pipeline.py).
+    processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     batches = data.train_batches(
-        train_source,
-        dataset.preprocess,
+        splits.train,
+        splits.transform,
         global_batch_size=config.global_batch_size,
         seed=config.seed,
-        threads=config.data.threads,
+        threads=data_options.threads,
+        workers=data_options.workers,
+        **processes,
     )
 
     def eval_pass():
         return data.eval_batches(
-            eval_source, dataset.preprocess, batch_size=eval_batch_size, threads=config.data.threads
+            splits.eval,
+            splits.transform,
+            batch_size=eval_batch_size,
+            threads=data_options.threads,
+            **processes,
         )
 
     # ---------------------------------------------------------------------------- state
-    first_batch = next(batches)
-    state = trainer.init(config.seed, first_batch)
+    state = trainer.init(config.seed, sample_batch)
     logging.info(
         "%s on %s: %d parameters, strategy %s on %d devices, global batch %d (%d per device x %d "
         "accumulation steps)",
@@ -99,7 +116,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------- loop
     writer = MetricsWriter(workdir, enabled=is_writer)
     progress = Progress(config.num_train_steps, enabled=is_writer)
-    placed = data.prefetch_to_device(_chain(first_batch, batches), trainer.place_batch)
+    placed = data.prefetch_to_device(batches, trainer.place_batch, data_options.device_prefetch)
     eval_metrics: dict[str, float] = {}
     last_log_step, last_log_time = 0, time.perf_counter()
     for step in range(1, config.num_train_steps + 1):
@@ -127,6 +144,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         last_log_step, last_log_time = step, time.perf_counter()
 
     # -------------------------------------------------------------------------- summary
+    batches.close()
     progress.close()
     writer.close()
     wall_time = time.perf_counter() - start_time
@@ -139,8 +157,3 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
     return summary
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest

@@ -22,6 +22,16 @@ MISTAKES = [
     (["--config.num_train_steps=many"], ["num_train_steps", "many"]),
     (["--config.compute_dtype=float8"], ["compute_dtype", "float8", "bfloat16"]),
     (["--config.model_args.depth=3"], ["no key", "depth"]),
+    (["--config.dataset=fashion_mnst"], ["unknown dataset 'fashion_mnst'", "close: fashion_mnist"]),
+    (
+        ["--config.dataset=imagenet2012", "--config.data.manual_dir=/no/such/dir"],
+        ["imagenet2012", "ILSVRC2012_img_train.tar", "/no/such/dir", "image-net.org"],
+    ),
+    (
+        ["--config=experiments/configs/digits_cnn.py", "--config.model_args.channels=(8,8,8,8,8)"],
+        ["model 'cnn' cannot take the 'image' of digits", "8x8 images"],
+    ),
+    (["--config.data.seq_len=0"], ["data.seq_len", ">= 1"]),
 ]
 
 

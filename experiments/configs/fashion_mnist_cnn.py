@@ -13,7 +13,7 @@ def get_config():
     config.dataset = "fashion_mnist"
     config.global_batch_size = 128
     config.num_train_steps = 700  # 1.5 epochs
-    config.learning_rate = 3e-3
+    config.learning_rate = 5e-3
     config.warmup_steps = 30
     config.weight_decay = 1e-4
     config.log_every = 100

@@ -29,9 +29,11 @@ class LocalFilesBuilder:
     SYSTEM_DIRS: tuple[str, ...] = ()
     HOW_TO_GET: str = ""
 
-    def __init__(self, *, manual_dir: str, **kwargs):
+    def __init__(self, *, manual_dir: str = "", **kwargs):
         super().__init__(**kwargs)
-        self.search_dirs = [manual_dir, *self.SYSTEM_DIRS]
+        self.search_dirs = [d for d in (manual_dir, *self.SYSTEM_DIRS) if d]
+        # TFDS rebuilds a builder from this when its data source is pickled (loader processes).
+        self._original_state = {**self._original_state, "manual_dir": manual_dir}
 
     def _local_files(self) -> dict[str, str] | None:
         for folder in self.search_dirs:
@@ -41,9 +43,10 @@ class LocalFilesBuilder:
         return None
 
     def _missing(self, reason: str) -> DataError:
+        where = " or ".join(self.search_dirs) or "any local folder (no manual dir given)"
         return DataError(
-            f"{self.name}: {', '.join(self.SOURCE_FILES.values())} not found in "
-            f"{' or '.join(self.search_dirs)}, and {reason}; {self.HOW_TO_GET}"
+            f"{self.name}: {', '.join(self.SOURCE_FILES.values())} not found in {where}, "
+            f"and {reason}; {self.HOW_TO_GET}"
         )
 
     def check_sources(self) -> None:

@@ -1,6 +1,7 @@
 """Each dataset's real TFDS builder, prepared offline from tiny files in the official formats:
 the examples are the ones in the files, eval sees each once, bad files are one clear line."""
 
+import dataclasses
 import gzip
 import os
 import shutil
@@ -283,6 +284,8 @@ def test_options_come_from_the_data_config():
     from jddp.config import default_config
 
     config = default_config()
+    assert data.DataOptions.from_config(config.data) == data.DataOptions()  # one set of defaults
+    assert set(config.data) == {field.name for field in dataclasses.fields(data.DataOptions)}
     config.data.seq_len, config.data.workers = 64, 3
     resolved = data.DataOptions.from_config(config.data)
     assert (resolved.seq_len, resolved.workers, resolved.augment) == (64, 3, True)

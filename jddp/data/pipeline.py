@@ -55,7 +55,7 @@ class _TrainStep:
         self._permutations: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The order of epoch `epoch`; the last two are kept (one batch spans at most two)."""
+        """The order of epoch `epoch`; the last two are kept (a batch rarely spans more)."""
         permutations = self._permutations
         if epoch not in permutations:
             order = np.random.default_rng([self.seed % 2**64, epoch]).permutation(len(self.source))

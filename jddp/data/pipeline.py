@@ -103,6 +103,10 @@ class TrainBatches(Iterator[Batch]):
         if self._iterator is None:  # opened on first use: set_state before then costs nothing
             self._iterator = self._open()
         batch = next(self._iterator)
+        if self._workers:
+            # Out of grain's shared memory at once: a device array made from it on CPU would alias
+            # (and hold) the block, which then outlives the run ("leaked shared_memory objects").
+            batch = {name: np.array(x) for name, x in batch.items()}
         self._step += 1
         return batch
 

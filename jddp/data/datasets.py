@@ -174,55 +174,63 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
     """`spec`'s train and eval splits, prepared into the TFDS data dir on first use."""
     options = options or DataOptions()
     transform = spec.make_transform(options)
+    splits = (spec.train_split, spec.eval_split)
     if spec.builder_class is None:  # a local text file
-        splits = text.text_file_splits(text.read_text_file(spec.text_file))
+        texts = text.text_file_splits(text.read_text_file(spec.text_file))
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
-        tokens = {s: text.encode(t, spec.vocabulary, where[s]) for s, t in splits.items()}
-        return _language_model_splits(spec, options, tokens, where, transform)
+        return _language_model(spec, options, texts, where, transform)
 
-    data_dir = options.resolved_data_dir
-    with _exclusive(os.path.join(data_dir, f".{spec.builder_class.name}.lock")):
-        kwargs = {"data_dir": data_dir, "file_format": "array_record"}
-        if issubclass(spec.builder_class, LocalFilesBuilder):
-            kwargs["manual_dir"] = options.resolved_manual_dir
-        builder = spec.builder_class(**kwargs)
-        if isinstance(builder, LocalFilesBuilder) and not builder.data_path.exists():
-            builder.check_sources()
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
-        )
+    # One process at a time prepares (and decodes) a dataset: pytest workers, a host's ranks.
+    with _exclusive(os.path.join(options.resolved_data_dir, f".{spec.builder_class.name}.lock")):
+        builder = _prepared_builder(spec, options)
         sources = builder.as_data_source()
-        if spec.kind == LANGUAGE_MODEL:
-            tokens, where = {}, {}
-            for split in (spec.train_split, spec.eval_split):
-                where[split] = f"{spec.name} split {split}"
-                works = sorted(sources[split], key=lambda example: example["work"])
-                corpus = "".join(work["text"].decode("utf-8") for work in works)
-                tokens[split] = text.encode(corpus, spec.vocabulary, where[split])
-            return _language_model_splits(spec, options, tokens, where, transform)
-        features = (spec.input_key, spec.target_key)
-
-        def open_split(split):
-            small = builder.info.splits[split].num_bytes <= options.cache_max_mb * 2**20
-            if not (small and _static(builder.info.features, features)):
-                return sources[split]
-            folder = os.path.join(data_dir, "decoded", builder.name, str(builder.version), split)
-            return decoded_split(sources[split], folder, features)
-
-        return Dataset(spec, open_split(spec.train_split), open_split(spec.eval_split), transform)
+        if spec.kind == LANGUAGE_MODEL:  # one example per work: the split's text, in work order
+            texts = {
+                split: "".join(
+                    work["text"].decode("utf-8")
+                    for work in sorted(sources[split], key=lambda work: work["work"])
+                )
+                for split in splits
+            }
+            where = {split: f"{spec.name} split {split}" for split in splits}
+            return _language_model(spec, options, texts, where, transform)
+        train, test = (_split_source(builder, sources, split, spec, options) for split in splits)
+        return Dataset(spec, train, test, transform)
 
 
-def _static(features, names) -> bool:
-    """Whether every feature in `names` has a fully known shape (so examples stack)."""
-    return all(None not in features[name].shape for name in names)
+def _prepared_builder(spec: DatasetSpec, options: DataOptions) -> tfds.core.DatasetBuilder:
+    kwargs = {"data_dir": options.resolved_data_dir, "file_format": "array_record"}
+    if issubclass(spec.builder_class, LocalFilesBuilder):
+        kwargs["manual_dir"] = options.resolved_manual_dir
+    builder = spec.builder_class(**kwargs)
+    if isinstance(builder, LocalFilesBuilder) and not builder.data_path.exists():
+        builder.check_sources()  # missing files: one line now, before TFDS starts and logs
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
+    )
+    return builder
 
 
-def _language_model_splits(spec, options, tokens, where, transform) -> Dataset:
-    seq_len = options.seq_len
+def _split_source(builder, sources, split: str, spec: DatasetSpec, options: DataOptions):
+    """The split's TFDS source, or its numpy copy if small and made of fixed-shape features."""
+    features = (spec.input_key, spec.target_key)
+    fixed_shapes = all(None not in builder.info.features[name].shape for name in features)
+    small = builder.info.splits[split].num_bytes <= options.cache_max_mb * 2**20
+    if not (small and fixed_shapes):
+        return sources[split]
+    folder = os.path.join(
+        options.resolved_data_dir, "decoded", builder.name, str(builder.version), split
+    )
+    return decoded_split(sources[split], folder, features)
+
+
+def _language_model(spec, options, texts, where, transform) -> Dataset:
+    """Token windows of `seq_len` over the train and eval texts."""
     train, test = spec.train_split, spec.eval_split
+    tokens = {split: text.encode(texts[split], spec.vocabulary, where[split]) for split in texts}
     return Dataset(
         spec,
-        text.language_model_windows(tokens[train], seq_len, True, where[train]),
-        text.language_model_windows(tokens[test], seq_len, False, where[test]),
+        text.language_model_windows(tokens[train], options.seq_len, True, where[train]),
+        text.language_model_windows(tokens[test], options.seq_len, False, where[test]),
         transform,
     )

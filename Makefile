@@ -26,6 +26,7 @@ test: setup
 
 bench: setup
 	$(PY) -m experiments.bench.ddp_overhead
+	$(PY) -m experiments.bench.input_pipeline
 
 clean:
 	rm -rf $(VENV) bench_results .pytest_cache

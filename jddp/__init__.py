@@ -8,7 +8,15 @@ state, metrics = trainer.step(state, batch)                  # batch = one *glob
 from jddp import losses
 from jddp.config import default_config
 from jddp.core import Task
-from jddp.errors import ConfigError, DataError, JddpError, ShapeError, WorkdirError
+from jddp.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    JddpError,
+    ShapeError,
+    TrainingHalted,
+    WorkdirError,
+)
 from jddp.state import TrainState
 from jddp.strategies import STRATEGIES
 from jddp.trainer import PlacedBatch, Trainer
@@ -17,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "STRATEGIES",
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "JddpError",
@@ -25,6 +34,7 @@ __all__ = [
     "Task",
     "TrainState",
     "Trainer",
+    "TrainingHalted",
     "WorkdirError",
     "default_config",
     "losses",

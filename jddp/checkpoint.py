@@ -10,6 +10,7 @@ strategy or device count is restoring into other shardings: orbax reshards on lo
 
 import datetime
 import json
+import logging as std_logging
 import os
 import shutil
 from typing import Any
@@ -171,19 +172,34 @@ def peek_latest(directory: str):
         try:
             with open(os.path.join(folder, META, "metadata")) as f:
                 meta = json.load(f)
-            tree = ocp.StandardCheckpointer().metadata(os.path.join(folder, STATE))
-            return meta, shapes_by_path(tree.item_metadata.tree)
+            return meta, shapes_by_path(_saved_tree(os.path.join(folder, STATE)))
         except Exception:  # noqa: BLE001, S112 - unreadable or uncommitted: skip it here
             continue
     return None
+
+
+class _MuteOrbaxWarnings(std_logging.Filter):
+    def filter(self, record) -> bool:
+        return "/orbax/" not in record.pathname or record.levelno >= std_logging.ERROR
+
+
+def _saved_tree(directory: str):
+    """The array metadata tree of one saved item. Orbax warns when an item is read outside its
+    step directory's manager (no step-level `_CHECKPOINT_METADATA` beside it); for a read-only
+    peek that is expected, so its warnings are muted here."""
+    mute, absl_logger = _MuteOrbaxWarnings(), std_logging.getLogger("absl")
+    absl_logger.addFilter(mute)
+    try:
+        return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
+    finally:
+        absl_logger.removeFilter(mute)
 
 
 def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Shapes of the parameters `load_params(path)` would load, read from metadata only."""
     path = os.path.abspath(path)
     for candidate in _state_dirs(path):
-        tree = ocp.StandardCheckpointer().metadata(candidate).item_metadata.tree
-        shapes = shapes_by_path(tree)
+        shapes = shapes_by_path(_saved_tree(candidate))
         if candidate.endswith(STATE):
             return {k[len("params/") :]: v for k, v in shapes.items() if k.startswith("params/")}
         return shapes

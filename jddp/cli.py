@@ -7,18 +7,21 @@ import re
 import sys
 
 from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 USAGE_EXIT_CODE = 2
 
 
 def quiet_library_logs() -> None:
-    """Keeps orbax's per-save INFO chatter out of the training log (warnings still show)."""
+    """Keeps orbax's per-save and TFDS's per-read INFO chatter out of the training log
+    (their warnings still show)."""
 
     def keep(record) -> bool:
-        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+        noisy = "/orbax/" in record.pathname or "/tensorflow_datasets/" in record.pathname
+        return record.levelno >= logging.WARNING or not noisy
 
-    for handler in logging.getLogger().handlers:
+    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
         handler.addFilter(keep)
     # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)

@@ -17,8 +17,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.dataset = "digits"
     c.data = ml_collections.ConfigDict()
     c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
-    c.data.threads = 1  # grain read threads (pure-Python reads gain nothing from more)
-    c.data.cache_max_mb = 256.0  # splits up to this size on disk are decoded once into memory
+    c.data.manual_dir = ""  # local source files; "" = <data_dir>/downloads/manual
+    c.data.text_file = ""  # dataset text_file: the UTF-8 file to model
+    c.data.seq_len = 256  # language models: characters per example
+    c.data.image_size = 224  # ImageNet: side of the square crops
+    c.data.augment = True  # random crops and flips in training (CIFAR, ImageNet, text offsets)
+    c.data.threads = 1  # grain loader threads
+    c.data.workers = 0  # grain loader processes (0: none; ImageNet wants several)
+    c.data.device_prefetch = 2  # batches placed on the devices ahead of the step
+    c.data.cache_max_mb = 256.0  # splits up to this size on disk are decoded once into numpy
     # Batches and steps. global_batch_size is the whole step's batch over all devices.
     c.global_batch_size = 128
     c.eval_batch_size = 0  # 0 = global_batch_size
@@ -76,6 +83,8 @@ _NON_NEGATIVE = (
 )
 NAN_POLICIES = ("halt", "skip")
 
+_DATA_MINIMUMS = {"seq_len": 1, "image_size": 1, "threads": 1, "workers": 0, "device_prefetch": 1}
+
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError, naming the key and the fix, for the first bad value found."""
@@ -104,5 +113,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.max_to_keep < 1:
         raise ConfigError(f"max_to_keep must be >= 1, got {config.max_to_keep}")
+    for key, low in _DATA_MINIMUMS.items():
+        value = config.data.get(key, low)
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(
+                f"data.{key} must be an integer >= {low}, got {value!r}; set --config.data.{key}"
+            )
     if not 0 <= config.min_lr_ratio <= 1:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}")

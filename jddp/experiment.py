@@ -17,9 +17,10 @@ from jddp import checkpoint, data, losses, models, optim, resume, runtime
 from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
 from jddp.core import check_divisible
-from jddp.errors import TrainingHalted, WorkdirError
+from jddp.errors import ConfigError, TrainingHalted, WorkdirError
 from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
+from jddp.model_fit import check_model_fits
 from jddp.preemption import PreemptionWatch
 from jddp.progress import Progress
 from jddp.trainer import Trainer
@@ -59,6 +60,7 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",
+        input_key=dataset.input_key,
     )
 
 
@@ -68,15 +70,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
-    dataset = data.get_dataset(config.dataset)
+    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
+    if dataset.kind != data.CLASSIFICATION:  # until the language-model task lands
+        raise ConfigError(
+            f"dataset {config.dataset!r} is for language models, which this "
+            "experiment cannot train yet; choose a classification dataset"
+        )
     schedule = optim.learning_rate_schedule(config)
     trainer = build_trainer(config, dataset, schedule)
     num_devices = trainer.num_devices
     check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
     check_divisible(eval_batch_size, num_devices, 1)
-    sample_batch = {"image": np.zeros((1, *dataset.image_shape), np.float32)}
-    trainer.check_layout(jax.ShapeDtypeStruct(sample_batch["image"].shape, np.float32))
+
+    # ------------------------------------------- data (a missing or bad dataset leaves no workdir)
+    data_options = data.DataOptions.from_config(config.data)
+    splits = data.open_dataset(dataset, data_options)
+    sample_batch = splits.sample_batch()
+    check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
+    trainer.check_layout(sample_batch)
     resume.check_before_start(workdir, config, trainer, sample_batch)
     runtime.barrier("checks done")  # no process writes before every process has looked
 
@@ -95,27 +107,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             max_to_keep=config.max_to_keep,
         )
 
-    # ----------------------------------------------------------------------------- data
-    # Each process reads only its rows of every global batch.
+    # ------------------------------------------------------------------- input pipeline
+    # Each process reads only its rows of every global batch (see jddp/data/pipeline.py).
     processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    train_source, eval_source = data.open_splits(
-        dataset, config.data.data_dir or None, config.data.cache_max_mb
-    )
     batches = data.train_batches(
-        train_source,
-        dataset.preprocess,
+        splits.train,
+        splits.transform,
         global_batch_size=config.global_batch_size,
         seed=config.seed,
-        threads=config.data.threads,
+        threads=data_options.threads,
+        workers=data_options.workers,
         **processes,
     )
+    placed = data.prefetch_to_device(batches, trainer.place_batch, data_options.device_prefetch)
 
     def eval_pass():
         return data.eval_batches(
-            eval_source,
-            dataset.preprocess,
+            splits.eval,
+            splits.transform,
             batch_size=eval_batch_size,
-            threads=config.data.threads,
+            threads=data_options.threads,
             **processes,
         )
 
@@ -124,7 +135,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         trainer, config, checkpoints, sample_batch
     )
     if data_state is not None:
-        batches.set_state(data_state)
+        placed.set_state(data_state)
     runtime.check_same_everywhere(
         "config, seed and initial parameters", [config.to_json_best_effort(), _checksum(state)]
     )
@@ -140,12 +151,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         config.global_batch_size // (num_devices * config.grad_accum_steps),
         config.grad_accum_steps,
     )
-    placed = data.prefetch_to_device(
-        _with_positions(batches), lambda item: (trainer.place_batch(item[0]), item[1])
-    )
     memory = {}
     if start_step < config.num_train_steps:
-        memory = trainer.memory_report(state, _zero_batch(config, dataset))
+        memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
         logging.info(
             "per device: state (parameters + optimizer state) %s, compiled step peak %s",
             format_bytes(memory["state_bytes_per_device"]),
@@ -161,8 +169,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     last_log_step, last_log_time = start_step, time.perf_counter()
     try:
         for step in range(start_step + 1, config.num_train_steps + 1):
-            batch, data_state = next(placed)
-            state, metrics = trainer.step(state, batch)
+            state, metrics = trainer.step(state, next(placed))
             if step == start_step + 1:  # compilation: time the steady state from here
                 metrics["loss"].block_until_ready()
                 last_log_time = time.perf_counter()
@@ -188,7 +195,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             preempted = preemption.reached(step)
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
                 _nonfinite_steps(state, config, step)  # never save a state holding NaN
-                meta = resume.checkpoint_meta(config, trainer, step, data_state)
+                meta = resume.checkpoint_meta(config, trainer, step, placed.get_state())
                 checkpoints.save(step, trainer.global_state(state), meta, force=True)
             if preempted:
                 preempted_at = step
@@ -199,6 +206,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 )
                 break
     finally:
+        batches.close()
         preemption.close()
         progress.close()
         writer.close()
@@ -250,17 +258,9 @@ def _checksum(state) -> float:
     )
 
 
-def _with_positions(batches):
-    """(batch, iterator state after it): what a checkpoint at that batch's step must record."""
-    while True:
-        batch = next(batches)
-        yield batch, batches.get_state()
-
-
-def _zero_batch(config, dataset) -> dict:
-    """A zero global batch shaped like the training data, to compile the step for its report."""
-    size = config.global_batch_size // jax.process_count()
+def _zeros_like_rows(sample_batch, config) -> dict:
+    """Zeros shaped like this process's rows of a global batch: the step compiled for its report."""
+    rows = config.global_batch_size // jax.process_count()
     return {
-        "image": np.zeros((size, *dataset.image_shape), np.float32),
-        "label": np.zeros((size,), np.int32),
+        k: np.zeros((rows, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in sample_batch.items()
     }

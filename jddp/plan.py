@@ -83,19 +83,24 @@ def plan(config, num_devices: int, devices_per_host: int) -> list[dict]:
     from jddp.experiment import build_trainer
     from jddp.memory import peak_bytes
 
-    dataset = data.get_dataset(config.dataset)
+    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
     schedule = optim.learning_rate_schedule(config)
+    # One real example gives the shapes (the dataset is prepared if it is not yet).
+    sample = data.open_dataset(dataset, data.DataOptions.from_config(config.data)).sample_batch()
     batch = {
-        "image": jax.ShapeDtypeStruct((config.global_batch_size, *dataset.image_shape), np.float32),
-        "label": jax.ShapeDtypeStruct((config.global_batch_size,), np.int32),
+        name: jax.ShapeDtypeStruct(
+            (config.global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype
+        )
+        for name, x in sample.items()
     }
     hosts = num_devices // (devices_per_host or num_devices)
     rows = []
     for name in STRATEGIES:
         mesh = f"replica:{hosts},shard:-1" if name == "hybrid" else None
         trainer = build_trainer(config, dataset, schedule, strategy=name, mesh=mesh)
-        sample = jax.ShapeDtypeStruct((1, *dataset.image_shape), np.float32)
-        state = jax.eval_shape(trainer.task.init_state, jax.random.key(0), sample)
+        state = jax.eval_shape(
+            trainer.task.init_state, jax.random.key(0), sample[trainer.task.input_key]
+        )
         state_specs, grad_specs = trainer.strategy.layout(state)
         mesh_shape = dict(trainer.strategy.mesh.shape)
         args = trainer.strategy.abstract_inputs(state, batch)

@@ -119,11 +119,10 @@ class Trainer:
         )
         return state.replace(params=placed)
 
-    def check_layout(self, sample_input: jax.ShapeDtypeStruct) -> None:
+    def check_layout(self, sample_batch) -> None:
         """Raises ConfigError now, before any work, if the partition rules do not fit the model
         (computed from shapes alone: nothing is initialized)."""
-        key = jax.random.key(0)
-        self.strategy.layout(jax.eval_shape(self.task.init_state, key, sample_input))
+        self.abstract_state(sample_batch)
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""

@@ -135,6 +135,9 @@ class InjectNaN:
     def set_state(self, state):
         self.iterator.set_state(state)
 
+    def close(self):
+        self.iterator.close()
+
 
 @pytest.fixture
 def nan_at_step_16(monkeypatch):

@@ -37,6 +37,16 @@ MISTAKES = [
         ],
         ["3 entries", "'hidden_1/kernel'", "(256, 256)"],
     ),
+    (["--config.dataset=fashion_mnst"], ["unknown dataset 'fashion_mnst'", "close: fashion_mnist"]),
+    (
+        ["--config.dataset=imagenet2012", "--config.data.manual_dir=/no/such/dir"],
+        ["imagenet2012", "ILSVRC2012_img_train.tar", "/no/such/dir", "image-net.org"],
+    ),
+    (
+        ["--config=experiments/configs/digits_cnn.py", "--config.model_args.channels=(8,8,8,8,8)"],
+        ["model 'cnn' cannot take the 'image' of digits", "8x8 images"],
+    ),
+    (["--config.data.seq_len=0"], ["data.seq_len", ">= 1"]),
 ]
 
 

@@ -1,16 +1,33 @@
 """Datasets (TFDS random-access sources) and grain pipelines that batch them."""
 
-from jddp.data.datasets import DATASETS, DatasetSpec, get_dataset, open_splits
+from jddp.data.cache import ArraySource
+from jddp.data.datasets import (
+    CLASSIFICATION,
+    DATASETS,
+    LANGUAGE_MODEL,
+    DataOptions,
+    Dataset,
+    DatasetSpec,
+    get_dataset,
+    open_dataset,
+)
 from jddp.data.padding import pad_batch
-from jddp.data.pipeline import eval_batches, train_batches
-from jddp.data.prefetch import prefetch_to_device
+from jddp.data.pipeline import TrainBatches, eval_batches, train_batches
+from jddp.data.prefetch import DevicePrefetch, prefetch_to_device
 
 __all__ = [
+    "ArraySource",
+    "CLASSIFICATION",
     "DATASETS",
+    "LANGUAGE_MODEL",
+    "DataOptions",
+    "Dataset",
     "DatasetSpec",
+    "DevicePrefetch",
+    "TrainBatches",
     "eval_batches",
     "get_dataset",
-    "open_splits",
+    "open_dataset",
     "pad_batch",
     "prefetch_to_device",
     "train_batches",

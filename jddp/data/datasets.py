@@ -1,4 +1,10 @@
-"""Datasets by the name a config's `dataset` gives them, opened as TFDS random-access sources."""
+"""Datasets by the name a config's `dataset` gives them: what each one is, and opening its splits.
+
+`get_dataset(name)` answers what a model and a loss need before any data is read (the kind of
+task, the number of classes or the vocabulary); `open_dataset(spec, options)` prepares the TFDS
+dataset on first use (array_record files, no TensorFlow) and returns its random-access splits
+with the dataset's preprocessing.
+"""
 
 import contextlib
 import dataclasses
@@ -10,48 +16,146 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jddp.data.cache import InMemorySource
+from jddp.data import text, transforms
+from jddp.data.cache import decoded_split
+from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
+from jddp.data.imagenet import Imagenet2012
+from jddp.data.mnist import FashionMnist, Mnist
+from jddp.data.pipeline import Transform, read_batch
+from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
+from jddp.data.source_files import LocalFilesBuilder
 from jddp.errors import ConfigError
 
+CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
 
-def scale_image(batch) -> dict[str, np.ndarray]:
-    """A batch's uint8 pixels to float32 in [0, 1]; labels to int32."""
-    return {
-        "image": np.asarray(batch["image"], np.float32) / 255.0,
-        "label": np.asarray(batch["label"], np.int32),
-    }
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    """Where data lives and how it is read and preprocessed: the `data.*` config keys."""
+
+    data_dir: str = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    manual_dir: str = ""  # local source files; "" = <data_dir>/downloads/manual
+    text_file: str = ""  # dataset text_file: the UTF-8 file to model
+    seq_len: int = 256  # language models: tokens per example
+    image_size: int = 224  # ImageNet: side of the square crops
+    augment: bool = True  # random crops and flips in training, where the dataset defines them
+    cache_max_mb: float = 256.0  # splits up to this size on disk are decoded once to numpy
+    threads: int = 1  # loader threads
+    workers: int = 0  # loader processes (0: none, the threads of this process load)
+    device_prefetch: int = 2  # batches placed on the devices ahead of the step
+
+    @classmethod
+    def from_config(cls, data_config) -> "DataOptions":
+        names = [field.name for field in dataclasses.fields(cls)]
+        return cls(**{name: data_config[name] for name in names if name in data_config})
+
+    @property
+    def resolved_data_dir(self) -> str:
+        return (
+            self.data_dir
+            or os.environ.get("TFDS_DATA_DIR")
+            or os.path.expanduser("~/tensorflow_datasets")
+        )
+
+    @property
+    def resolved_manual_dir(self) -> str:
+        return self.manual_dir or os.path.join(self.resolved_data_dir, "downloads", "manual")
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
-    """How to build a dataset; `preprocess` maps a stacked batch of raw examples to model inputs."""
+    """What a dataset is: enough to build a model and choose a loss before reading any data."""
 
-    builder_class: type[tfds.core.DatasetBuilder]
-    num_classes: int
-    image_shape: tuple[int, ...]
-    preprocess: Callable[[dict], dict[str, np.ndarray]] = scale_image
+    name: str
+    kind: str  # CLASSIFICATION or LANGUAGE_MODEL
+    num_classes: int  # classes; for a language model, the vocabulary size
+    builder_class: type[tfds.core.DatasetBuilder] | None  # None: a local text file
+    make_transform: Callable[[DataOptions], Transform]
+    input_key: str = "image"  # the model input
+    target_key: str = "label"  # what the loss compares the outputs with
+    vocabulary: str = ""  # language models: token i is vocabulary[i]
     train_split: str = "train"
     eval_split: str = "test"
+    text_file: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_classes
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A dataset's random-access splits, and the preprocessing they go through."""
+
+    spec: DatasetSpec
+    train: object
+    eval: object
+    transform: Transform
+
+    def sample_batch(self) -> dict[str, np.ndarray]:
+        """One preprocessed eval example, as a batch of 1 (to shape a model)."""
+        return self.transform(read_batch(self.eval, np.array([0])))
+
+
+def _scale(options: DataOptions) -> Transform:
+    return transforms.ScaleImages()
+
+
+def _cifar(options: DataOptions) -> Transform:
+    mean, std = transforms.CIFAR_MEAN, transforms.CIFAR_STD
+    return transforms.StandardizeImages(mean, std, options.augment)
+
+
+def _imagenet(options: DataOptions) -> Transform:
+    return transforms.ImagenetImages(options.image_size, options.augment)
+
+
+def _next_character(options: DataOptions) -> Transform:
+    return transforms.NextCharacter(options.seq_len, options.augment)
+
+
+def _language_model(name, builder_class, vocabulary="") -> DatasetSpec:
+    return DatasetSpec(
+        name, LANGUAGE_MODEL, len(vocabulary), builder_class, _next_character,
+        input_key="inputs", target_key="targets", vocabulary=vocabulary,
+    )  # fmt: skip
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    "digits": DatasetSpec(UciDigits, num_classes=10, image_shape=(8, 8, 1)),
+    "digits": DatasetSpec("digits", CLASSIFICATION, 10, UciDigits, _scale),
+    "mnist": DatasetSpec("mnist", CLASSIFICATION, 10, Mnist, _scale),
+    "fashion_mnist": DatasetSpec("fashion_mnist", CLASSIFICATION, 10, FashionMnist, _scale),
+    "cifar10": DatasetSpec("cifar10", CLASSIFICATION, 10, Cifar10, _cifar),
+    "cifar100": DatasetSpec("cifar100", CLASSIFICATION, 100, Cifar100, _cifar),
+    "imagenet2012": DatasetSpec(
+        "imagenet2012", CLASSIFICATION, 1000, Imagenet2012, _imagenet, eval_split="validation"
+    ),
+    "shakespeare_char": _language_model("shakespeare_char", ShakespeareChar, VOCABULARY),
+    "text_file": _language_model("text_file", None),  # vocabulary: the file's characters
 }
 
 
-def get_dataset(name: str) -> DatasetSpec:
+def get_dataset(name: str, text_file: str = "") -> DatasetSpec:
+    """The dataset `name`; `text_file` is the file of dataset `text_file` (read here for its
+    vocabulary)."""
     if name not in DATASETS:
-        close = difflib.get_close_matches(name, DATASETS, n=3)
+        close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
         hint = f" (close: {', '.join(close)})" if close else ""
         raise ConfigError(
             f"unknown dataset {name!r}{hint}; choose one of {', '.join(sorted(DATASETS))}"
         )
-    return DATASETS[name]
-
-
-def default_data_dir() -> str:
-    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+    if text_file and name != "text_file":
+        raise ConfigError(
+            f"data.text_file is set but dataset is {name!r}; set --config.dataset=text_file "
+            "to train on the file, or clear --config.data.text_file"
+        )
+    if name != "text_file":
+        return DATASETS[name]
+    vocabulary = "".join(sorted(set(text.read_text_file(text_file))))
+    return dataclasses.replace(
+        DATASETS[name], num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
+    )
 
 
 @contextlib.contextmanager
@@ -66,20 +170,67 @@ def _exclusive(path: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def open_splits(spec: DatasetSpec, data_dir: str | None = None, cache_max_mb: float = 256):
-    """(train, eval) random-access sources, preparing the dataset into `data_dir` on first use.
+def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Dataset:
+    """`spec`'s train and eval splits, prepared into the TFDS data dir on first use."""
+    options = options or DataOptions()
+    transform = spec.make_transform(options)
+    splits = (spec.train_split, spec.eval_split)
+    if spec.builder_class is None:  # a local text file
+        texts = text.text_file_splits(text.read_text_file(spec.text_file))
+        where = {split: f"the {split} part of {spec.text_file}" for split in splits}
+        return _language_model(spec, options, texts, where, transform)
 
-    A split no larger than `cache_max_mb` on disk is decoded once into memory: grain then reads
-    it by index instead of decoding every example again each epoch.
-    """
-    data_dir = data_dir or default_data_dir()
-    with _exclusive(os.path.join(data_dir, f".{spec.builder_class.name}.lock")):
-        builder = spec.builder_class(data_dir=data_dir, file_format="array_record")
-        builder.download_and_prepare()
-    sources = builder.as_data_source()
+    # One process at a time prepares (and decodes) a dataset: pytest workers, a host's ranks.
+    with _exclusive(os.path.join(options.resolved_data_dir, f".{spec.builder_class.name}.lock")):
+        builder = _prepared_builder(spec, options)
+        sources = builder.as_data_source()
+        if spec.kind == LANGUAGE_MODEL:  # one example per work: the split's text, in work order
+            texts = {
+                split: "".join(
+                    work["text"].decode("utf-8")
+                    for work in sorted(sources[split], key=lambda work: work["work"])
+                )
+                for split in splits
+            }
+            where = {split: f"{spec.name} split {split}" for split in splits}
+            return _language_model(spec, options, texts, where, transform)
+        train, test = (_split_source(builder, sources, split, spec, options) for split in splits)
+        return Dataset(spec, train, test, transform)
 
-    def open_split(split):
-        small = builder.info.splits[split].num_bytes <= cache_max_mb * 2**20
-        return InMemorySource(sources[split]) if small else sources[split]
 
-    return open_split(spec.train_split), open_split(spec.eval_split)
+def _prepared_builder(spec: DatasetSpec, options: DataOptions) -> tfds.core.DatasetBuilder:
+    kwargs = {"data_dir": options.resolved_data_dir, "file_format": "array_record"}
+    if issubclass(spec.builder_class, LocalFilesBuilder):
+        kwargs["manual_dir"] = options.resolved_manual_dir
+    builder = spec.builder_class(**kwargs)
+    if isinstance(builder, LocalFilesBuilder) and not builder.data_path.exists():
+        builder.check_sources()  # missing files: one line now, before TFDS starts and logs
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
+    )
+    return builder
+
+
+def _split_source(builder, sources, split: str, spec: DatasetSpec, options: DataOptions):
+    """The split's TFDS source, or its numpy copy if small and made of fixed-shape features."""
+    features = (spec.input_key, spec.target_key)
+    fixed_shapes = all(None not in builder.info.features[name].shape for name in features)
+    small = builder.info.splits[split].num_bytes <= options.cache_max_mb * 2**20
+    if not (small and fixed_shapes):
+        return sources[split]
+    folder = os.path.join(
+        options.resolved_data_dir, "decoded", builder.name, str(builder.version), split
+    )
+    return decoded_split(sources[split], folder, features)
+
+
+def _language_model(spec, options, texts, where, transform) -> Dataset:
+    """Token windows of `seq_len` over the train and eval texts."""
+    train, test = spec.train_split, spec.eval_split
+    tokens = {split: text.encode(texts[split], spec.vocabulary, where[split]) for split in texts}
+    return Dataset(
+        spec,
+        text.language_model_windows(tokens[train], options.seq_len, True, where[train]),
+        text.language_model_windows(tokens[test], options.seq_len, False, where[test]),
+        transform,
+    )

@@ -41,6 +41,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.log_every = 50
     c.eval_every = 500
     c.checkpoint_every = 0  # reserved for checkpointing
+    # Performance: MFU's denominator and a profiler trace of chosen steps.
+    c.peak_flops_per_device = 0.0  # 0 = datasheet table (GPU/TPU) or measured matmul rate (CPU)
+    c.profile_start_step = 0  # 0 = off; else trace this step and the next profile_num_steps - 1
+    c.profile_num_steps = 3
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "ddp"
@@ -61,6 +65,9 @@ _NON_NEGATIVE = (
     "weight_decay",
     "grad_clip_norm",
     "min_lr_ratio",
+    "peak_flops_per_device",
+    "profile_start_step",
+    "profile_num_steps",
 )
 
 

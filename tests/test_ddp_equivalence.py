@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jddp
+from tests.reference import assert_trees_close
 
 GLOBAL_BATCH = 32
 STEPS = 20
@@ -58,14 +59,6 @@ def reference_training(params, optimizer, batches):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     return jax.device_get(params), losses
-
-
-def assert_trees_close(actual, expected, rtol=1e-5):
-    """Each tensor within `rtol` of the reference, relative to the tensor's largest entry."""
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]
-    for path, a, e in zip(paths, jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        scale = np.max(np.abs(e))
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=path)
 
 
 CLIP_NORM = 0.5

@@ -10,12 +10,13 @@ a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.core import Task
+from jddp.core import Task, jit_init
 from jddp.errors import ShapeError
 from jddp.state import TrainState
 
@@ -26,6 +27,10 @@ class DDP:
     """Replicated state, one slice of every global batch per device, identical updates."""
 
     name = "ddp"
+    # The pmap axis a model's BatchNorm names to average its statistics over the global batch
+    # (`nn.BatchNorm(axis_name=...)`, PyTorch's SyncBatchNorm). A class attribute: models are
+    # built before the strategy. Mesh strategies have None (under jit the batch is one array).
+    batch_axis_name = AXIS
 
     def __init__(self, task: Task, devices: Sequence[jax.Device] | None = None):
         self.task = task
@@ -55,6 +60,9 @@ class DDP:
         rng = jax.random.fold_in(state.step_key(), lax.axis_index(AXIS))
         grads, metrics, model_state = self.task.local_grads(state, batch, rng)
         grads, metrics = lax.pmean((grads, metrics), AXIS)
+        # Keeps replicas identical when a BatchNorm without axis_name computed per-device
+        # statistics; synchronized BatchNorm's statistics already agree (this changes nothing).
+        model_state = jax.tree.map(_mean_if_float, model_state)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
     def _eval(self, state: TrainState, batch):
@@ -63,7 +71,7 @@ class DDP:
     # ----------------------------------------------------------------------- placement
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize once from `seed`, then place the same state on every device."""
-        state = jax.jit(self.task.init_state)(jax.random.key(seed), sample_input)
+        state = jit_init(self.task.init_state, jax.random.key(seed), sample_input)
         return self.place_state(state)
 
     def place_state(self, state: TrainState) -> TrainState:
@@ -95,3 +103,7 @@ class DDP:
 
     def eval_step(self, state: TrainState, batch):
         return self._eval_step(state, batch)
+
+
+def _mean_if_float(x):
+    return lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -95,7 +95,8 @@ class NnxModule:
         self._state = {"batch_stats": _StateCodec(batch_stats), "variables": _StateCodec(other)}
         self._state = {name: c for name, c in self._state.items() if c.pure}
         self._rng_state = rng_state
-        self._rng_tags = sorted({v.tag for v in jax.tree.leaves(rng_state, is_leaf=_is_rng_key)})
+        streams = (node for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngStream))
+        self._rng_tags = sorted({stream.key.tag for stream in streams})
 
     def init(self, rngs, sample_input) -> tuple[dict, dict]:
         del rngs, sample_input  # the instance is already initialized
@@ -121,10 +122,6 @@ class NnxModule:
 def _partition(module: nnx.Module):
     """(graphdef, params, batch_stats, rng_state, every other variable)."""
     return nnx.split(module, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
-
-
-def _is_rng_key(x) -> bool:
-    return isinstance(x, nnx.RngKey)
 
 
 def as_functional(model) -> LinenModule | NnxModule:

@@ -25,6 +25,20 @@ def plain_training(loss_fn, params, model_state, optimizer, batches):
     return jax.device_get(params), jax.device_get(model_state), losses
 
 
+def batchnorm_classifier_loss(model):
+    """`loss_fn` for `plain_training` of a Linen classifier with BatchNorm on one device: mean
+    cross-entropy, statistics over the whole batch, updated `batch_stats`."""
+
+    def loss_fn(params, model_state, batch):
+        logits, updated = model.apply(
+            {"params": params, **model_state}, batch["image"], train=True, mutable=["batch_stats"]
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return ce, updated
+
+    return loss_fn
+
+
 def assert_trees_close(actual, expected, rtol=1e-5):
     """Each tensor within `rtol` of the reference, relative to the tensor's largest entry."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]

@@ -14,6 +14,7 @@ import jddp
 from jddp import models
 from jddp.models import GPT
 from jddp.objectives import OBJECTIVES
+from tests.helpers import train_steps
 from tests.reference import assert_trees_close, plain_training
 
 LANGUAGE_MODEL = OBJECTIVES["language_model"]
@@ -94,10 +95,7 @@ def test_ddp_on_4_devices_equals_one_device_with_dropout_off():
     trainer = lm_trainer(model, optimizer, num_devices=4)
     state = trainer.init(seed=0, sample_batch=batches[0])
     initial = trainer.host_state(state)
-    losses = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = train_steps(trainer, state, batches)
 
     def loss_fn(params, model_state, batch):
         logits = model.apply({"params": params}, batch["inputs"])

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.reference import assert_trees_close, plain_training
+from tests.reference import assert_trees_close, batchnorm_classifier_loss, plain_training
 
 GLOBAL_BATCH = 32
 STEPS = 5
@@ -74,16 +74,8 @@ def test_nnx_module_trains_like_its_linen_twin_on_one_device(strategy):
         state, _ = trainer.step(state, batch)
 
     twin = LinenTwin()
-
-    def loss_fn(params, model_state, batch):
-        logits, updated = twin.apply(
-            {"params": params, **model_state}, batch["image"], train=True, mutable=["batch_stats"]
-        )
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return ce, updated
-
     params, model_state, _ = plain_training(
-        loss_fn, initial.params, initial.model_state, optimizer, data
+        batchnorm_classifier_loss(twin), initial.params, initial.model_state, optimizer, data
     )
     host = trainer.host_state(state)
     assert_trees_close(host.params, params)

@@ -9,7 +9,13 @@ import pytest
 
 import jddp
 from jddp.models import ResNet
-from tests.reference import assert_replicas_identical, assert_trees_close, plain_training
+from tests.helpers import train_steps
+from tests.reference import (
+    assert_replicas_identical,
+    assert_trees_close,
+    batchnorm_classifier_loss,
+    plain_training,
+)
 
 GLOBAL_BATCH = 16
 STEPS = 4
@@ -39,22 +45,15 @@ def test_synchronized_batchnorm_under_ddp_equals_one_device_on_the_global_batch(
     assert trainer.num_devices == 8  # 2 examples per device: local statistics would differ a lot
     state = trainer.init(seed=0, sample_batch=batches[0])
     initial = trainer.host_state(state)
-    losses = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = train_steps(trainer, state, batches)
 
-    reference_model = tiny_resnet18()  # one device: BatchNorm sees the whole batch by itself
-
-    def loss_fn(params, model_state, batch):
-        logits, updated = reference_model.apply(
-            {"params": params, **model_state}, batch["image"], train=True, mutable=["batch_stats"]
-        )
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return ce, updated
-
+    # One device: BatchNorm sees the whole global batch by itself.
     params, model_state, expected_losses = plain_training(
-        loss_fn, initial.params, initial.model_state, optimizer, batches
+        batchnorm_classifier_loss(tiny_resnet18()),
+        initial.params,
+        initial.model_state,
+        optimizer,
+        batches,
     )
     host = trainer.host_state(state)
     assert_trees_close(host.params, params)

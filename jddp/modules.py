@@ -67,7 +67,11 @@ class _StateCodec:
     def __init__(self, state: nnx.State):
         self._treedef = jax.tree.structure(state)
         self.pure = nnx.to_pure_dict(state)
-        if jax.tree.leaves(self.pure) != jax.tree.leaves(state):  # same arrays, same order
+        pure_leaves, state_leaves = jax.tree.leaves(self.pure), jax.tree.leaves(state)
+        same_order = len(pure_leaves) == len(state_leaves) and all(
+            a is b for a, b in zip(pure_leaves, state_leaves, strict=True)
+        )
+        if not same_order:  # to_state relies on it
             raise AssertionError("nnx.to_pure_dict changed the order of the leaves")
 
     def to_state(self, pure: dict) -> nnx.State:

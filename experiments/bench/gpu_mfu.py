@@ -1,12 +1,13 @@
 """GPT-124M training MFU on one GPU, bfloat16 compute: what `experiments/bench/gpu.sh` runs.
 
-    python -m experiments.bench.gpu_mfu [--budget-sec 400] [--small] [--out bench_results]
+    python -m experiments.bench.gpu_mfu [--budget-sec 300] [--small] [--out bench_results]
 
 jddp's own step (the shared core under the ddp strategy on one device): GPT-2 small's shape
 (12 layers, width 768, 1024 positions, vocabulary 50,304, tied embeddings), AdamW with
 float32 master weights, global-norm clipping, bfloat16 activations and matmuls. Variants
-(attention implementation x batch size) run in order of promise until `--budget-sec` is spent;
-each compiles, warms up, then times 3 windows of 10 steps (median). MFU = model FLOPs
+(attention implementation x batch size) run in order of promise, none starting after
+`--budget-sec`; each compiles, warms up, then times 3 windows of 10 steps (median); the JSON is
+saved after each. MFU = model FLOPs
 (jddp/flops.py: 6 N tokens + attention) / step time / the datasheet peak (jddp/device_peak.py).
 A variant that fails (cuDNN attention unavailable, out of memory) is reported and skipped.
 `--small` runs a tiny GPT on whatever device there is (CPU: the measured matmul rate is the peak),
@@ -14,6 +15,8 @@ to check the script without a GPU.
 """
 
 import argparse
+import gc
+import json
 import os
 import statistics
 import sys
@@ -103,7 +106,7 @@ def make_variant(attention: str, batch_size: int, small: bool, device):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-sec", type=float, default=400.0)
+    parser.add_argument("--budget-sec", type=float, default=300.0)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
@@ -123,43 +126,60 @@ def main() -> None:
     peak_text = f"peak {peak / 1e12:.3g} TFLOP/s ({peak_source})"
     print(f"{device.device_kind}: {peak_text}, jax {jax.__version__}")
 
-    rows, window_steps = [], 3 if args.small else 10
+    rows = []
+    name = "gpu_mfu_small" if args.small else "gpu_mfu"
     for attention, batch_size in SMALL_VARIANTS if args.small else VARIANTS:
         if time.perf_counter() - started > args.budget_sec:
             print(f"budget of {args.budget_sec:.0f} s spent; skipping {attention}/{batch_size}")
             continue
-        row = dict.fromkeys(COLUMNS, "-") | {"attention": attention, "global_batch": batch_size}
-        try:
-            window, step_flops = make_variant(attention, batch_size, args.small, device)
-            compile_start = time.perf_counter()
-            window(2)  # compile and warm up
-            row["compile_and_warmup_sec"] = time.perf_counter() - compile_start
-            step_sec = statistics.median(window(window_steps) for _ in range(3))
-        except Exception as error:  # noqa: BLE001 - report the variant as failed, go on
-            print(f"{attention}/{batch_size} failed: {type(error).__name__}: {error}"[:400])
-            rows.append({**row, "step_ms": "failed"})
-            continue
-        tokens = batch_size * (128 if args.small else 1024)
-        row.update(
-            step_ms=step_sec * 1e3,
-            tokens_per_sec=tokens / step_sec,
-            model_tflops_per_sec=step_flops / step_sec / 1e12,
-            mfu=step_flops / step_sec / peak,
-        )
-        print(row, flush=True)
-        rows.append(row)
+        rows.append(measure(attention, batch_size, args.small, device, peak))
+        gc.collect()  # free this variant's state before the next one compiles
+        # Saved after every variant: a run stopped by the time limit keeps what it measured.
+        save_json(args.out, name, rows, summary(device, peak, rows, started, args.small))
+    common.report(name, rows, summary(device, peak, rows, started, args.small), args.out)
+    if not any(isinstance(r["mfu"], float) for r in rows):
+        sys.exit("error: every variant failed")
+
+
+def measure(attention: str, batch_size: int, small: bool, device, peak: float) -> dict:
+    """One row of the table: compile, warm up, then the median of 3 timed windows."""
+    row = dict.fromkeys(COLUMNS, "-") | {"attention": attention, "global_batch": batch_size}
+    try:
+        window, step_flops = make_variant(attention, batch_size, small, device)
+        compile_start = time.perf_counter()
+        window(2)
+        row["compile_and_warmup_sec"] = time.perf_counter() - compile_start
+        step_sec = statistics.median(window(3 if small else 10) for _ in range(3))
+    except Exception as error:  # noqa: BLE001 - report the variant as failed, go on
+        print(f"{attention}/{batch_size} failed: {type(error).__name__}: {error}"[:400])
+        return {**row, "step_ms": "failed"}
+    tokens = batch_size * (128 if small else 1024)
+    row.update(
+        step_ms=step_sec * 1e3,
+        tokens_per_sec=tokens / step_sec,
+        model_tflops_per_sec=step_flops / step_sec / 1e12,
+        mfu=step_flops / step_sec / peak,
+    )
+    print(row, flush=True)
+    return row
+
+
+def summary(device, peak: float, rows: list[dict], started: float, small: bool) -> dict:
     measured = [r["mfu"] for r in rows if isinstance(r["mfu"], float)]
-    extra = {
+    return {
         "device": device.device_kind,
         "peak_tflops_per_sec": peak / 1e12,
         "best_mfu": max(measured) if measured else None,
         "mfu_target": 0.45,
-        "small": args.small,
+        "small": small,
         "wall_sec": time.perf_counter() - started,
     }
-    common.report("gpu_mfu_small" if args.small else "gpu_mfu", rows, extra, args.out)
-    if not measured:
-        sys.exit("error: every variant failed")
+
+
+def save_json(out_dir: str, name: str, rows: list[dict], extra: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"rows": rows, **extra, "partial": True}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -73,10 +73,12 @@ def main(argv: list[str]) -> None:
             f"resume; workdir {os.path.abspath(workdir)}"
         )
         return
+    perplexity = summary.get("eval_perplexity")  # language models
     print(
         f"done: eval accuracy {summary['eval_accuracy']:.4f}, "
-        f"eval loss {summary['eval_loss']:.4f}, wall time {summary['wall_time_sec']:.1f} s; "
-        f"workdir {os.path.abspath(workdir)}"
+        f"eval loss {summary['eval_loss']:.4f}, "
+        + (f"perplexity {perplexity:.3f}, " if perplexity is not None else "")
+        + f"wall time {summary['wall_time_sec']:.1f} s; workdir {os.path.abspath(workdir)}"
     )
 
 

@@ -3,6 +3,9 @@
 trainer = jddp.Trainer(model, loss_fn, optax.adam(1e-3))   # DDP over all local devices
 state = trainer.init(seed=0, sample_batch=batch)
 state, metrics = trainer.step(state, batch)                  # batch = one *global* batch
+
+`model` is a Flax Linen or NNX module; for BatchNorm over the whole global batch, build it with
+`axis_name=jddp.batch_axis_name(strategy)`.
 """
 
 from jddp import losses
@@ -18,7 +21,7 @@ from jddp.errors import (
     WorkdirError,
 )
 from jddp.state import TrainState
-from jddp.strategies import STRATEGIES
+from jddp.strategies import STRATEGIES, batch_axis_name
 from jddp.trainer import PlacedBatch, Trainer
 
 __version__ = "0.1.0"
@@ -36,6 +39,7 @@ __all__ = [
     "Trainer",
     "TrainingHalted",
     "WorkdirError",
+    "batch_axis_name",
     "default_config",
     "losses",
 ]

@@ -54,6 +54,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.init_from = ""  # a workdir or checkpoint/export dir whose parameters start this run
     c.init_from_optimizer = False  # ... and its optimizer state too
     c.allow_config_change = False  # resume checkpoints written by another model config
+    # Performance: MFU's denominator and a profiler trace of chosen steps.
+    c.peak_flops_per_device = 0.0  # 0 = datasheet table (GPU/TPU) or measured matmul rate (CPU)
+    c.profile_start_step = 0  # 0 = off; else trace this step and the next profile_num_steps - 1
+    c.profile_num_steps = 3
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
@@ -80,6 +84,9 @@ _NON_NEGATIVE = (
     "weight_decay",
     "grad_clip_norm",
     "min_lr_ratio",
+    "peak_flops_per_device",
+    "profile_start_step",
+    "profile_num_steps",
 )
 NAN_POLICIES = ("halt", "skip")
 

@@ -5,16 +5,15 @@ placement (pmap replicas, mesh shardings) and its collectives (pmean, reduce-sca
 """
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from jddp.errors import ConfigError, ShapeError
+from jddp.modules import as_functional
 from jddp.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -40,21 +39,20 @@ def _cast_floats(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
-def _takes_train_flag(model: nn.Module) -> bool:
-    return "train" in inspect.signature(type(model).__call__).parameters
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Task:
-    """What to train: a Flax module, a per-example loss on its outputs, an optax optimizer.
+    """What to train: a Flax module (Linen or NNX), a per-example loss on its outputs, an optax
+    optimizer.
 
     Parameters and optimizer state stay float32; with `compute_dtype=bfloat16` parameters and
     inputs are cast on the way into the model (activations and matmuls in bfloat16) and outputs
     cast back to float32 before the loss, so gradients arrive in float32.
     If the module's `__call__` takes `train`, it gets `train=True` in training and `False` in eval.
+    BatchNorm statistics: with `grad_accum_steps` > 1 they are those of each micro-batch (as in
+    PyTorch), and running averages are updated once per micro-batch.
     """
 
-    model: nn.Module
+    model: Any  # a flax.linen.Module or a flax.nnx.Module instance (see jddp/modules.py)
     loss_fn: PerExampleFn
     optimizer: optax.GradientTransformation
     metrics: Mapping[str, PerExampleFn] = dataclasses.field(default_factory=dict)
@@ -71,38 +69,33 @@ class Task:
             )
         if "loss" in self.metrics:
             raise ConfigError("'loss' is reserved for loss_fn; give the metric another name")
+        # Linen and NNX modules alike, as init -> (params, model_state) and apply.
+        object.__setattr__(self, "_module", as_functional(self.model))
 
     # ----------------------------------------------------------------------------- init
     def init_state(self, seed_key: jax.Array, sample_input: jax.Array) -> TrainState:
         """A fresh state from a PRNG key and one example input (its batch size does not matter)."""
         params_key, dropout_key, step_key = jax.random.split(seed_key, 3)
-        variables = self.model.init(
-            {"params": params_key, "dropout": dropout_key}, sample_input, **self._mode(False)
+        params, model_state = self._module.init(
+            {"params": params_key, "dropout": dropout_key}, sample_input
         )
-        variables = dict(variables)
-        params = variables.pop("params")
         return TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
-            model_state=variables,
+            model_state=model_state,
             rng=jax.random.key_data(step_key),
         )
 
     # -------------------------------------------------------------------------- forward
-    def _mode(self, train: bool) -> dict:
-        return {"train": train} if _takes_train_flag(self.model) else {}
-
     def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
         """Model outputs in float32 and the updated mutable collections."""
-        variables = {"params": _cast_floats(params, self.compute_dtype), **model_state}
-        inputs = _cast_floats(batch[self.input_key], self.compute_dtype)
-        rngs = {"dropout": rng} if rng is not None else None
-        if train and model_state:
-            outputs, model_state = self.model.apply(
-                variables, inputs, rngs=rngs, mutable=list(model_state), **self._mode(True)
-            )
-        else:
-            outputs = self.model.apply(variables, inputs, rngs=rngs, **self._mode(train))
+        outputs, model_state = self._module.apply(
+            _cast_floats(params, self.compute_dtype),
+            model_state,
+            _cast_floats(batch[self.input_key], self.compute_dtype),
+            train=train,
+            rng=rng,
+        )
         return _cast_floats(outputs, jnp.float32), model_state
 
     def per_example(self, outputs, batch: Batch) -> dict[str, jax.Array]:
@@ -233,3 +226,16 @@ def check_rows_divide(rows: int, parts: int) -> None:
             f"a batch of {rows} examples does not split over {parts} devices; "
             f"use a multiple of {parts}"
         )
+
+
+def init_compiler_options() -> dict | None:
+    """XLA options for programs that run once, such as initialization: on CPU, no LLVM
+    optimization. Optimizing threefry's random-number kernels costs seconds per parameter tensor
+    on CPU (a small ResNet-18's init: 55 s to compile, 6 s without); the unoptimized program
+    runs in milliseconds to seconds."""
+    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+
+def jit_init(fn, *args, **jit_kwargs):
+    """`jax.jit(fn, **jit_kwargs)(*args)`, compiled with `init_compiler_options()`."""
+    return jax.jit(fn, **jit_kwargs).lower(*args).compile(init_compiler_options())(*args)

@@ -13,16 +13,29 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jddp import checkpoint, data, losses, models, optim, resume, runtime
+from jddp import (
+    checkpoint,
+    data,
+    device_peak,
+    flops,
+    models,
+    objectives,
+    optim,
+    resume,
+    runtime,
+    strategies,
+)
 from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
 from jddp.core import check_divisible
-from jddp.errors import ConfigError, TrainingHalted, WorkdirError
+from jddp.errors import TrainingHalted, WorkdirError
 from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
 from jddp.model_fit import check_model_fits
 from jddp.preemption import PreemptionWatch
+from jddp.profiling import StepProfiler
 from jddp.progress import Progress
+from jddp.throughput import Throughput
 from jddp.trainer import Trainer
 
 
@@ -43,15 +56,23 @@ def prepare_workdir(workdir: str, *, resumable: bool) -> None:
 
 
 def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Trainer:
-    """The Trainer a config describes; `strategy` and `mesh` override `parallel.*`."""
+    """The Trainer a config describes for `dataset`'s task; `strategy` and `mesh` override
+    `parallel.*`."""
     strategy = strategy or config.parallel.strategy
     if mesh is None and strategy == config.parallel.strategy:
         mesh = config.parallel.mesh or None
+    objective, num_outputs = objectives.dataset_task(dataset)
+    model = models.create_model(
+        config.model,
+        num_outputs,
+        batch_axis_name=strategies.batch_axis_name(strategy, mesh),
+        **config.model_args,
+    )
     return Trainer(
-        models.create_model(config.model, dataset.num_classes, **config.model_args),
-        losses.softmax_cross_entropy,
+        model,
+        objective.loss_fn,
         optim.create_optimizer(config, schedule),
-        metrics={"accuracy": losses.accuracy},
+        metrics=dict(objective.metrics),
         strategy=strategy,
         mesh=mesh,
         rules=config.parallel.rules if strategy != "ddp" else (),
@@ -71,11 +92,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
     dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
-    if dataset.kind != data.CLASSIFICATION:  # until the language-model task lands
-        raise ConfigError(
-            f"dataset {config.dataset!r} is for language models, which this "
-            "experiment cannot train yet; choose a classification dataset"
-        )
     schedule = optim.learning_rate_schedule(config)
     trainer = build_trainer(config, dataset, schedule)
     num_devices = trainer.num_devices
@@ -151,6 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         config.global_batch_size // (num_devices * config.grad_accum_steps),
         config.grad_accum_steps,
     )
+    throughput = _throughput(config, trainer, dataset, sample_batch)
     memory = {}
     if start_step < config.num_train_steps:
         memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
@@ -164,12 +181,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)
     progress = Progress(config.num_train_steps, first_step=start_step, enabled=is_writer)
     preemption = PreemptionWatch()
+    profiler = StepProfiler(
+        os.path.join(workdir, "profile"), config.profile_start_step, config.profile_num_steps
+    )
     eval_metrics: dict[str, float] = {}
     preempted_at = None
     last_log_step, last_log_time = start_step, time.perf_counter()
     try:
         for step in range(start_step + 1, config.num_train_steps + 1):
-            state, metrics = trainer.step(state, next(placed))
+            with profiler.step(step):
+                state, metrics = trainer.step(state, next(placed))
+            profiler.after(step, metrics["loss"])
             if step == start_step + 1:  # compilation: time the steady state from here
                 metrics["loss"].block_until_ready()
                 last_log_time = time.perf_counter()
@@ -180,17 +202,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 record["nonfinite_steps"] = _nonfinite_steps(state, config, step)
                 now = time.perf_counter()
                 record["learning_rate"] = float(schedule(step - 1))  # the rate this step applied
-                record["examples_per_sec"] = (
-                    (step - last_log_step) * config.global_batch_size / (now - last_log_time)
-                    if step > start_step + 1
-                    else config.global_batch_size / (now - start_time)  # includes compiling
-                )
+                # The first step's rates include compiling; later ones are since the last record.
+                since = last_log_time if step > start_step + 1 else start_time
+                record.update(throughput.rates(step - last_log_step, now - since))
                 if evaluate:
-                    eval_metrics = trainer.evaluate(state, eval_pass())
+                    eval_metrics = _evaluate(trainer, state, eval_pass(), dataset)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
                 writer.write(step, record | memory)
                 memory = {}
-                progress.update(step, record["loss"], record["examples_per_sec"])
+                progress.update(step, record["loss"], record)
                 last_log_step, last_log_time = step, time.perf_counter()
             preempted = preemption.reached(step)
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
@@ -207,6 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 break
     finally:
         batches.close()
+        profiler.stop()
         preemption.close()
         progress.close()
         writer.close()
@@ -222,13 +243,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "wall_time_sec": time.perf_counter() - start_time,
         }
     if not eval_metrics:  # resumed a run that had already finished
-        eval_metrics = trainer.evaluate(state, eval_pass())
+        eval_metrics = _evaluate(trainer, state, eval_pass(), dataset)
     checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
-    summary = {
-        "eval_accuracy": eval_metrics["accuracy"],
-        "eval_loss": eval_metrics["loss"],
-        "wall_time_sec": time.perf_counter() - start_time,
-    }
+    summary = {f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"}
+    summary["wall_time_sec"] = time.perf_counter() - start_time
     if is_writer:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
@@ -264,3 +282,35 @@ def _zeros_like_rows(sample_batch, config) -> dict:
     return {
         k: np.zeros((rows, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in sample_batch.items()
     }
+
+
+def _evaluate(trainer, state, batches, dataset) -> dict[str, float]:
+    """Eval means over the whole split, plus the task's derived metrics (perplexity)."""
+    eval_metrics = trainer.evaluate(state, batches)
+    return eval_metrics | objectives.dataset_task(dataset)[0].eval_extras(eval_metrics)
+
+
+def _throughput(config, trainer, dataset, sample_batch) -> Throughput:
+    """Speed reporting: model FLOPs of one global step (jddp/flops.py) and the device's peak."""
+    inputs = np.asarray(sample_batch[trainer.task.input_key])
+    global_inputs = jax.ShapeDtypeStruct(
+        (config.global_batch_size, *inputs.shape[1:]), inputs.dtype
+    )
+    step_flops = flops.train_step_flops(trainer.task.model, global_inputs)
+    peak, peak_source = device_peak.peak_flops_per_device(
+        jax.local_devices()[0], config.compute_dtype, config.peak_flops_per_device
+    )
+    logging.info(
+        "model FLOPs per step: %s; peak FLOP/s per device: %s (%s)",
+        f"{step_flops.per_step:.4g} ({step_flops.method})" if step_flops else "unknown",
+        f"{peak:.4g}" if peak else "unknown",
+        peak_source,
+    )
+    objective, _ = objectives.dataset_task(dataset)
+    return Throughput(
+        examples_per_step=config.global_batch_size,
+        num_devices=jax.device_count(),
+        tokens_per_example=objective.tokens_per_example(sample_batch),
+        flops_per_step=step_flops.per_step if step_flops else None,
+        peak_flops_per_device=peak,
+    )

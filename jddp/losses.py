@@ -1,4 +1,5 @@
-"""Per-example losses and metrics for classification: `fn(logits, batch) -> shape (batch,)`."""
+"""Per-example losses and metrics, `fn(outputs, batch) -> shape (batch,)`: classification and
+language models."""
 
 import jax.numpy as jnp
 import optax
@@ -12,3 +13,14 @@ def softmax_cross_entropy(logits, batch):
 def accuracy(logits, batch):
     """1.0 where the arg-max of `logits` is `batch["label"]`, else 0.0."""
     return (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32)
+
+
+def token_cross_entropy(logits, batch):
+    """Language models: the mean next-token cross-entropy of each sequence, logits
+    (batch, seq_len, vocab) against the integer `batch["targets"]` (batch, seq_len)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+
+
+def token_accuracy(logits, batch):
+    """Language models: the fraction of each sequence's next tokens predicted exactly."""
+    return (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32).mean(-1)

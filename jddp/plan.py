@@ -16,7 +16,7 @@ import re
 
 from absl import app, flags
 
-from jddp.cli import ConfigFlag, fail
+from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hybrid")
 
@@ -127,6 +127,7 @@ def main(argv: list[str]) -> None:
     if per_host < 0 or (per_host and _DEVICES.value % per_host):
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
     memory = parse_bytes(_DEVICE_MEMORY.value)
+    quiet_library_logs()
 
     import jax  # configured before anything starts a backend
 

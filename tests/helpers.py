@@ -1,4 +1,4 @@
-"""Shared by tests: running the CLI in a real subprocess."""
+"""Shared by tests: running the CLI in a real subprocess; training steps with their losses."""
 
 import os
 import subprocess
@@ -18,3 +18,12 @@ def run_cli(*args: str, cwd=REPO, timeout: float = 300) -> subprocess.CompletedP
         timeout=timeout,
         env=os.environ.copy(),
     )
+
+
+def train_steps(trainer, state, batches):
+    """`trainer.step` on each batch in turn; returns the state and each step's loss."""
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses

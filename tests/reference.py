@@ -1,6 +1,6 @@
-"""The independent reference every equivalence test compares with: a plain single-device
+"""The independent references every equivalence test compares with: a plain single-device
 `jax.jit` + optax loop that shares nothing with jddp but the model, optimizer and initial
-parameters, plus the small model and batches those tests train."""
+parameters, plus the small model and batches those tests train, and tolerance checks."""
 
 import flax.linen as nn
 import jax
@@ -37,28 +37,53 @@ def reference_training(params, optimizer, batches):
     """Single device: mean cross-entropy over the whole global batch, one optax update per batch."""
     model = SmallNet()
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["image"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    def loss_fn(params, model_state, batch):
+        logits = model.apply({"params": params}, batch["image"])
+        return per_example_ce(logits, batch).mean(), model_state
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+    params, _, losses = plain_training(loss_fn, params, {}, optimizer, batches)
+    return params, losses
+
+
+def plain_training(loss_fn, params, model_state, optimizer, batches):
+    """One optax update per batch on one device. `loss_fn(params, model_state, batch)` returns
+    (mean loss over the whole batch, updated model_state). Returns (params, model_state, losses)."""
+
+    @jax.jit
+    def step(params, model_state, opt_state, batch):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, model_state), grads = grad_fn(params, model_state, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), model_state, opt_state, loss
 
     opt_state = optimizer.init(params)
     losses = []
     for batch in batches:
-        params, opt_state, loss = step(params, opt_state, batch)
+        params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
         losses.append(float(loss))
-    return jax.device_get(params), losses
+    return jax.device_get(params), jax.device_get(model_state), losses
+
+
+def batchnorm_classifier_loss(model):
+    """`loss_fn` for `plain_training` of a Linen classifier with BatchNorm on one device: mean
+    cross-entropy, statistics over the whole batch, updated `batch_stats`."""
+
+    def loss_fn(params, model_state, batch):
+        logits, updated = model.apply(
+            {"params": params, **model_state}, batch["image"], train=True, mutable=["batch_stats"]
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return ce, updated
+
+    return loss_fn
 
 
 def assert_trees_close(actual, expected, rtol=1e-5):
     """Each tensor within `rtol` of the reference, relative to the tensor's largest entry."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]
-    for path, a, e in zip(paths, jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert len(actual_leaves) == len(expected_leaves), (len(actual_leaves), len(expected_leaves))
+    for path, a, e in zip(paths, actual_leaves, expected_leaves, strict=True):
         scale = np.max(np.abs(e))
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=path)
 
@@ -87,3 +112,11 @@ def train_and_compare(trainer, optimizer, batches) -> list[float]:
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert int(final.step) == len(batches)
     return grad_norms
+
+
+def assert_replicas_identical(tree):
+    """Every device's copy of every leaf is bit-identical to the first device's."""
+    for leaf in jax.tree.leaves(tree):
+        replicas = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+        for replica in replicas[1:]:
+            np.testing.assert_array_equal(replica, replicas[0])

@@ -4,7 +4,8 @@ A strategy owns placement and collectives; it takes the shared core (`jddp.core.
 `init_state(seed, sample_input)`, `place_state(state)`, `place_batch(batch)`,
 `train_step(state, batch) -> (state, metrics)`, `eval_step(state, batch) -> sums`,
 `host_state(state)`, `lower_train_step(state, batch)`, `num_devices` and `batch_axis_name`
-(the axes a synchronized BatchNorm reduces over inside the per-device program).
+(the axes a synchronized BatchNorm reduces over inside the per-device program; models are
+built before their strategy, so `batch_axis_name(strategy, mesh)` gives it from the config).
 """
 
 import functools
@@ -14,8 +15,9 @@ import jax
 
 from jddp.core import Task
 from jddp.errors import ConfigError
+from jddp.sharding.mesh import parse_mesh_spec
 from jddp.strategies.ddp import DDP
-from jddp.strategies.zero import ZeroStrategy
+from jddp.strategies.zero import ZeroStrategy, default_mesh_spec
 
 STRATEGIES = {
     "ddp": DDP,
@@ -25,6 +27,27 @@ STRATEGIES = {
     "fsdp": functools.partial(ZeroStrategy, stage="zero3"),
     "hybrid": functools.partial(ZeroStrategy, stage="hybrid"),
 }
+
+
+def _check_name(name: str) -> None:
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"unknown parallel.strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
+        )
+
+
+def batch_axis_name(strategy: str, mesh: str | None = None) -> str | tuple[str, ...]:
+    """What `nn.BatchNorm(axis_name=...)` must be under `strategy` (and, for the sharded ones,
+    `parallel.mesh`) for statistics over the whole global batch, as PyTorch's SyncBatchNorm
+    computes them: "batch" for ddp; the mesh's axis names for the sharded strategies, whose
+    per-device program runs under `shard_map` with the batch split over every mesh axis."""
+    _check_name(strategy)
+    if strategy == "ddp":
+        return DDP.batch_axis_name
+    stage = STRATEGIES[strategy].keywords["stage"]
+    axes = parse_mesh_spec(mesh or default_mesh_spec(stage), jax.device_count())
+    names = tuple(name for name, _ in axes)
+    return names[0] if len(names) == 1 else names
 
 
 def make_strategy(
@@ -37,10 +60,7 @@ def make_strategy(
     min_shard_size: int | None = None,
 ):
     """The strategy `name`; `mesh`, `rules` and `min_shard_size` configure the sharded ones."""
-    if name not in STRATEGIES:
-        raise ConfigError(
-            f"unknown parallel.strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
-        )
+    _check_name(name)
     if name == "ddp":
         if mesh or rules:
             raise ConfigError(

@@ -10,12 +10,13 @@ a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.core import Task, check_rows_divide
+from jddp.core import Task, check_rows_divide, jit_init
 from jddp.state import TrainState
 
 AXIS = "batch"
@@ -59,6 +60,7 @@ class DDP:
             state.params, state.model_state, batch, rng
         )
         grads, metrics = lax.pmean((grads, metrics), AXIS)
+        model_state = mean_model_state(model_state, AXIS)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
     def _eval(self, state: TrainState, batch):
@@ -67,7 +69,7 @@ class DDP:
     # ----------------------------------------------------------------------- placement
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize once from `seed`, then place the same state on every device."""
-        state = jax.jit(self.task.init_state)(jax.random.key(seed), sample_input)
+        state = jit_init(self.task.init_state, jax.random.key(seed), sample_input)
         return self.place_state(state)
 
     def place_state(self, state: TrainState) -> TrainState:
@@ -135,3 +137,14 @@ class DDP:
         return state, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((n, x.shape[0] // n, *x.shape[1:]), x.dtype), batch
         )
+
+
+def mean_model_state(model_state, axes):
+    """Float collections (BatchNorm statistics) averaged over `axes`, so replicas never drift
+    even when a model's BatchNorm computed per-device statistics; synchronized BatchNorm's
+    statistics already agree, and averaging equal values changes nothing."""
+
+    def mean_if_float(x):
+        return lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(mean_if_float, model_state)

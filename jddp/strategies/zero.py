@@ -23,10 +23,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.core import Task, check_rows_divide
+from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.sharding.mesh import build_mesh
 from jddp.sharding.rules import mirror_specs, param_specs, validate_rules
 from jddp.state import TrainState
+from jddp.strategies.ddp import mean_model_state
 
 # stage -> (parameters sharded, gradients sharded)
 STAGES = {
@@ -188,6 +189,7 @@ class ZeroStrategy:
         grads, metrics, model_state = self.task.local_grads(
             params, model_state, batch, rng, params_fn
         )
+        model_state = mean_model_state(model_state, self.data_axes)
         return self._reduce_grads(grads), lax.pmean(metrics, self.data_axes), model_state
 
     def _train(self, state: TrainState, batch):
@@ -218,7 +220,8 @@ class ZeroStrategy:
     # ----------------------------------------------------------------------- placement
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize directly into the shardings: no device ever holds the whole sharded state."""
-        return self.lower_init(seed, sample_input).compile()(jax.random.key(seed), sample_input)
+        compiled = self.lower_init(seed, sample_input).compile(init_compiler_options())
+        return compiled(jax.random.key(seed), sample_input)
 
     def lower_init(self, seed: int, sample_input):
         """The initialization lowered with the state's shardings as its output shardings.

@@ -1,0 +1,140 @@
+"""One functional interface over Flax Linen and Flax NNX modules, so the core treats them alike.
+
+`as_functional(model)` gives an object with
+  `init(rngs, sample_input) -> (params, model_state)` and
+  `apply(params, model_state, inputs, *, train, rng) -> (outputs, model_state)`,
+where `params` and `model_state` are plain nested dicts of arrays (the same paths for both kinds:
+`{"dense": {"kernel": ...}}`), so optimizers, sharding rules and checkpoints never see which kind
+of module is training.
+"""
+
+import inspect
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from jddp.errors import ConfigError
+
+
+def _takes_train_flag(module) -> bool:
+    return "train" in inspect.signature(type(module).__call__).parameters
+
+
+class LinenModule:
+    """A Linen module: parameters in `params`, mutable collections (`batch_stats`, ...) as state.
+
+    `train=True/False` is passed to `__call__` if it takes `train`; stochastic layers draw from
+    the `dropout` RNG stream.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._takes_train = _takes_train_flag(module)
+
+    def _mode(self, train: bool) -> dict:
+        return {"train": train} if self._takes_train else {}
+
+    def init(self, rngs: dict[str, jax.Array], sample_input) -> tuple[Any, dict]:
+        variables = dict(self.module.init(rngs, sample_input, **self._mode(False)))
+        return variables.pop("params"), variables
+
+    def apply(self, params, model_state, inputs, *, train: bool, rng=None):
+        variables = {"params": params, **model_state}
+        rngs = {"dropout": rng} if rng is not None else None
+        if train and model_state:
+            return self.module.apply(
+                variables, inputs, rngs=rngs, mutable=list(model_state), **self._mode(True)
+            )
+        return self.module.apply(variables, inputs, rngs=rngs, **self._mode(train)), model_state
+
+
+def _mode_view(module: nnx.Module, train: bool) -> nnx.Module:
+    """`module` with Dropout / BatchNorm (and any module with these attributes) in train or eval
+    mode; shares the module's variables."""
+    attributes = {"deterministic": not train, "use_running_average": not train}
+    if hasattr(nnx, "view"):
+        return nnx.view(module, raise_if_not_found=False, **attributes)
+    copy = nnx.merge(*nnx.split(module))  # older flax: set the attributes on a copy
+    copy.set_attributes(raise_if_not_found=False, **attributes)
+    return copy
+
+
+class _StateCodec:
+    """Converts one `nnx.State` between NNX's form (Variable nodes) and a plain nested dict."""
+
+    def __init__(self, state: nnx.State):
+        self._treedef = jax.tree.structure(state)
+        self.pure = nnx.to_pure_dict(state)
+        pure_leaves, state_leaves = jax.tree.leaves(self.pure), jax.tree.leaves(state)
+        same_order = len(pure_leaves) == len(state_leaves) and all(
+            a is b for a, b in zip(pure_leaves, state_leaves, strict=True)
+        )
+        if not same_order:  # to_state relies on it
+            raise AssertionError("nnx.to_pure_dict changed the order of the leaves")
+
+    def to_state(self, pure: dict) -> nnx.State:
+        return jax.tree.unflatten(self._treedef, jax.tree.leaves(pure))
+
+
+class NnxModule:
+    """An NNX module instance, taken apart once into a graph definition and its variables.
+
+    Parameters (`nnx.Param`) are the instance's own: initialize them with your `nnx.Rngs`; jddp's
+    seed drives the RNG streams (dropout) only. `nnx.BatchStat` variables become
+    `model_state["batch_stats"]`, any other non-parameter variables `model_state["variables"]`.
+    Train and eval mode are set the NNX way (`deterministic` / `use_running_average`, as
+    `module.train()` / `module.eval()` do), and `train=` is passed if `__call__` takes it. Every
+    RNG stream of the module is reseeded from the step's key on each training step.
+    """
+
+    def __init__(self, module: nnx.Module):
+        self._takes_train = _takes_train_flag(module)
+        self._graphdefs = {
+            train: nnx.split(_mode_view(module, train))[0] for train in (True, False)
+        }
+        _, params, batch_stats, rng_state, other = _partition(module)
+        self._params = _StateCodec(params)
+        self._state = {"batch_stats": _StateCodec(batch_stats), "variables": _StateCodec(other)}
+        self._state = {name: c for name, c in self._state.items() if c.pure}
+        self._rng_state = rng_state
+        streams = (node for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngStream))
+        self._rng_tags = sorted({stream.key.tag for stream in streams})
+
+    def init(self, rngs, sample_input) -> tuple[dict, dict]:
+        del rngs, sample_input  # the instance is already initialized
+        return self._params.pure, {name: codec.pure for name, codec in self._state.items()}
+
+    def apply(self, params, model_state, inputs, *, train: bool, rng=None):
+        states = [self._params.to_state(params)]
+        states += [self._state[name].to_state(model_state[name]) for name in self._state]
+        # Fresh Variable objects, so reseeding below cannot write into the captured originals.
+        states.append(jax.tree.map(lambda x: x, self._rng_state))
+        module = nnx.merge(self._graphdefs[train], *states)
+        if rng is not None and self._rng_tags:
+            keys = {tag: jax.random.fold_in(rng, i) for i, tag in enumerate(self._rng_tags)}
+            nnx.reseed(module, **keys)
+        outputs = module(inputs, **({"train": train} if self._takes_train else {}))
+        if not train:
+            return outputs, model_state
+        _, _, batch_stats, _, other = _partition(module)
+        updated = {"batch_stats": batch_stats, "variables": other}
+        return outputs, {name: nnx.to_pure_dict(updated[name]) for name in self._state}
+
+
+def _partition(module: nnx.Module):
+    """(graphdef, params, batch_stats, rng_state, every other variable)."""
+    return nnx.split(module, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
+
+
+def as_functional(model) -> LinenModule | NnxModule:
+    """The functional view of a Linen or NNX module; anything else is a ConfigError."""
+    if isinstance(model, nn.Module):
+        return LinenModule(model)
+    if isinstance(model, nnx.Module):
+        return NnxModule(model)
+    raise ConfigError(
+        f"model must be a flax.linen.Module or a flax.nnx.Module instance, got "
+        f"{type(model).__name__}; pass an instance such as MyNet() or MyNet(rngs=nnx.Rngs(0))"
+    )

@@ -1,0 +1,133 @@
+"""The config-driven path for the new models: configs build models of the sizes their names say;
+runs log throughput, FLOP/s and MFU, trace chosen steps, and report perplexity for language
+models; bad model settings on the command line are one-line errors."""
+
+import glob
+import json
+import math
+from pydoc_data.topics import topics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import (
+    cifar10_resnet18,
+    gpt_1b,
+    gpt_124m,
+    imagenet_resnet50,
+    shakespeare_gpt_tiny,
+)
+from jddp import config as config_lib
+from jddp import flops, models
+from jddp.experiment import train_and_evaluate
+from tests.helpers import run_cli
+
+
+def param_count(model, sample_input):
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), sample_input, train=False))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+
+
+# (config, the dataset's number of outputs, one example's input, parameters)
+CONFIGS = [
+    (cifar10_resnet18, 10, jnp.zeros((1, 32, 32, 3)), 11_173_962),
+    (imagenet_resnet50, 1000, jnp.zeros((1, 224, 224, 3)), 25_557_032),
+    (shakespeare_gpt_tiny, 65, jnp.zeros((1, 128), jnp.int32), 818_048),
+    (gpt_124m, 65, jnp.zeros((1, 1024), jnp.int32), 124_475_904),  # GPT-2 small, vocab 50,304
+    (gpt_1b, 65, jnp.zeros((1, 2048), jnp.int32), 1_009_475_584),
+]
+
+
+@pytest.mark.parametrize(
+    "module,outputs,sample,expected", CONFIGS, ids=[c[0].__name__.split(".")[-1] for c in CONFIGS]
+)
+def test_configs_build_models_of_the_sizes_their_names_say(module, outputs, sample, expected):
+    config = module.get_config()
+    config_lib.validate(config)
+    model = models.create_model(config.model, outputs, **config.model_args)
+    if config.model == "gpt":
+        assert config.data.seq_len == sample.shape[1] <= config.model_args.max_seq_len
+    assert param_count(model, sample) == expected  # shapes only: nothing is allocated
+
+
+def read_records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_language_model_run_logs_tokens_mfu_and_perplexity(tmp_path):
+    # A character corpus from a local file (the `text_file` dataset): Python's language reference.
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("\n".join(topics[name] for name in sorted(topics))[:40_000])
+    vocab_size = len(set(text_file.read_text()))
+    config = shakespeare_gpt_tiny.get_config()
+    config.dataset, config.data.text_file = "text_file", str(text_file)
+    config.model_args.update(num_layers=2, embed_dim=32, max_seq_len=32)
+    config.data.seq_len = 32
+    config.global_batch_size, config.num_train_steps, config.warmup_steps = 32, 40, 5
+    config.log_every = config.eval_every = 20
+    config.checkpoint_every = 0
+    summary = train_and_evaluate(config, str(tmp_path / "run"))
+
+    records = read_records(tmp_path / "run")
+    model = models.create_model("gpt", vocab_size, **config.model_args)
+    flops_per_token = flops.gpt_train_flops(model, 1, 32) / 32
+    for record in records:
+        assert record["tokens_per_sec"] == pytest.approx(32 * record["examples_per_sec"])
+        per_device = record["tokens_per_sec"] * flops_per_token / 8
+        assert record["flops_per_sec_per_device"] == pytest.approx(per_device, rel=1e-9)
+        assert 0 < record["mfu"] < 2
+        assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
+    assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
+    assert records[-1]["eval_loss"] < 0.8 * math.log(vocab_size)  # it learned
+
+
+def test_resnet_run_with_remat_logs_mfu_and_traces_the_chosen_steps(tmp_path):
+    config = cifar10_resnet18.get_config()
+    config.dataset = "digits"  # 8x8 grey images: no download; the CIFAR stem takes any size
+    config.model_args.update(width=4, remat=True)
+    config.compute_dtype = "float32"
+    config.global_batch_size, config.num_train_steps, config.warmup_steps = 64, 6, 0
+    config.log_every, config.eval_every = 2, 6
+    config.profile_start_step, config.profile_num_steps = 3, 2
+    summary = train_and_evaluate(config, str(tmp_path / "run"))
+
+    model = models.create_model("resnet", 10, **config.model_args)
+    per_example = flops.train_step_flops(model, jnp.zeros((1, 8, 8, 1))).per_step
+    records = read_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [2, 4, 6]
+    for record in records:
+        per_device = record["examples_per_sec"] * per_example / 8
+        assert record["flops_per_sec_per_device"] == pytest.approx(per_device, rel=1e-9)
+        assert 0 < record["mfu"] < 2
+    assert 0 <= summary["eval_accuracy"] <= 1
+    (trace_dir,) = glob.glob(str(tmp_path / "run" / "profile" / "plugins" / "profile" / "*"))
+    assert glob.glob(f"{trace_dir}/*.xplane.pb")  # TensorBoard's profile plugin
+    assert glob.glob(f"{trace_dir}/perfetto_trace.json.gz")  # ui.perfetto.dev
+
+
+@pytest.mark.parametrize(
+    "config,flag,words",
+    [
+        (
+            "shakespeare_gpt_tiny",
+            "--config.model_args.num_heads=5",
+            ["num_heads=5 does not divide embed_dim=128", "use num_heads 4 or 8"],
+        ),
+        ("cifar10_resnet18", "--config.model_args.depth=20", ["depth=20", "18, 34, 50"]),
+    ],
+)
+def test_bad_model_settings_are_one_line_cli_errors(tmp_path, config, flag, words):
+    workdir = tmp_path / "run"
+    result = run_cli(
+        f"--config=experiments/configs/{config}.py",
+        "--config.dataset=digits",
+        flag,
+        f"--workdir={workdir}",
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+    assert not workdir.exists()

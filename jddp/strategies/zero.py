@@ -27,7 +27,7 @@ from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.sharding.mesh import build_mesh
 from jddp.sharding.rules import mirror_specs, param_specs, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.ddp import mean_model_state
+from jddp.strategies.ddp import fused_pmean
 
 # stage -> (parameters sharded, gradients sharded)
 STAGES = {
@@ -189,7 +189,7 @@ class ZeroStrategy:
         grads, metrics, model_state = self.task.local_grads(
             params, model_state, batch, rng, params_fn
         )
-        model_state = mean_model_state(model_state, self.data_axes)
+        model_state = fused_pmean(model_state, self.data_axes)
         return self._reduce_grads(grads), lax.pmean(metrics, self.data_axes), model_state
 
     def _train(self, state: TrainState, batch):

@@ -2,7 +2,8 @@
 (tokens/s), model FLOP/s and the fraction of the machine's measured matmul rate.
 
     python -m experiments.bench.models [--devices 1] [--repeats 5] [--steps 2] [--smoke]
-        [--models mlp,resnet18_cifar,gpt_small,gpt_124m] [--out bench_results]
+        [--models mlp,resnet18_cifar,gpt_small,gpt_124m] [--strategies ddp,zero3]
+        [--out bench_results]
 
 One device-resident global batch per model, Adam, float32. For each model, the variants'
 timed windows (`steps` steps each) are interleaved with 2048^3 matmul windows, `repeats` rounds,
@@ -157,6 +158,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed window")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--strategies", default="", help="comma-separated; default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds of 1 step")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
@@ -166,7 +168,7 @@ def main():
     import jddp
 
     devices = jax.devices()[: args.devices]
-    strategies = sorted(jddp.STRATEGIES)
+    strategies = args.strategies.split(",") if args.strategies else sorted(jddp.STRATEGIES)
     rows = []
     for name in args.models.split(","):
         rows += bench_model(

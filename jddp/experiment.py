@@ -61,10 +61,10 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
     strategy = strategy or config.parallel.strategy
     if mesh is None and strategy == config.parallel.strategy:
         mesh = config.parallel.mesh or None
-    objective, num_outputs = objectives.dataset_task(dataset)
+    objective = objectives.objective_for(dataset.kind)
     model = models.create_model(
         config.model,
-        num_outputs,
+        dataset.num_classes,
         batch_axis_name=strategies.batch_axis_name(strategy, mesh),
         **config.model_args,
     )
@@ -94,6 +94,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
     schedule = optim.learning_rate_schedule(config)
     trainer = build_trainer(config, dataset, schedule)
+    objective = objectives.objective_for(dataset.kind)
     num_devices = trainer.num_devices
     check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
@@ -167,7 +168,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         config.global_batch_size // (num_devices * config.grad_accum_steps),
         config.grad_accum_steps,
     )
-    throughput = _throughput(config, trainer, dataset, sample_batch)
+    throughput = _throughput(config, trainer, objective, sample_batch)
     memory = {}
     if start_step < config.num_train_steps:
         memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
@@ -206,7 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 since = last_log_time if step > start_step + 1 else start_time
                 record.update(throughput.rates(step - last_log_step, now - since))
                 if evaluate:
-                    eval_metrics = _evaluate(trainer, state, eval_pass(), dataset)
+                    eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
                 writer.write(step, record | memory)
                 memory = {}
@@ -243,7 +244,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "wall_time_sec": time.perf_counter() - start_time,
         }
     if not eval_metrics:  # resumed a run that had already finished
-        eval_metrics = _evaluate(trainer, state, eval_pass(), dataset)
+        eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
     checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
     summary = {f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"}
     summary["wall_time_sec"] = time.perf_counter() - start_time
@@ -284,13 +285,13 @@ def _zeros_like_rows(sample_batch, config) -> dict:
     }
 
 
-def _evaluate(trainer, state, batches, dataset) -> dict[str, float]:
-    """Eval means over the whole split, plus the task's derived metrics (perplexity)."""
+def _evaluate(trainer, state, batches, objective) -> dict[str, float]:
+    """Eval means over the whole split, plus the objective's derived metrics (perplexity)."""
     eval_metrics = trainer.evaluate(state, batches)
-    return eval_metrics | objectives.dataset_task(dataset)[0].eval_extras(eval_metrics)
+    return eval_metrics | objective.eval_extras(eval_metrics)
 
 
-def _throughput(config, trainer, dataset, sample_batch) -> Throughput:
+def _throughput(config, trainer, objective, sample_batch) -> Throughput:
     """Speed reporting: model FLOPs of one global step (jddp/flops.py) and the device's peak."""
     inputs = np.asarray(sample_batch[trainer.task.input_key])
     global_inputs = jax.ShapeDtypeStruct(
@@ -306,7 +307,6 @@ def _throughput(config, trainer, dataset, sample_batch) -> Throughput:
         f"{peak:.4g}" if peak else "unknown",
         peak_source,
     )
-    objective, _ = objectives.dataset_task(dataset)
     return Throughput(
         examples_per_step=config.global_batch_size,
         num_devices=jax.device_count(),

@@ -1,8 +1,8 @@
 """What a dataset's task asks of training: the loss, the metrics, the model input, eval extras.
 
-A dataset spec says which task it poses (`classification` or `language_model`) and how many
-outputs the model needs (classes, or the vocabulary size); `dataset_task` is the one place that
-reads those fields.
+A dataset spec's `kind` (`classification` or `language_model`) names its objective:
+`objective_for(spec.kind)`; its `num_classes` (for a language model, the vocabulary size) is the
+number of model outputs.
 """
 
 import dataclasses
@@ -54,9 +54,3 @@ def objective_for(kind: str) -> Objective:
     if kind not in OBJECTIVES:
         raise ConfigError(f"unknown task kind {kind!r}; choose one of {', '.join(OBJECTIVES)}")
     return OBJECTIVES[kind]
-
-
-def dataset_task(spec) -> tuple[Objective, int]:
-    """(the objective, the number of model outputs) of a dataset spec (jddp/data/datasets.py):
-    its `kind`, and `num_classes` (for a language model, the vocabulary size)."""
-    return objective_for(spec.kind), spec.num_classes

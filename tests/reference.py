@@ -72,8 +72,7 @@ def batchnorm_classifier_loss(model):
         logits, updated = model.apply(
             {"params": params, **model_state}, batch["image"], train=True, mutable=["batch_stats"]
         )
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return ce, updated
+        return per_example_ce(logits, batch).mean(), updated
 
     return loss_fn
 

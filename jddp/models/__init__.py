@@ -17,13 +17,17 @@ OUTPUT_FIELDS = {"gpt": "vocab_size"}
 
 
 def create_model(
-    name: str, num_outputs: int, *, batch_axis_name: str | None = None, **model_args
+    name: str,
+    num_outputs: int,
+    *,
+    batch_axis_name: str | tuple[str, ...] | None = None,
+    **model_args,
 ) -> nn.Module:
     """The model `name` with `num_outputs` outputs; `model_args` are its other fields.
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. `batch_axis_name` goes to models with BatchNorm (ResNet); pass the
-    strategy's, `jddp.strategies.batch_axis_name(strategy)`.
+    strategy's, `jddp.batch_axis_name(strategy, mesh)`.
     """
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)

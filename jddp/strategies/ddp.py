@@ -7,11 +7,9 @@ makes XLA copy the optimizer state in and out of every step: 18 copies for Adam 
 a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 """
 
-import collections
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -19,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.core import Task, check_rows_divide, jit_init
 from jddp.state import TrainState
+from jddp.strategies.collectives import fused_pmean
 
 AXIS = "batch"
 
@@ -137,35 +136,3 @@ class DDP:
         return state, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((n, x.shape[0] // n, *x.shape[1:]), x.dtype), batch
         )
-
-
-def fused_pmean(tree, axes):
-    """`lax.pmean` of every float leaf of `tree` over `axes` (other leaves are left as they are).
-
-    Across processes the leaves are concatenated into one flat buffer per dtype, averaged with
-    one all-reduce, and split back: gloo pays per buffer, and an MLP's 6 gradient tensors
-    (7.4 MB) took 31 ms as XLA's combined tuple all-reduce against 14 ms as one buffer on this
-    machine (experiments/bench/multiprocess.py: 0.85x -> 1.13x PyTorch DDP). Within one process
-    the tuple all-reduce is kept: there the concatenation made steps 3-4x slower. The sums are
-    the same element by element either way.
-
-    Averaging model state (BatchNorm statistics) too keeps replicas identical even when a
-    BatchNorm computed per-device statistics; synchronized statistics already agree."""
-    leaves, treedef = jax.tree.flatten(tree)
-    floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    if jax.process_count() == 1:
-        averaged = lax.pmean([leaves[i] for i in floats], axes)
-        for i, leaf in zip(floats, averaged, strict=True):
-            leaves[i] = leaf
-        return jax.tree.unflatten(treedef, leaves)
-    groups = collections.defaultdict(list)
-    for i in floats:
-        groups[leaves[i].dtype].append(i)
-    for indices in groups.values():
-        flat = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in indices]), axes)
-        start = 0
-        for i in indices:
-            size = leaves[i].size
-            leaves[i] = flat[start : start + size].reshape(leaves[i].shape)
-            start += size
-    return jax.tree.unflatten(treedef, leaves)

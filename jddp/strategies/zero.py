@@ -27,7 +27,7 @@ from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.sharding.mesh import build_mesh
 from jddp.sharding.rules import mirror_specs, param_specs, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.ddp import fused_pmean
+from jddp.strategies.collectives import fused_pmean, gather, scatter_sum, spec_axes
 
 # stage -> (parameters sharded, gradients sharded)
 STAGES = {
@@ -42,30 +42,6 @@ DEFAULT_MIN_SHARD_SIZE = 2**12  # elements; smaller tensors stay replicated unde
 def default_mesh_spec(stage: str) -> str:
     # Hybrid shards within a host and replicates across hosts (FSDP's HYBRID_SHARD).
     return f"replica:{jax.process_count()},shard:-1" if stage == "hybrid" else "data:-1"
-
-
-def _spec_axes(spec: P) -> tuple[str, ...]:
-    axes = []
-    for entry in spec:
-        if entry is not None:
-            axes.extend(entry if isinstance(entry, tuple) else (entry,))
-    return tuple(axes)
-
-
-def _gather(x, spec: P):
-    """The full array from this device's shard: all-gather each sharded dimension."""
-    for dim, axes in enumerate(spec):
-        if axes is not None:
-            x = lax.all_gather(x, axes, axis=dim, tiled=True)
-    return x
-
-
-def _scatter_sum(x, spec: P):
-    """Sum over the devices holding shards of `x`, each keeping its own shard: reduce-scatter."""
-    for dim, axes in enumerate(spec):
-        if axes is not None:
-            x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
-    return x
 
 
 class ZeroStrategy:
@@ -169,7 +145,7 @@ class ZeroStrategy:
 
     # ------------------------------------------------------------ per-device programs
     def _gather_params(self, params):
-        return jax.tree.map(_gather, params, self._specs.params)
+        return jax.tree.map(gather, params, self._specs.params)
 
     def _reduce_grads(self, grads):
         """Per-device gradients to the mean over all devices, laid out as `_grad_specs`."""
@@ -177,8 +153,8 @@ class ZeroStrategy:
 
         def reduce(grad, spec):
             if not self.shard_params:  # zero3 got the reduce-scatter from AD of the gather
-                grad = _scatter_sum(grad, spec)
-            rest = tuple(a for a in self.data_axes if a not in _spec_axes(spec))
+                grad = scatter_sum(grad, spec)
+            rest = tuple(a for a in self.data_axes if a not in spec_axes(spec))
             return (lax.psum(grad, rest) if rest else grad) / count
 
         return jax.tree.map(reduce, grads, self._grad_specs)

@@ -4,8 +4,9 @@ trainer = jddp.Trainer(model, loss_fn, optax.adam(1e-3))   # DDP over all local 
 state = trainer.init(seed=0, sample_batch=batch)
 state, metrics = trainer.step(state, batch)                  # batch = one *global* batch
 
-`model` is a Flax Linen or NNX module; for BatchNorm over the whole global batch, build it with
-`axis_name=jddp.batch_axis_name(strategy)`.
+`model` is a Flax Linen or NNX module; a BatchNorm with `axis_name="batch"` averages over the
+whole global batch under every strategy. `mesh="data:2,fsdp:2,tensor:2"` (with partition `rules`)
+lays the mesh strategies out over replicas, ZeRO shards and tensor parallelism.
 """
 
 from jddp import losses
@@ -20,8 +21,9 @@ from jddp.errors import (
     TrainingHalted,
     WorkdirError,
 )
+from jddp.sharding.mesh import DeviceMesh
 from jddp.state import TrainState
-from jddp.strategies import STRATEGIES, batch_axis_name
+from jddp.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.trainer import PlacedBatch, Trainer
 
 __version__ = "0.1.0"
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
+    "DeviceMesh",
     "JddpError",
     "PlacedBatch",
     "ShapeError",
@@ -41,5 +44,6 @@ __all__ = [
     "WorkdirError",
     "batch_axis_name",
     "default_config",
+    "device_mesh_for",
     "losses",
 ]

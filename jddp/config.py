@@ -61,12 +61,15 @@ def default_config() -> ml_collections.ConfigDict:
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
-    # Sharded strategies only. Mesh "AXIS:SIZE,...", one size may be -1; "" = the strategy's
-    # default ("data:-1"; hybrid: "replica:<processes>,shard:-1").
+    # Mesh strategies only. "ROLE:SIZE,..." over the roles data, fsdp, tensor, major to minor; one
+    # size may be -1; "" = the strategy's default ("fsdp:-1"; hybrid: "data:<processes>,fsdp:-1").
     c.parallel.mesh = ""
-    # ((regex over the parameter path, spec), ...), first match wins; then ("'.*", "fsdp").
+    # ((regex over the parameter path, spec), ...), first match wins; then (".*", "fsdp"). Empty
+    # on a mesh with a tensor axis: the model's tensor-parallel preset (GPT: Megatron's layout).
     c.parallel.rules = ()
     c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
+    c.parallel.sequence_parallel = False  # GPT: split activations along the sequence over tensor
+    c.parallel.allow_cross_host_tensor = False  # a tensor axis spanning processes is refused
     return c
 
 

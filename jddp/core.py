@@ -61,6 +61,8 @@ class Task:
     grad_accum_steps: int = 1
     log_grad_norm: bool = True
     skip_nonfinite: bool = False
+    # Axis names the model uses -> the strategy's axes they mean ({"batch": ("data", "fsdp")}).
+    axis_aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -70,7 +72,7 @@ class Task:
         if "loss" in self.metrics:
             raise ConfigError("'loss' is reserved for loss_fn; give the metric another name")
         # Linen and NNX modules alike, as init -> (params, model_state) and apply.
-        object.__setattr__(self, "_module", as_functional(self.model))
+        object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
 
     # ----------------------------------------------------------------------------- init
     def init_state(self, seed_key: jax.Array, sample_input: jax.Array) -> TrainState:

@@ -35,6 +35,7 @@ from jddp.model_fit import check_model_fits
 from jddp.preemption import PreemptionWatch
 from jddp.profiling import StepProfiler
 from jddp.progress import Progress
+from jddp.sharding.rules import fit_preset
 from jddp.throughput import Throughput
 from jddp.trainer import Trainer
 
@@ -57,25 +58,35 @@ def prepare_workdir(workdir: str, *, resumable: bool) -> None:
 
 def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Trainer:
     """The Trainer a config describes for `dataset`'s task; `strategy` and `mesh` override
-    `parallel.*`."""
+    `parallel.*`. The mesh comes first: the model takes its axis names from it."""
     strategy = strategy or config.parallel.strategy
     if mesh is None and strategy == config.parallel.strategy:
         mesh = config.parallel.mesh or None
+    device_mesh = strategies.device_mesh_for(
+        strategy, mesh, allow_cross_host_tensor=config.parallel.allow_cross_host_tensor
+    )
     objective = objectives.objective_for(dataset.kind)
+    tensor_axis = device_mesh.tensor_axis if device_mesh else None
     model = models.create_model(
         config.model,
         dataset.num_classes,
-        batch_axis_name=strategies.batch_axis_name(strategy, mesh),
+        batch_axis_name=device_mesh.batch_axes if device_mesh else strategies.DDP_AXIS,
+        tensor_axis=tensor_axis,
+        tensor_size=device_mesh.size("tensor") if device_mesh else 1,
+        sequence_parallel=config.parallel.sequence_parallel,
         **config.model_args,
     )
+    rules = tuple(config.parallel.rules) if strategy != "ddp" else ()
+    if tensor_axis and not rules:
+        rules = fit_preset(models.TENSOR_RULES.get(config.model, ()), device_mesh)
     return Trainer(
         model,
         objective.loss_fn,
         optim.create_optimizer(config, schedule),
         metrics=dict(objective.metrics),
         strategy=strategy,
-        mesh=mesh,
-        rules=config.parallel.rules if strategy != "ddp" else (),
+        mesh=device_mesh,
+        rules=rules,
         min_shard_size=config.parallel.min_shard_size,
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
@@ -95,10 +106,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     schedule = optim.learning_rate_schedule(config)
     trainer = build_trainer(config, dataset, schedule)
     objective = objectives.objective_for(dataset.kind)
-    num_devices = trainer.num_devices
-    check_divisible(config.global_batch_size, num_devices, config.grad_accum_steps)
+    num_devices, batch_shards = trainer.num_devices, trainer.batch_shards
+    check_divisible(config.global_batch_size, batch_shards, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
-    check_divisible(eval_batch_size, num_devices, 1)
+    check_divisible(eval_batch_size, batch_shards, 1)
 
     # ------------------------------------------- data (a missing or bad dataset leaves no workdir)
     data_options = data.DataOptions.from_config(config.data)
@@ -157,15 +168,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "config, seed and initial parameters", [config.to_json_best_effort(), _checksum(state)]
     )
     logging.info(
-        "%s on %s: %d parameters, strategy %s on %d devices, global batch %d (%d per device x %d "
-        "accumulation steps)",
+        "%s on %s: %d parameters, strategy %s on %d devices (mesh %s), global batch %d (%d per "
+        "batch slice x %d accumulation steps)",
         config.model,
         config.dataset,
         sum(x.size for x in jax.tree.leaves(state.params)),
         trainer.strategy.name,
         num_devices,
+        ",".join(f"{a}:{n}" for a, n in trainer.strategy.mesh.shape.items()),
         config.global_batch_size,
-        config.global_batch_size // (num_devices * config.grad_accum_steps),
+        config.global_batch_size // (batch_shards * config.grad_accum_steps),
         config.grad_accum_steps,
     )
     throughput = _throughput(config, trainer, objective, sample_batch)

@@ -1,6 +1,10 @@
 """Bytes per device: what the state occupies, and the compiled step's peak, from XLA itself."""
 
+import math
+
 import jax
+
+from jddp.sharding.rules import spec_axes
 
 
 def state_bytes_per_device(state) -> int:
@@ -12,6 +16,17 @@ def state_bytes_per_device(state) -> int:
             if shard.device == device:
                 total += shard.data.nbytes
     return total
+
+
+def sharded_bytes(tree, specs, mesh_shape) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `specs`
+    (PartitionSpecs) over a mesh of `mesh_shape` ({axis: size}): computed, nothing placed."""
+
+    def shard_bytes(x, spec):
+        split = math.prod(mesh_shape[a] for a in spec_axes(spec))
+        return x.size * x.dtype.itemsize // split
+
+    return sum(jax.tree.leaves(jax.tree.map(shard_bytes, tree, specs)))
 
 
 def peak_bytes(compiled) -> int:

@@ -6,9 +6,13 @@
 where `params` and `model_state` are plain nested dicts of arrays (the same paths for both kinds:
 `{"dense": {"kernel": ...}}`), so optimizers, sharding rules and checkpoints never see which kind
 of module is training.
+
+`axis_aliases` binds the axis names a module's layers reduce over to the strategy's: a pmap-era
+`nn.BatchNorm(axis_name="batch")` synchronizes over a mesh's `data` and `fsdp` axes unchanged.
 """
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -22,6 +26,19 @@ def _takes_train_flag(module) -> bool:
     return "train" in inspect.signature(type(module).__call__).parameters
 
 
+def _bound_axis_name(name, aliases: Mapping[str, Any]):
+    """`name` (an axis name or a tuple of them) with every alias replaced by what it means."""
+    if isinstance(name, str):
+        return aliases.get(name, name)
+    if isinstance(name, tuple) and any(n in aliases for n in name):
+        bound = []
+        for n in name:
+            meant = aliases.get(n, n)
+            bound.extend(meant if isinstance(meant, tuple) else (meant,))
+        return tuple(bound)
+    return name
+
+
 class LinenModule:
     """A Linen module: parameters in `params`, mutable collections (`batch_stats`, ...) as state.
 
@@ -29,9 +46,21 @@ class LinenModule:
     the `dropout` RNG stream.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, axis_aliases: Mapping[str, Any]):
         self.module = module
         self._takes_train = _takes_train_flag(module)
+        self._aliases = dict(axis_aliases)
+
+    def _bind_axis_names(self, next_fun, args, kwargs, context):
+        """A method interceptor: layers whose `axis_name` is an alias reduce over its axes.
+        It rebinds the module instance bound to this apply, never the user's own."""
+        module = context.module
+        name = getattr(module, "axis_name", None)
+        if name is not None:
+            bound = _bound_axis_name(name, self._aliases)
+            if bound is not name:
+                object.__setattr__(module, "axis_name", bound)
+        return next_fun(*args, **kwargs)
 
     def _mode(self, train: bool) -> dict:
         return {"train": train} if self._takes_train else {}
@@ -41,6 +70,12 @@ class LinenModule:
         return variables.pop("params"), variables
 
     def apply(self, params, model_state, inputs, *, train: bool, rng=None):
+        if self._aliases:
+            with nn.intercept_methods(self._bind_axis_names):
+                return self._apply(params, model_state, inputs, train=train, rng=rng)
+        return self._apply(params, model_state, inputs, train=train, rng=rng)
+
+    def _apply(self, params, model_state, inputs, *, train: bool, rng):
         variables = {"params": params, **model_state}
         rngs = {"dropout": rng} if rng is not None else None
         if train and model_state:
@@ -89,8 +124,14 @@ class NnxModule:
     RNG stream of the module is reseeded from the step's key on each training step.
     """
 
-    def __init__(self, module: nnx.Module):
+    def __init__(self, module: nnx.Module, axis_aliases: Mapping[str, Any]):
         self._takes_train = _takes_train_flag(module)
+        if axis_aliases:  # on a copy: the user's module keeps its own axis names
+            module = nnx.clone(module)
+            for _, node in nnx.iter_graph(module):
+                name = getattr(node, "axis_name", None)
+                if isinstance(node, nnx.Module) and name is not None:
+                    node.axis_name = _bound_axis_name(name, axis_aliases)
         self._graphdefs = {
             train: nnx.split(_mode_view(module, train))[0] for train in (True, False)
         }
@@ -128,12 +169,13 @@ def _partition(module: nnx.Module):
     return nnx.split(module, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
 
 
-def as_functional(model) -> LinenModule | NnxModule:
+def as_functional(model, axis_aliases: Mapping[str, Any] = ()) -> LinenModule | NnxModule:
     """The functional view of a Linen or NNX module; anything else is a ConfigError."""
+    aliases = dict(axis_aliases)
     if isinstance(model, nn.Module):
-        return LinenModule(model)
+        return LinenModule(model, aliases)
     if isinstance(model, nnx.Module):
-        return NnxModule(model)
+        return NnxModule(model, aliases)
     raise ConfigError(
         f"model must be a flax.linen.Module or a flax.nnx.Module instance, got "
         f"{type(model).__name__}; pass an instance such as MyNet() or MyNet(rngs=nnx.Rngs(0))"

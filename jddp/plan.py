@@ -1,24 +1,24 @@
-"""Plan before you launch: per-device memory of every strategy for a config, from XLA itself.
+"""Plan before you launch: per-device memory of every strategy and mesh for a config, from XLA.
 
     python -m jddp.plan --config=experiments/configs/digits_mlp.py --devices=8 \
         --device_memory=80GB [--devices_per_host=8] [--config.KEY=VALUE ...]
 
-For each strategy it prints the bytes one device holds of parameters, averaged gradients and
-optimizer state (from `jax.eval_shape` and the partition rules: exact), and the compiled train
-step's peak (XLA's `memory_analysis` of the real step, compiled for N simulated CPU devices: an
+It lists ddp and every factorization of the devices into data x fsdp x tensor that the model
+admits, under each ZeRO stage that differs there (with fsdp:1 the stages are all one, listed as
+zero3), and prints the bytes one device holds of parameters, averaged gradients and optimizer
+state (from `jax.eval_shape` and the partition rules: exact), and the compiled train step's peak
+(XLA's `memory_analysis` of the real step, compiled for N simulated CPU devices: an
 accelerator's compiler fuses differently, so treat the peak as close, not exact). It says which
-strategies fit; if none does, it says by how much the best one is over and exits with code 2.
+plans fit; if none does, it says by how much the best one is over and exits with code 2.
+`--devices_per_host` keeps the tensor axis inside a host.
 """
 
-import math
 import os
 import re
 
 from absl import app, flags
 
 from jddp.cli import ConfigFlag, fail, quiet_library_logs
-
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hybrid")
 
 CONFIG = ConfigFlag(
     os.path.join(
@@ -35,7 +35,7 @@ _DEVICE_MEMORY = flags.DEFINE_string(
 _DEVICES_PER_HOST = flags.DEFINE_integer(
     "devices_per_host",
     0,
-    "Devices per host, for hybrid's mesh (replica = devices / this); 0 = all devices on one host.",
+    "Devices per host: the tensor axis stays inside one; 0 = all devices on one host.",
 )
 
 _UNITS = {
@@ -59,29 +59,43 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def _per_device_bytes(tree, specs, mesh_shape) -> int:
-    import jax
+def factorizations(num_devices: int, tensor_limit: int) -> list[dict[str, int]]:
+    """Every {data, fsdp, tensor} whose product is `num_devices`, tensor at most `tensor_limit`
+    (the devices of one host), data-major."""
+    divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+    meshes = []
+    for tensor in divisors:
+        for data in divisors:
+            if tensor <= tensor_limit and (num_devices // tensor) % data == 0:
+                meshes.append(
+                    {"data": data, "fsdp": num_devices // tensor // data, "tensor": tensor}
+                )
+    return sorted(meshes, key=lambda m: (m["tensor"], m["data"]))
 
-    def shard_bytes(x, spec):
-        axes = [
-            a
-            for entry in spec
-            if entry is not None
-            for a in (entry if isinstance(entry, tuple) else (entry,))
-        ]
-        return x.size * x.dtype.itemsize // math.prod(mesh_shape[a] for a in axes)
 
-    return sum(jax.tree.leaves(jax.tree.map(shard_bytes, tree, specs)))
+def candidates(num_devices: int, devices_per_host: int) -> list[tuple[str, str | None]]:
+    """(strategy, mesh spec) pairs to plan: ddp, then each stage on each mesh where it differs."""
+    plans = [("ddp", None)]
+    for mesh in factorizations(num_devices, devices_per_host or num_devices):
+        if mesh["fsdp"] == 1 and mesh["tensor"] == 1:
+            continue  # only replicas: that is ddp
+        spec = ",".join(f"{role}:{size}" for role, size in mesh.items() if size > 1)
+        stages = ("zero1", "zero2", "zero3") if mesh["fsdp"] > 1 else ("zero3",)
+        plans += [(stage, spec) for stage in stages]
+    return plans
 
 
 def plan(config, num_devices: int, devices_per_host: int) -> list[dict]:
-    """One row per strategy: per-device bytes of each kind and the compiled step's peak."""
+    """One row per (strategy, mesh) the model admits: per-device bytes of each kind and the
+    compiled step's peak. Meshes the model cannot split over (a tensor axis it has no rules
+    for, heads that do not divide) are left out."""
     import jax
     import numpy as np
 
     from jddp import data, optim
+    from jddp.errors import ConfigError
     from jddp.experiment import build_trainer
-    from jddp.memory import peak_bytes
+    from jddp.memory import peak_bytes, sharded_bytes
 
     dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
     schedule = optim.learning_rate_schedule(config)
@@ -93,25 +107,24 @@ def plan(config, num_devices: int, devices_per_host: int) -> list[dict]:
         )
         for name, x in sample.items()
     }
-    hosts = num_devices // (devices_per_host or num_devices)
     rows = []
-    for name in STRATEGIES:
-        mesh = f"replica:{hosts},shard:-1" if name == "hybrid" else None
-        trainer = build_trainer(config, dataset, schedule, strategy=name, mesh=mesh)
-        state = jax.eval_shape(
-            trainer.task.init_state, jax.random.key(0), sample[trainer.task.input_key]
-        )
-        state_specs, grad_specs = trainer.strategy.layout(state)
+    for name, mesh in candidates(num_devices, devices_per_host):
+        try:
+            trainer = build_trainer(config, dataset, schedule, strategy=name, mesh=mesh)
+            state = trainer.abstract_state(sample)
+        except ConfigError:
+            continue  # the model does not split this way
+        state_specs, grad_specs = trainer.strategy.layout()
         mesh_shape = dict(trainer.strategy.mesh.shape)
-        args = trainer.strategy.abstract_inputs(state, batch)
-        compiled = trainer.strategy.lower_train_step(*args).compile()
+        placed = trainer.strategy.abstract_batch(batch)
+        compiled = trainer.strategy.lower_train_step(state, placed).compile()
         rows.append(
             {
                 "strategy": name,
                 "mesh": ",".join(f"{a}:{s}" for a, s in mesh_shape.items()),
-                "params": _per_device_bytes(state.params, state_specs.params, mesh_shape),
-                "grads": _per_device_bytes(state.params, grad_specs, mesh_shape),
-                "optimizer": _per_device_bytes(state.opt_state, state_specs.opt_state, mesh_shape),
+                "params": sharded_bytes(state.params, state_specs.params, mesh_shape),
+                "grads": sharded_bytes(state.params, grad_specs, mesh_shape),
+                "optimizer": sharded_bytes(state.opt_state, state_specs.opt_state, mesh_shape),
                 "peak": peak_bytes(compiled),
             }
         )
@@ -164,16 +177,17 @@ def main(argv: list[str]) -> None:
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
     for line in (header, *table):
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
-    fitting = [r["strategy"] for r in rows if r["peak"] <= memory]
+    fitting = [f"{r['strategy']} {r['mesh']}" for r in rows if r["peak"] <= memory]
     if not fitting:
         best = min(rows, key=lambda r: r["peak"])
         fail(
-            f"fits nowhere: the smallest step peak is {best['strategy']}'s "
-            f"{format_bytes(best['peak'])} per device, {format_bytes(best['peak'] - memory)} over "
+            f"fits nowhere: the smallest step peak is {best['strategy']}'s on "
+            f"{best['mesh']}, {format_bytes(best['peak'])} per device, "
+            f"{format_bytes(best['peak'] - memory)} over "
             f"the {format_bytes(memory)} of a device; add devices, lower global_batch_size or "
             "raise grad_accum_steps, or use bfloat16 compute"
         )
-    print(f"fits: {', '.join(fitting)}")
+    print(f"fits: {'; '.join(fitting)}")
 
 
 if __name__ == "__main__":

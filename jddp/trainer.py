@@ -1,7 +1,9 @@
 """`Trainer`: the library entry point. Your Flax module, loss and optax optimizer, data-parallel."""
 
 import collections
+import contextlib
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import jax
@@ -11,10 +13,11 @@ from flax import linen as nn
 
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
-from jddp.errors import ShapeError
+from jddp.errors import ConfigError, ShapeError
 from jddp.memory import peak_bytes, state_bytes_per_device
+from jddp.sharding.mesh import DeviceMesh
 from jddp.state import TrainState
-from jddp.strategies import make_strategy
+from jddp.strategies import device_mesh_for, make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
@@ -43,10 +46,12 @@ class Trainer:
     several processes train together); the trainer splits them across devices and
     `grad_accum_steps` micro-batches, so results do not depend on the device count.
 
-    `strategy`: `ddp` (pmap over the local devices) or `zero1`, `zero2`, `zero3` (= `fsdp`),
-    `hybrid` (a `jax.sharding.Mesh` over all devices: `mesh` like `"replica:2,shard:-1"`,
-    partition `rules` as `(regex, spec)` pairs, tensors under `min_shard_size` elements
-    replicated); see `jddp/strategies/zero.py` and `jddp/sharding/rules.py`.
+    `strategy`: `ddp` (pmap over every device) or `zero1`, `zero2`, `zero3` (= `fsdp`),
+    `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
+    or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
+    `min_shard_size` elements replicated); see `jddp/strategies/zero.py` and
+    `jddp/sharding/rules.py`. A layer reducing over the axis `"batch"` (a pmap-era
+    `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     """
 
     def __init__(
@@ -58,7 +63,7 @@ class Trainer:
         metrics: Mapping[str, PerExampleFn] | None = None,
         strategy: str = "ddp",
         devices: Sequence[jax.Device] | None = None,
-        mesh: str | None = None,
+        mesh: str | DeviceMesh | None = None,
         rules: Sequence[tuple[str, str]] = (),
         min_shard_size: int | None = None,
         grad_accum_steps: int = 1,
@@ -67,6 +72,11 @@ class Trainer:
         log_grad_norm: bool = True,
         skip_nonfinite: bool = False,
     ):
+        # The mesh first: the model's axis names are the strategy's.
+        self.device_mesh = (
+            mesh if isinstance(mesh, DeviceMesh) else device_mesh_for(strategy, mesh, devices)
+        )
+        batch_axes = self.device_mesh.batch_axes if self.device_mesh else ()
         self.task = Task(
             model=model,
             loss_fn=loss_fn,
@@ -77,20 +87,36 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            axis_aliases={"batch": batch_axes} if self.device_mesh else {},
         )
         self.strategy = make_strategy(
-            strategy, self.task, devices, mesh=mesh, rules=rules, min_shard_size=min_shard_size
+            strategy,
+            self.task,
+            self.device_mesh,
+            devices,
+            rules=rules,
+            min_shard_size=min_shard_size,
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
+        self._abstract_for = None  # (input shape, dtype) the strategy was prepared for
 
     @property
     def num_devices(self) -> int:
         return self.strategy.num_devices
 
+    @property
+    def batch_shards(self) -> int:
+        """Into how many slices each global batch is split (devices along `tensor` share one)."""
+        return self.device_mesh.batch_shards if self.device_mesh else self.num_devices
+
     def init(self, seed: int, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
         """The initial state from `seed`, placed on the devices (one example shapes the model)."""
-        sample_input = np.asarray(self._model_input(sample_batch))[:1]
-        return self.strategy.init_state(seed, sample_input)
+        self.abstract_state(sample_batch)
+        with _axis_names_checked():
+            return self.strategy.init_state(seed, self._sample_input(sample_batch))
+
+    def _sample_input(self, sample_batch) -> np.ndarray:
+        return np.asarray(self._model_input(sample_batch))[:1]
 
     def _model_input(self, batch):
         if self.task.input_key not in batch:
@@ -101,14 +127,23 @@ class Trainer:
         return batch[self.task.input_key]
 
     def abstract_state(self, sample_batch) -> TrainState:
-        """The state's shapes, dtypes and shardings, without computing it: a restore target."""
-        sample_input = np.asarray(self._model_input(sample_batch))[:1]
-        state = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
-        return jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            state,
-            self.strategy.state_shardings(state),
-        )
+        """The state's shapes, dtypes and shardings, without computing it: a restore target.
+
+        Computed once per model input shape; the strategy lays the state out and builds its
+        step programs then."""
+        sample_input = self._sample_input(sample_batch)
+        key = (sample_input.shape, sample_input.dtype)
+        if self._abstract_for != key:
+            with _axis_names_checked():
+                shapes = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
+            self.strategy.prepare(shapes)
+            self._abstract = jax.tree.map(
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                shapes,
+                self.strategy.state_shardings(),
+            )
+            self._abstract_for = key
+        return self._abstract
 
     def replace_params(self, state: TrainState, params) -> TrainState:
         """`state` with `params` (host arrays shaped like its own) placed as its own are."""
@@ -127,7 +162,7 @@ class Trainer:
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
         global_rows = len(self._model_input(batch)) * jax.process_count()  # equal rows each
-        check_divisible(global_rows, self.num_devices, self.task.grad_accum_steps)
+        check_divisible(global_rows, self.batch_shards, self.task.grad_accum_steps)
         return PlacedBatch(self.strategy.place_batch(batch))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -139,7 +174,8 @@ class Trainer:
         """
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
-        state, metrics = self.strategy.train_step(state, batch.arrays)
+        with _axis_names_checked():
+            state, metrics = self.strategy.train_step(state, batch.arrays)
         self._in_flight.add(metrics["loss"])
         return state, metrics
 
@@ -153,9 +189,10 @@ class Trainer:
         for batch in batches:
             if padded_size is None:
                 size = len(self._model_input(batch))
-                padded_size = -(-size // self.num_devices) * self.num_devices
+                padded_size = -(-size // self.batch_shards) * self.batch_shards
             placed = self.strategy.place_batch(pad_batch(batch, padded_size))
-            sums.append(self.strategy.eval_step(state, placed))
+            with _axis_names_checked():
+                sums.append(self.strategy.eval_step(state, placed))
             self._in_flight.add(sums[-1]["count"])
         if not sums:
             raise ValueError("evaluate() got no batches")
@@ -169,7 +206,8 @@ class Trainer:
         """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
-        compiled = self.strategy.lower_train_step(state, batch.arrays).compile()
+        with _axis_names_checked():
+            compiled = self.strategy.lower_train_step(state, batch.arrays).compile()
         return {
             "state_bytes_per_device": state_bytes_per_device(state),
             "peak_bytes_per_device": peak_bytes(compiled),
@@ -182,6 +220,23 @@ class Trainer:
     def host_state(self, state: TrainState) -> TrainState:
         """The state as ordinary numpy arrays on the host, whatever the strategy."""
         return self.strategy.host_state(state)
+
+
+@contextlib.contextmanager
+def _axis_names_checked():
+    """A model reducing over an axis no strategy has is a one-line ConfigError, not JAX's
+    NameError from deep inside the trace."""
+    try:
+        yield
+    except NameError as e:
+        match = re.search(r"unbound axis name: (\w+)", str(e))
+        if not match:
+            raise
+        raise ConfigError(
+            f"the model reduces over an axis named {match.group(1)!r}, which this strategy does "
+            "not have; name the batch axis 'batch' (e.g. nn.BatchNorm(axis_name='batch')): "
+            "jddp binds it to the strategy's batch axes"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,3 +27,19 @@ def train_steps(trainer, state, batches):
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+def save_and_restore(writer, state, reader, sample_batch, directory: str, step: int = 10):
+    """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
+    `reader`'s layout (orbax reshards on load); returns (step, state, meta)."""
+    from jddp.checkpoint import Checkpoints
+
+    checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
+    checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)
+    checkpoints.wait()
+    checkpoints.close()
+    checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
+    try:
+        return checkpoints.restore_latest(reader.abstract_state(sample_batch))
+    finally:
+        checkpoints.close()

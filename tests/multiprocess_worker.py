@@ -13,7 +13,14 @@ import numpy as np  # noqa: E402
 
 import jddp  # noqa: E402
 from jddp.checkpoint import shapes_by_path  # noqa: E402
-from tests.reference import SmallNet, make_batches, optimizer_for, per_example_ce  # noqa: E402
+from tests.reference import (  # noqa: E402
+    TENSOR_RULES,
+    SmallNet,
+    TensorNet,
+    make_batches,
+    optimizer_for,
+    per_example_ce,
+)
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -22,9 +29,13 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 
 def main(strategy: str, out: str) -> None:
+    """`strategy` is a name, or `NAME@MESH` for TensorNet with its tensor rules on MESH."""
+    strategy, _, mesh = strategy.partition("@")
     options = {"min_shard_size": 1} if strategy != "ddp" else {}
+    if mesh:
+        options |= {"mesh": mesh, "rules": TENSOR_RULES}
     trainer = jddp.Trainer(
-        SmallNet(),
+        TensorNet() if mesh else SmallNet(),
         per_example_ce,
         optimizer_for(clip=True),
         strategy=strategy,

@@ -22,6 +22,20 @@ def per_example_ce(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
 
 
+class TensorNet(nn.Module):
+    """A user's module written with no thought of tensor parallelism; `TENSOR_RULES` give it
+    Megatron's layout (fc split by columns, proj by rows)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(32, name="fc")(x.reshape(x.shape[0], -1)))
+        y = nn.LayerNorm(name="ln")(nn.Dense(16, name="proj")(h))
+        return nn.Dense(5, name="head")(y)
+
+
+TENSOR_RULES = (("fc/kernel", "fsdp,tensor"), ("fc/bias", "tensor"), ("proj/kernel", "tensor,fsdp"))
+
+
 def make_batches(seed=0):
     rng = np.random.default_rng(seed)
     return [
@@ -33,9 +47,10 @@ def make_batches(seed=0):
     ]
 
 
-def reference_training(params, optimizer, batches):
-    """Single device: mean cross-entropy over the whole global batch, one optax update per batch."""
-    model = SmallNet()
+def reference_training(params, optimizer, batches, model=None):
+    """Single device: mean cross-entropy over the whole global batch, one optax update per batch
+    (of SmallNet, or of `model`, a Linen module)."""
+    model = model or SmallNet()
 
     def loss_fn(params, model_state, batch):
         logits = model.apply({"params": params}, batch["image"])
@@ -45,9 +60,10 @@ def reference_training(params, optimizer, batches):
     return params, losses
 
 
-def plain_training(loss_fn, params, model_state, optimizer, batches):
+def plain_training(loss_fn, params, model_state, optimizer, batches, with_opt_state=False):
     """One optax update per batch on one device. `loss_fn(params, model_state, batch)` returns
-    (mean loss over the whole batch, updated model_state). Returns (params, model_state, losses)."""
+    (mean loss over the whole batch, updated model_state). Returns (params, model_state, losses),
+    and the optimizer state last if `with_opt_state`."""
 
     @jax.jit
     def step(params, model_state, opt_state, batch):
@@ -61,7 +77,8 @@ def plain_training(loss_fn, params, model_state, optimizer, batches):
     for batch in batches:
         params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
         losses.append(float(loss))
-    return jax.device_get(params), jax.device_get(model_state), losses
+    result = jax.device_get(params), jax.device_get(model_state), losses
+    return (*result, jax.device_get(opt_state)) if with_opt_state else result
 
 
 def batchnorm_classifier_loss(model):

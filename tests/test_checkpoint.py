@@ -13,10 +13,10 @@ import pytest
 import jddp
 from experiments.configs import digits_mlp
 from jddp import data
-from jddp.checkpoint import Checkpoints, load_params
+from jddp.checkpoint import load_params
 from jddp.errors import TrainingHalted
 from jddp.experiment import train_and_evaluate
-from tests.helpers import run_cli
+from tests.helpers import run_cli, save_and_restore
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -47,7 +47,7 @@ def make_trainer(strategy, num_devices, mesh=None, **kwargs):
         (("ddp", 8, None), ("zero3", 4, None)),
         (("zero3", 8, None), ("ddp", 2, None)),
         (("zero1", 4, None), ("zero2", 8, None)),
-        (("hybrid", 8, "replica:2,shard:4"), ("zero3", 2, None)),
+        (("hybrid", 8, "data:2,fsdp:4"), ("zero3", 2, None)),
     ],
 )
 def test_restore_into_another_strategy_and_device_count(tmp_path, source, target):
@@ -58,15 +58,9 @@ def test_restore_into_another_strategy_and_device_count(tmp_path, source, target
     for batch in batches[:10]:
         state, _ = writer.step(state, batch)
     saved = writer.host_state(state)
-    checkpoints = Checkpoints(str(tmp_path / "checkpoints"), every=10, max_to_keep=2)
-    checkpoints.save(10, state, {"data": None}, force=True)
-    checkpoints.wait()
-    checkpoints.close()
-
     reader = make_trainer(*target)
-    checkpoints = Checkpoints(str(tmp_path / "checkpoints"), every=10, max_to_keep=2)
-    step, state, meta = checkpoints.restore_latest(reader.abstract_state(batches[0]))
-    checkpoints.close()
+    directory = str(tmp_path / "checkpoints")
+    step, state, meta = save_and_restore(writer, state, reader, batches[0], directory)
     assert step == 10 and meta == {"data": None}
     assert state.params["Dense_0"]["kernel"].sharding.mesh.size == target[1]
     jax.tree.map(np.testing.assert_array_equal, reader.host_state(state), saved)  # exact

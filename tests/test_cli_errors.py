@@ -28,12 +28,12 @@ MISTAKES = [
     ),
     (
         ["--config.parallel.strategy=zero1", "--config.parallel.rules=(('kernel','model'),)"],
-        ["names mesh axis 'model'", "data"],
+        ["names mesh axis 'model'", "fsdp"],
     ),
     (
         [
             "--config.parallel.strategy=zero3",
-            "--config.parallel.rules=(('hidden_1/kernel','None,None,data'),)",
+            "--config.parallel.rules=(('hidden_1/kernel','None,None,fsdp'),)",
         ],
         ["3 entries", "'hidden_1/kernel'", "(256, 256)"],
     ),

@@ -21,28 +21,41 @@ REPLICATED = 256 * 10 + 256 + 256 + 10
 PARAMS = SHARDED + REPLICATED
 
 
-def test_plan_gives_exact_per_device_bytes_for_every_strategy():
-    rows = {row["strategy"]: row for row in plan(digits_mlp.get_config(), 8, 0)}
-    assert list(rows) == ["ddp", "zero1", "zero2", "zero3", "hybrid"]
-    full, sharded = 4 * PARAMS, 4 * (SHARDED // 8 + REPLICATED)
-    expected = {  # (params, grads, optimizer): Adam keeps two moments per parameter
-        "ddp": (full, full, 2 * full),
-        "zero1": (full, full, 2 * sharded),
-        "zero2": (full, sharded, 2 * sharded),
-        "zero3": (sharded, sharded, 2 * sharded),
-        "hybrid": (sharded, sharded, 2 * sharded),
-    }
-    for name, (params, grads, optimizer) in expected.items():
-        row = rows[name]
-        assert (row["params"], row["grads"]) == (params, grads), name
+def test_plan_gives_exact_per_device_bytes_for_every_strategy_and_mesh():
+    rows = {(row["strategy"], row["mesh"]): row for row in plan(digits_mlp.get_config(), 8, 0)}
+    # The MLP has no tensor rules: meshes with a tensor axis are left out; fsdp 8, 4 and 2.
+    meshes = ["fsdp:8", "data:2,fsdp:4", "data:4,fsdp:2"]
+    assert list(rows) == [("ddp", "batch:8")] + [
+        (stage, mesh) for mesh in meshes for stage in ("zero1", "zero2", "zero3")
+    ]
+    full = 4 * PARAMS
+
+    def sharded(fsdp):  # the 64x256 and 256x256 kernels split over fsdp
+        return 4 * (SHARDED // fsdp + REPLICATED)
+
+    for (name, mesh), row in rows.items():
+        fsdp = {"fsdp:8": 8, "data:2,fsdp:4": 4, "data:4,fsdp:2": 2}.get(mesh, 1)
+        params, grads, optimizer = {  # Adam keeps two moments per parameter
+            "ddp": (full, full, 2 * full),
+            "zero1": (full, full, 2 * sharded(fsdp)),
+            "zero2": (full, sharded(fsdp), 2 * sharded(fsdp)),
+            "zero3": (sharded(fsdp), sharded(fsdp), 2 * sharded(fsdp)),
+        }[name]
+        assert (row["params"], row["grads"]) == (params, grads), (name, mesh)
         assert row["optimizer"] == pytest.approx(optimizer, abs=64), name  # + Adam's step count
-    peaks = [rows[name]["peak"] for name in ("ddp", "zero1", "zero2", "zero3")]
+    peaks = [
+        rows[key]["peak"]
+        for key in [("ddp", "batch:8")] + [(s, "fsdp:8") for s in ("zero1", "zero2", "zero3")]
+    ]
     assert peaks == sorted(peaks, reverse=True)  # each stage holds less than the one before
+
+
+MESHES_OF = ("batch:8", "fsdp:8")  # ddp's and zero3's default meshes
 
 
 def test_planned_peak_is_the_peak_of_the_real_step():
     config = digits_mlp.get_config()
-    rows = {row["strategy"]: row for row in plan(config, 8, 0)}
+    rows = {row["strategy"]: row for row in plan(config, 8, 0) if row["mesh"] in MESHES_OF}
     dataset = data.get_dataset(config.dataset)
     rng = np.random.default_rng(0)
     batch = {
@@ -71,9 +84,9 @@ def run_plan(*args):
 def test_cli_lists_strategies_that_fit():
     result = run_plan("--devices=4", "--device_memory=80GB")
     assert result.returncode == 0, result.stderr
-    for name in ("ddp", "zero1", "zero2", "zero3", "hybrid"):
+    for name in ("ddp", "zero1", "zero2", "zero3", "data:2,fsdp:2"):
         assert name in result.stdout
-    assert "fits: ddp, zero1, zero2, zero3, hybrid" in result.stdout
+    assert "fits: ddp batch:4; zero1 fsdp:4; zero2 fsdp:4; zero3 fsdp:4" in result.stdout
 
 
 def test_cli_refuses_a_config_that_fits_nowhere_in_one_line():

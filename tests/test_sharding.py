@@ -22,7 +22,7 @@ from tests.reference import (
 
 # (strategy, devices, mesh): every stage on 2, 4 and 8 devices, and hybrid meshes with replicas.
 CASES = [(s, n, None) for s in ("zero1", "zero2", "zero3", "hybrid") for n in (2, 4, 8)]
-CASES += [("hybrid", 4, "replica:2,shard:2"), ("hybrid", 8, "replica:2,shard:4")]
+CASES += [("hybrid", 4, "data:2,fsdp:2"), ("hybrid", 8, "data:2,fsdp:4")]
 
 
 def sharded_trainer(strategy, num_devices=8, mesh=None, optimizer=None, model=None, **kwargs):
@@ -44,9 +44,7 @@ def test_matches_single_device_reference(strategy, num_devices, mesh):
     optimizer, batches = optimizer_for(clip=True), make_batches()
     trainer = sharded_trainer(strategy, num_devices, mesh, optimizer, grad_accum_steps=2)
     assert max(train_and_compare(trainer, optimizer, batches)) > CLIP_NORM  # clipping bit
-    layout, _ = trainer.strategy.layout(
-        jax.eval_shape(trainer.task.init_state, jax.random.key(0), batches[0]["image"][:1])
-    )
+    layout, _ = trainer.strategy.layout()
     sharded = [spec for spec in jax.tree.leaves(layout.opt_state) if tuple(spec)]
     assert sharded  # the optimizer state really was sharded (and parameters, from zero3 on)
     assert bool(tuple(layout.params["Dense_0"]["kernel"])) == (strategy in ("zero3", "hybrid"))
@@ -59,9 +57,7 @@ def test_state_fetched_to_host_equals_ddps_and_init_is_the_same():
         trainer = (
             jddp.Trainer(SmallNet(), per_example_ce, optimizer_for(clip=True))
             if strategy == "ddp"
-            else sharded_trainer(
-                strategy, mesh="replica:2,shard:4" if strategy == "hybrid" else None
-            )
+            else sharded_trainer(strategy, mesh="data:2,fsdp:4" if strategy == "hybrid" else None)
         )
         state = trainer.init(seed=4, sample_batch=batches[0])
         initial = trainer.host_state(state)
@@ -137,7 +133,7 @@ PARAM_BYTES = 4 * EVEN_PARAMS
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hybrid"])
 def test_compiled_step_holds_exactly_the_strategys_collectives(strategy):
-    mesh = "replica:2,shard:4" if strategy == "hybrid" else None
+    mesh = "data:2,fsdp:4" if strategy == "hybrid" else None
     trainer = even_trainer(strategy, **({"mesh": mesh} if mesh else {}))
     batch = make_batches()[0]
     state = trainer.init(seed=0, sample_batch=batch)
@@ -162,11 +158,14 @@ def test_compiled_step_holds_exactly_the_strategys_collectives(strategy):
 def test_zero3_initializes_into_shards_without_a_whole_copy():
     trainer = even_trainer("zero3")
     sample = make_batches()[0]["image"][:1]
+    trainer.abstract_state(make_batches()[0])  # lays the state out
     compiled = trainer.strategy.lower_init(0, sample).compile()
     # Each device produces its own 1/8 of parameters and moments (1.5 bytes per parameter) plus
     # temporaries; at no point does it hold a whole copy of the parameters (4 bytes each).
     assert peak_bytes(compiled) < PARAM_BYTES
-    replicated = even_trainer("zero1", min_shard_size=2**40).strategy.lower_init(0, sample)
+    zero1 = even_trainer("zero1", min_shard_size=2**40)
+    zero1.abstract_state(make_batches()[0])
+    replicated = zero1.strategy.lower_init(0, sample)
     assert peak_bytes(replicated.compile()) >= 3 * PARAM_BYTES  # the contrast: a full copy
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     for leaf in jax.tree.leaves(state.params):
@@ -176,11 +175,11 @@ def test_zero3_initializes_into_shards_without_a_whole_copy():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"strategy": "zero3", "mesh": "data:3"}, r"data=3 = 3 devices but 8 are present"),
-        ({"strategy": "hybrid", "mesh": "replica:3,shard:-1"}, r"8 devices do not divide"),
-        ({"strategy": "zero2", "mesh": "data"}, r"'data' is not AXIS:SIZE"),
-        ({"strategy": "ddp", "mesh": "data:8"}, r"do not apply to ddp"),
-        ({"strategy": "zero1", "rules": [("kernel", "model")]}, r"names mesh axis 'model'.*data"),
+        ({"strategy": "zero3", "mesh": "fsdp:3"}, r"fsdp=3 = 3 devices but 8 are present"),
+        ({"strategy": "hybrid", "mesh": "data:3,fsdp:-1"}, r"8 devices do not divide"),
+        ({"strategy": "zero2", "mesh": "fsdp"}, r"'fsdp' is not ROLE:SIZE"),
+        ({"strategy": "ddp", "mesh": "fsdp:8"}, r"does not apply to ddp"),
+        ({"strategy": "zero1", "rules": [("kernel", "model")]}, r"names mesh axis 'model'.*fsdp"),
         ({"strategy": "zero1", "rules": [("kernel", "x", "y")]}, r"not a \(regex, spec\) pair"),
     ],
 )
@@ -196,7 +195,7 @@ def test_bad_mesh_or_rule_is_a_one_line_config_error(kwargs, message):
 
 
 def test_rule_that_does_not_divide_names_the_parameter_and_sizes():
-    trainer = sharded_trainer("zero3", rules=[("Dense_1/kernel", "None,data")])
+    trainer = sharded_trainer("zero3", rules=[("Dense_1/kernel", "None,fsdp")])
     with pytest.raises(jddp.ConfigError) as info:
         trainer.init(seed=0, sample_batch=make_batches()[0])
     message = str(info.value)
@@ -205,11 +204,11 @@ def test_rule_that_does_not_divide_names_the_parameter_and_sizes():
 
 
 def test_explicit_rules_override_the_default_and_first_match_wins():
-    rules = [("Dense_0/kernel", "replicate"), ("Dense_0/.*", "data"), ("kernel", "replicate")]
+    rules = [("Dense_0/kernel", "replicate"), ("Dense_0/.*", "fsdp"), ("kernel", "replicate")]
     trainer = sharded_trainer("zero3", rules=rules)
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     specs = jax.tree.map(lambda x: tuple(x.sharding.spec), state.params)
     assert specs["Dense_0"]["kernel"] == ()  # first rule
-    assert specs["Dense_0"]["bias"] == ("data",)  # second rule
+    assert specs["Dense_0"]["bias"] == ("fsdp",)  # second rule
     assert specs["Dense_1"]["kernel"] == ()  # third rule
     assert specs["Dense_1"]["bias"] == ()  # default fsdp: 5 does not divide by 8

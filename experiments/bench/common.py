@@ -42,6 +42,26 @@ def timed_steps(step, state, batch, steps: int):
     return state, time.perf_counter() - start
 
 
+def trainer_windows(runs: dict[str, list], steps: int) -> dict[str, Callable[[], float]]:
+    """A timed window of `steps` `Trainer.step`s per entry of `runs` ({name: [trainer, state,
+    placed batch]}); each window carries the state on (`runs[name][1]`)."""
+
+    def window(name):
+        def run():
+            trainer, state, placed = runs[name]
+
+            def step(state, batch):
+                state, metrics = trainer.step(state, batch)
+                return state, metrics["loss"]
+
+            runs[name][1], seconds = timed_steps(step, state, placed, steps)
+            return seconds
+
+        return run
+
+    return {name: window(name) for name in runs}
+
+
 def paired_ratio(timings: dict, numerator: str, denominator: str) -> float:
     """Median over rounds of `denominator`'s time over `numerator`'s in the same round: the
     speed ratio numerator / denominator, robust to the machine drifting between rounds."""

@@ -31,7 +31,7 @@ STRATEGIES = {
     "zero1": None,
     "zero2": None,
     "zero3": None,
-    "hybrid": "replica:2,shard:4",
+    "hybrid": "data:2,fsdp:4",
 }
 GLOBAL_BATCH, DEVICES = 256, 8
 
@@ -73,7 +73,7 @@ def measure_model(name: str, hidden: tuple[int, ...], repeats: int, steps: int) 
         memory = trainer.memory_report(state, placed)
         compiled = trainer.strategy.lower_train_step(state, placed.arrays).compile()
         comm = ring_bytes(collectives(compiled.as_text()))
-        shard_group = trainer.strategy.mesh.shape.get("shard", DEVICES)
+        shard_group = trainer.strategy.mesh.shape.get("fsdp", DEVICES)
         runs[strategy] = [trainer, state, placed]
         rows.append(
             {
@@ -89,22 +89,10 @@ def measure_model(name: str, hidden: tuple[int, ...], repeats: int, steps: int) 
             }
         )
 
-    def window(strategy):
-        def run():
-            trainer, state, placed = runs[strategy]
-
-            def step(state, batch):
-                state, metrics = trainer.step(state, batch)
-                return state, metrics["loss"]
-
-            runs[strategy][1], seconds = common.timed_steps(step, state, placed, steps)
-            return seconds
-
-        return run
-
-    for strategy in runs:
-        window(strategy)()  # compile and warm up
-    timings = common.interleaved_medians({s: window(s) for s in runs}, repeats)
+    windows = common.trainer_windows(runs, steps)
+    for window in windows.values():
+        window()  # compile and warm up
+    timings = common.interleaved_medians(windows, repeats)
     for row in rows:
         row["speed_vs_ddp"] = common.paired_ratio(timings, row["strategy"], "ddp")
     return rows

@@ -7,13 +7,17 @@ import flax.linen as nn
 
 from jddp.errors import ConfigError
 from jddp.models.cnn import CNN
-from jddp.models.gpt import GPT
+from jddp.models.gpt import GPT, TENSOR_PARALLEL_RULES
 from jddp.models.mlp import MLP
 from jddp.models.resnet import ResNet
 
 MODELS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn": CNN, "resnet": ResNet, "gpt": GPT}
 # The field that receives the dataset's number of outputs (classes, or the vocabulary size).
 OUTPUT_FIELDS = {"gpt": "vocab_size"}
+# Partition rules for meshes with a tensor axis, by model name.
+TENSOR_RULES = {"gpt": TENSOR_PARALLEL_RULES}
+# Fields jddp sets from the mesh, never from model_args.
+_MESH_FIELDS = {"parent", "name", "batch_axis_name", "tensor_axis", "sequence_parallel"}
 
 
 def create_model(
@@ -21,13 +25,16 @@ def create_model(
     num_outputs: int,
     *,
     batch_axis_name: str | tuple[str, ...] | None = None,
+    tensor_axis: str | None = None,
+    tensor_size: int = 1,
+    sequence_parallel: bool = False,
     **model_args,
 ) -> nn.Module:
     """The model `name` with `num_outputs` outputs; `model_args` are its other fields.
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
-    of 64, say), never fewer. `batch_axis_name` goes to models with BatchNorm (ResNet); pass the
-    strategy's, `jddp.batch_axis_name(strategy, mesh)`.
+    of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
+    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT.
     """
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)
@@ -37,7 +44,8 @@ def create_model(
         )
     cls = MODELS[name]
     output_field = OUTPUT_FIELDS.get(name, "num_classes")
-    fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name", "batch_axis_name"}
+    all_fields = {f.name for f in dataclasses.fields(cls)}
+    fields = all_fields - _MESH_FIELDS
     unknown = sorted(set(model_args) - fields)
     if unknown:
         raise ConfigError(
@@ -50,6 +58,43 @@ def create_model(
             f"model_args.{output_field}={outputs} is smaller than the dataset's {num_outputs}; "
             f"remove it or raise it to at least {num_outputs}"
         )
-    if "batch_axis_name" in {f.name for f in dataclasses.fields(cls)}:
-        model_args["batch_axis_name"] = batch_axis_name
-    return cls(**{output_field: outputs}, **model_args)
+    if sequence_parallel and "sequence_parallel" not in all_fields:
+        raise ConfigError(
+            f"parallel.sequence_parallel applies to the gpt model, not {name!r}; set it to false"
+        )
+    if sequence_parallel and tensor_axis is None:
+        raise ConfigError(
+            "parallel.sequence_parallel splits the sequence over the tensor axis, and "
+            "parallel.mesh has none; add one (e.g. 'fsdp:-1,tensor:2') or set it to false"
+        )
+    mesh_fields = {
+        "batch_axis_name": batch_axis_name,
+        "tensor_axis": tensor_axis,
+        "sequence_parallel": sequence_parallel,
+    }
+    model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
+    model = cls(**{output_field: outputs}, **model_args)
+    if tensor_size > 1 and isinstance(model, GPT):
+        check_tensor_split(model, tensor_size)
+    return model
+
+
+def check_tensor_split(model: GPT, tensor: int) -> None:
+    """A ConfigError unless heads, MLP units and the vocabulary split evenly over `tensor`."""
+    sizes = {
+        "num_heads": model.num_heads,
+        "mlp_dim": model.mlp_dim or 4 * model.embed_dim,
+        "vocab_size": model.vocab_size,
+    }
+    for field, size in sizes.items():
+        if size % tensor:
+            padded = -(-size // tensor) * tensor
+            hint = (
+                f"pad it: model_args.vocab_size={padded}"
+                if field == "vocab_size"
+                else f"use a multiple of {tensor}, e.g. {padded}"
+            )
+            raise ConfigError(
+                f"GPT {field}={size} does not split over tensor={tensor} (each tensor rank takes "
+                f"an equal part); {hint}, or change the tensor size in parallel.mesh"
+            )

@@ -4,18 +4,45 @@ rotary positions, optionally tied input and output embeddings.
 Takes int token ids (batch, seq_len) and returns logits (batch, seq_len, vocab_size). Parameter
 names are stable for sharding rules: `token_embed/embedding`, `position_embed` (learned only),
 `block_{i}/{ln_1,ln_2}`, `block_{i}/attn/{qkv,out}`, `block_{i}/mlp/{fc,proj}`, `ln_f`, `head`
-(untied only). Kernels are 2-D (in, out).
+(untied only). Kernels are 2-D (in, out). The fused `qkv` kernel's columns are ordered head by
+head (each head's q, k, v together), so a contiguous split of its columns over `tensor` gives
+every tensor rank whole heads.
+
+Tensor parallelism is Megatron-LM's (Shoeybi et al., 2019): `TENSOR_PARALLEL_RULES` split `qkv`
+and `fc` by columns and `out` and `proj` by rows, the embedding and head by vocabulary; XLA's
+partitioner adds the two all-reduces per block forward (and two backward). With
+`sequence_parallel` the activations between those matmuls are split along the sequence too
+(jddp/models/tensor_parallel.py).
 """
+
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
+from jddp.models import tensor_parallel
 
 POSITIONS = ("learned", "rotary")
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 INIT_STD = 0.02  # GPT-2's initializer
+
+# Megatron's layout, written for a mesh with fsdp and tensor axes (axes a mesh lacks are
+# dropped: jddp.sharding.rules.fit_preset). Rows or columns not split over tensor go over fsdp.
+TENSOR_PARALLEL_RULES = (
+    (r"token_embed/embedding$", "tensor,fsdp"),  # vocabulary-parallel embedding
+    (r"attn/qkv/kernel$", "fsdp,tensor"),  # column split: whole heads per rank
+    (r"attn/qkv/bias$", "tensor"),
+    (r"attn/out/kernel$", "tensor,fsdp"),  # row split
+    (r"mlp/fc/kernel$", "fsdp,tensor"),
+    (r"mlp/fc/bias$", "tensor"),
+    (r"mlp/proj/kernel$", "tensor,fsdp"),
+    (r"head/kernel$", "fsdp,tensor"),  # vocabulary-parallel logits
+    (r"head/bias$", "tensor"),
+)
 
 
 def rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
@@ -30,38 +57,63 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arr
     return rotated.astype(x.dtype)
 
 
+class Linear(nn.Module):
+    """`nn.Dense`'s parameters and product. With `tensor_axis` set (sequence parallelism) it is
+    Megatron's `split` ("column" or "row") with the collectives written out."""
+
+    features: int
+    kernel_init: Callable
+    split: str | None = None
+    tensor_axis: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        if self.tensor_axis is None or self.split is None:
+            return x @ kernel + bias
+        if self.split == "column":
+            return tensor_parallel.column_parallel(x, kernel, bias, self.tensor_axis)
+        return tensor_parallel.row_parallel(x, kernel, self.tensor_axis) + bias
+
+
 class CausalSelfAttention(nn.Module):
     num_heads: int
     positions: str
     residual_init_std: float
     attention_impl: str | None
+    sequence_axis: str | None = None  # tensor axis, when the sequence is split over it
 
     @nn.compact
     def __call__(self, x):
         batch, seq_len, width = x.shape
         head_dim = width // self.num_heads
-        dense = nn.Dense(3 * width, kernel_init=nn.initializers.normal(INIT_STD), name="qkv")
-        qkv = dense(x).reshape(batch, seq_len, 3, self.num_heads, head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        init = nn.initializers.normal(INIT_STD)
+        qkv = Linear(3 * width, init, "column", self.sequence_axis, name="qkv")(x)
+        qkv = qkv.reshape(batch, seq_len, self.num_heads, 3, head_dim)
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
         if self.positions == "rotary":
             q, k = rotary(q, jnp.arange(seq_len)), rotary(k, jnp.arange(seq_len))
         y = jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation=self.attention_impl
         )
         out_init = nn.initializers.normal(self.residual_init_std)
-        return nn.Dense(width, kernel_init=out_init, name="out")(y.reshape(batch, seq_len, width))
+        out = Linear(width, out_init, "row", self.sequence_axis, name="out")
+        return out(y.reshape(batch, seq_len, width))
 
 
 class MLP(nn.Module):
     hidden_dim: int
     residual_init_std: float
+    sequence_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
-        h = nn.Dense(self.hidden_dim, kernel_init=nn.initializers.normal(INIT_STD), name="fc")(x)
+        init = nn.initializers.normal(INIT_STD)
+        h = Linear(self.hidden_dim, init, "column", self.sequence_axis, name="fc")(x)
         h = nn.gelu(h, approximate=True)
         out_init = nn.initializers.normal(self.residual_init_std)
-        return nn.Dense(x.shape[-1], kernel_init=out_init, name="proj")(h)
+        return Linear(x.shape[-1], out_init, "row", self.sequence_axis, name="proj")(h)
 
 
 class Block(nn.Module):
@@ -73,15 +125,21 @@ class Block(nn.Module):
     dropout_rate: float
     residual_init_std: float
     attention_impl: str | None
+    sequence_axis: str | None = None
 
     @nn.compact
     def __call__(self, x, train: bool):
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attn = CausalSelfAttention(
-            self.num_heads, self.positions, self.residual_init_std, self.attention_impl, name="attn"
+            self.num_heads,
+            self.positions,
+            self.residual_init_std,
+            self.attention_impl,
+            self.sequence_axis,
+            name="attn",
         )
         x = x + dropout(attn(nn.LayerNorm(name="ln_1")(x)))
-        mlp = MLP(self.mlp_dim, self.residual_init_std, name="mlp")
+        mlp = MLP(self.mlp_dim, self.residual_init_std, self.sequence_axis, name="mlp")
         return x + dropout(mlp(nn.LayerNorm(name="ln_2")(x)))
 
 
@@ -93,6 +151,9 @@ class GPT(nn.Module):
     checkpointing). `attention_impl`: None or "xla" (any device), "cudnn" (fused flash attention
     on NVIDIA GPUs, bfloat16 only). Dropout (on embeddings and residual branches, not on attention
     probabilities, so fused attention stays usable) draws from the `dropout` RNG stream.
+
+    `tensor_axis` (set by jddp from the mesh) keeps the logits split over the vocabulary there;
+    `sequence_parallel` also splits the residual stream along the sequence over it.
     """
 
     vocab_size: int
@@ -106,6 +167,8 @@ class GPT(nn.Module):
     dropout_rate: float = 0.0
     remat: bool = False
     attention_impl: str | None = None
+    tensor_axis: str | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         _check_dimensions(self)
@@ -130,7 +193,12 @@ class GPT(nn.Module):
             embedding_init=nn.initializers.normal(INIT_STD),
             name="token_embed",
         )
-        x = embed(tokens)
+        tensor_axis = self._tensor_axis_in_mesh()
+        sequence_axis = self._sequence_axis(tensor_axis, seq_len)
+        if sequence_axis:  # the residual stream is split along the sequence from here on
+            x = tensor_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
+        else:
+            x = embed(tokens)
         if self.positions == "learned":
             table = self.param(
                 "position_embed",
@@ -150,13 +218,40 @@ class GPT(nn.Module):
                 self.dropout_rate,
                 residual_init_std,
                 self.attention_impl,
+                sequence_axis,
                 name=f"block_{i}",
             )(x, train)
         x = nn.LayerNorm(name="ln_f")(x)
-        if self.tie_embeddings:
-            return embed.attend(x)
-        head = nn.Dense(self.vocab_size, kernel_init=nn.initializers.normal(INIT_STD), name="head")
-        return head(x)
+        init = nn.initializers.normal(INIT_STD)
+        if self.tie_embeddings and sequence_axis:
+            logits = tensor_parallel.column_parallel(x, embed.embedding.T, None, sequence_axis)
+        elif self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Linear(self.vocab_size, init, "column", sequence_axis, name="head")(x)
+        if tensor_axis:  # no device holds whole logits: the loss is vocabulary-parallel
+            logits = lax.with_sharding_constraint(logits, P(None, None, tensor_axis))
+        return logits
+
+    def _tensor_axis_in_mesh(self) -> str | None:
+        """`tensor_axis` when this call runs on a mesh that has it (a strategy's step); outside
+        one (initialization, FLOP counting, a plain `apply`) the model runs unsplit."""
+        if self.tensor_axis is None or self.is_initializing():
+            return None
+        mesh = jax.sharding.get_abstract_mesh()
+        return self.tensor_axis if self.tensor_axis in mesh.axis_names else None
+
+    def _sequence_axis(self, tensor_axis: str | None, seq_len: int) -> str | None:
+        """The tensor axis when the sequence is split over it (sequence parallelism)."""
+        if not (self.sequence_parallel and tensor_axis):
+            return None
+        size = jax.sharding.get_abstract_mesh().shape[tensor_axis]
+        if seq_len % size:
+            raise ShapeError(
+                f"sequence parallelism splits sequences of {seq_len} tokens over tensor={size}; "
+                f"use a data.seq_len divisible by {size}"
+            )
+        return self.tensor_axis
 
 
 def _check_dimensions(model: GPT) -> None:

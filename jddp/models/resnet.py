@@ -1,9 +1,10 @@
 """ResNet-18/34/50/101/152 (v1.5: stride on the 3x3 convolution) with an ImageNet or CIFAR stem.
 
 BatchNorm statistics cover the whole global batch when `batch_axis_name` names the strategy's
-batch axis (`jddp.batch_axis_name(strategy)`: "batch" under ddp, None under the mesh strategies,
-where the batch is one global array anyway). Parameter names are stable for sharding rules:
-`stem_conv`, `stage{s}_block{b}/conv{i}`, `.../bn{i}`, `.../proj_conv`, `head`.
+batch axes (`jddp.batch_axis_name(strategy, mesh)`: "batch" under ddp, the mesh's `data` and
+`fsdp` axes under the mesh strategies; "batch" works under every strategy too). Parameter
+names are stable for sharding rules: `stem_conv`, `stage{s}_block{b}/conv{i}`, `.../bn{i}`,
+`.../proj_conv`, `head`.
 """
 
 import functools

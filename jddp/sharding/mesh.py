@@ -1,9 +1,19 @@
-"""Device meshes from a config string: `"data:-1"`, `"replica:2,shard:4"`, `"replica:2,shard:-1"`.
+"""Device meshes whose axes have roles: `parallel.mesh = "data:2,fsdp:2,tensor:2"`.
 
-Each entry is `AXIS:SIZE`; one size may be -1 for "the devices left over". The product of the
-sizes must equal the number of devices.
+Each entry is `ROLE:SIZE`, major to minor (the last axis varies fastest over the device list, so
+it stays inside a host); one size may be -1 for "the devices left over", and the sizes must
+multiply to the device count. The role names are the interface:
+
+    data    the batch is split over it; nothing else is: replicas, gradients all-reduced
+    fsdp    the batch is split over it, and the ZeRO stage's state is sharded over it
+    tensor  every rank sees the same rows; weight matrices are split by the partition rules
+            (Megatron's column / row split) and activations reduced across it
+    stage   pipeline stages (reserved: not available yet)
+
+The mesh is built once per run, before the model, from the strategy's name and this string.
 """
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -14,21 +24,44 @@ from jax.sharding import Mesh
 
 from jddp.errors import ConfigError
 
+ROLES = ("data", "fsdp", "tensor", "stage")
+BATCH_ROLES = ("data", "fsdp")  # axes the batch is split over
 _ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*:\s*(-?\d+)\s*$")
+# Spellings of the meshes before axes had roles, and what they are now.
+_RENAMED = {"replica": "data", "shard": "fsdp"}
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> list[tuple[str, int]]:
-    """[(axis, size), ...] with -1 resolved; a ConfigError names what is wrong and the fix."""
+def _renamed(spec: str) -> str:
+    def rename(match):
+        return _RENAMED.get(match.group(0), match.group(0))
+
+    return re.sub(r"[A-Za-z_]\w*", rename, spec)
+
+
+def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str, int]]:
+    """[(role, size), ...] with -1 resolved against `num_devices` (kept as -1 when it is None);
+    a ConfigError names what is wrong and the fix."""
     axes = []
     for entry in spec.split(","):
         match = _ENTRY.match(entry)
         if not match:
             raise ConfigError(
-                f"parallel.mesh entry {entry.strip()!r} is not AXIS:SIZE; write e.g. "
-                "'data:-1' or 'replica:2,shard:-1'"
+                f"parallel.mesh entry {entry.strip()!r} is not ROLE:SIZE; write e.g. "
+                "'fsdp:-1' or 'data:2,fsdp:2,tensor:2'"
             )
         axes.append((match.group(1), int(match.group(2))))
     names = [name for name, _ in axes]
+    for name in names:
+        if name in _RENAMED:
+            raise ConfigError(
+                f"parallel.mesh {spec!r} uses the old axis name {name!r}; axes are roles now: "
+                f"write {_renamed(spec)!r} (replica is data, shard is fsdp)"
+            )
+        if name not in ROLES:
+            raise ConfigError(
+                f"parallel.mesh {spec!r} names an unknown axis {name!r}; the axes are roles: "
+                "data (replicas), fsdp (ZeRO sharding), tensor (tensor parallelism), stage"
+            )
     if len(set(names)) != len(names):
         raise ConfigError(f"parallel.mesh {spec!r} names an axis twice")
     rest = [name for name, size in axes if size == -1]
@@ -36,6 +69,8 @@ def parse_mesh_spec(spec: str, num_devices: int) -> list[tuple[str, int]]:
         raise ConfigError(
             f"parallel.mesh {spec!r}: sizes must be positive, with at most one -1 (the rest)"
         )
+    if num_devices is None:
+        return axes
     known = math.prod(size for _, size in axes if size != -1)
     if rest:
         if num_devices % known:
@@ -54,7 +89,69 @@ def parse_mesh_spec(spec: str, num_devices: int) -> list[tuple[str, int]]:
     return axes
 
 
-def build_mesh(spec: str, devices: Sequence[jax.Device]) -> Mesh:
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """A `jax.sharding.Mesh` and what its axes are for; what a strategy and a model share.
+
+    `batch_axes`: the axes the batch is split over (data, fsdp), in mesh order; `fsdp_axis`,
+    `tensor_axis`: the axis of that role, or None. Axes of size 1 are kept: a mesh written
+    `data:1,fsdp:1,tensor:1` runs the general path on one device."""
+
+    mesh: Mesh
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    def size(self, role: str) -> int:
+        return int(self.mesh.shape[role]) if role in self.mesh.shape else 1
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.axis_names if a in BATCH_ROLES)
+
+    @property
+    def fsdp_axis(self) -> str | None:
+        return "fsdp" if "fsdp" in self.mesh.shape else None
+
+    @property
+    def tensor_axis(self) -> str | None:
+        return "tensor" if "tensor" in self.mesh.shape else None
+
+    @property
+    def batch_shards(self) -> int:
+        """Into how many slices every global batch is split."""
+        return math.prod(self.size(a) for a in self.batch_axes)
+
+    def describe(self) -> str:
+        return ",".join(f"{name}:{size}" for name, size in self.mesh.shape.items())
+
+    def tensor_crosses_processes(self) -> bool:
+        """Whether some group of devices along the tensor axis spans several processes (its
+        per-layer activation reductions would then cross the network)."""
+        if self.tensor_axis is None:
+            return False
+        devices = np.moveaxis(self.mesh.devices, self.axis_names.index("tensor"), -1)
+        groups = devices.reshape(-1, devices.shape[-1])
+        return any(len({d.process_index for d in group}) > 1 for group in groups)
+
+
+def build_mesh(
+    spec: str, devices: Sequence[jax.Device], *, allow_cross_host_tensor: bool = False
+) -> DeviceMesh:
+    """The mesh `spec` describes over `devices` (in their order, the last axis fastest)."""
     axes = parse_mesh_spec(spec, len(devices))
+    if any(name == "stage" for name, _ in axes):
+        raise ConfigError(
+            "parallel.mesh: the stage axis (pipeline parallelism) is not available yet; use "
+            "data, fsdp and tensor"
+        )
     shape = tuple(size for _, size in axes)
-    return Mesh(np.asarray(devices).reshape(shape), tuple(name for name, _ in axes))
+    mesh = DeviceMesh(Mesh(np.asarray(devices).reshape(shape), tuple(name for name, _ in axes)))
+    if mesh.tensor_crosses_processes() and not allow_cross_host_tensor:
+        raise ConfigError(
+            f"parallel.mesh {spec!r} puts the tensor axis across processes (tensor parallelism "
+            "reduces activations every layer); make tensor the last axis and at most the devices "
+            "of one process, or set parallel.allow_cross_host_tensor=true"
+        )
+    return mesh

@@ -1,13 +1,18 @@
 """Partition rules: which mesh axes each parameter is split over.
 
-A rule is `(regex, spec)`: the regex is searched in the parameter's path (`hidden_0/kernel`),
-the first rule that matches decides, and the built-in last rule `(".*", "fsdp")` catches the
-rest. A spec is one of
-- `"fsdp"`: split the largest dimension that divides evenly over the shard axes; tensors with
-  fewer than `min_shard_size` elements, or with no dimension that divides, stay replicated;
+A rule is `(regex, spec)`: the regex is searched in the parameter's path
+(`block_0/attn/qkv/kernel`), the first rule that matches decides, and the built-in last rule
+`(".*", "fsdp")` catches the rest. A spec is one of
+- `"fsdp"`: split the largest dimension that divides evenly over the `fsdp` axis (if the mesh
+  has one); tensors with fewer than `min_shard_size` elements, or with no dimension that
+  divides, stay replicated;
 - `"replicate"`: a full copy on every device;
-- one entry per dimension, comma-separated: a mesh axis, `a+b` for several, or `None`
-  (e.g. `"shard,None"`, `"None,data"`); missing trailing entries mean `None`.
+- one entry per dimension, comma-separated: `fsdp`, `tensor`, `fsdp+tensor` for both, or `None`
+  (e.g. `"fsdp,tensor"`: rows over fsdp, columns over tensor — Megatron's column split);
+  missing trailing entries mean `None`. The `data` axis replicates and is never named.
+
+A parameter's spec is its whole layout; the strategy decides which part applies where (ZeRO-1/2
+keep parameters whole over `fsdp` and shard only the optimizer state and gradients there).
 """
 
 import math
@@ -15,38 +20,56 @@ import re
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError
+from jddp.sharding.mesh import DeviceMesh
 
 Rule = tuple[str, str]
 DEFAULT_RULES: tuple[Rule, ...] = ((".*", "fsdp"),)
+SHARDABLE = ("fsdp", "tensor")  # axes a rule may name
 
 
 def path_str(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-def _axis_size(mesh: Mesh, axes) -> int:
-    names = axes if isinstance(axes, tuple) else (axes,)
-    return math.prod(mesh.shape[name] for name in names)
+def axes_of(entry) -> tuple[str, ...]:
+    """The axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
 
 
-def fsdp_spec(shape, shard_axes: tuple[str, ...], mesh: Mesh, min_shard_size: int) -> P:
-    """Split the largest evenly divisible dimension over `shard_axes`, if the tensor is big."""
-    count = _axis_size(mesh, shard_axes)
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """Every mesh axis named in `spec`, in order (`P("fsdp", ("data", "tensor"))` gives three)."""
+    return tuple(a for entry in spec for a in axes_of(entry))
+
+
+def restrict(spec: P, keep: Sequence[str]) -> P:
+    """`spec` with only the axes in `keep` (the others' dimensions become unsplit)."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in axes_of(entry) if a in keep)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def fsdp_spec(shape, mesh: DeviceMesh, min_shard_size: int) -> P:
+    """Split the largest evenly divisible dimension over `fsdp`, if the tensor is big."""
+    count = mesh.size("fsdp")
     if count == 1 or math.prod(shape) < min_shard_size:
         return P()
     divisible = [d for d in range(len(shape)) if shape[d] % count == 0]
     if not divisible:
         return P()
     dim = max(divisible, key=lambda d: (shape[d], -d))
-    axes = shard_axes[0] if len(shard_axes) == 1 else shard_axes
-    return P(*([None] * dim), axes)
+    return P(*([None] * dim), "fsdp")
 
 
-def _parse_explicit(spec: str, rule: Rule, mesh: Mesh) -> P:
+def _parse_explicit(spec: str, rule: Rule, mesh: DeviceMesh) -> P:
     entries = []
     for entry in spec.split(","):
         entry = entry.strip()
@@ -55,7 +78,12 @@ def _parse_explicit(spec: str, rule: Rule, mesh: Mesh) -> P:
             continue
         names = tuple(name.strip() for name in entry.split("+"))
         for name in names:
-            if name not in mesh.shape:
+            if name == "data":
+                raise ConfigError(
+                    f"partition rule {rule!r} names the data axis, which only replicates; "
+                    "shard over fsdp or tensor"
+                )
+            if name not in mesh.axis_names:
                 raise ConfigError(
                     f"partition rule {rule!r} names mesh axis {name!r}, but the mesh has axes "
                     f"{', '.join(mesh.axis_names)}; use one of those, 'replicate' or 'fsdp'"
@@ -64,14 +92,14 @@ def _parse_explicit(spec: str, rule: Rule, mesh: Mesh) -> P:
     return P(*entries)
 
 
-def spec_for(path: str, shape, rules: Sequence[Rule], mesh: Mesh, shard_axes, min_size) -> P:
+def spec_for(path: str, shape, rules: Sequence[Rule], mesh: DeviceMesh, min_size: int) -> P:
     """The PartitionSpec of one parameter, checked against its shape."""
     for rule in (*rules, *DEFAULT_RULES):
         regex, spec = rule
         if not re.search(regex, path):
             continue
         if spec == "fsdp":
-            return fsdp_spec(shape, shard_axes, mesh, min_size)
+            return fsdp_spec(shape, mesh, min_size)
         if spec == "replicate":
             return P()
         partition = _parse_explicit(spec, rule, mesh)
@@ -81,18 +109,18 @@ def spec_for(path: str, shape, rules: Sequence[Rule], mesh: Mesh, shard_axes, mi
                 f"of shape {tuple(shape)}; give at most {len(shape)}"
             )
         for dim, axes in enumerate(partition):
-            if axes is not None and shape[dim] % _axis_size(mesh, axes):
+            size = math.prod(mesh.size(a) for a in axes_of(axes))
+            if shape[dim] % size:
                 raise ConfigError(
                     f"parameter {path!r} of shape {tuple(shape)}: dimension {dim} (size "
-                    f"{shape[dim]}) does not divide over mesh axes {axes} (size "
-                    f"{_axis_size(mesh, axes)}) under rule {rule!r}; pick another dimension or "
-                    "'replicate'"
+                    f"{shape[dim]}) does not divide over mesh axes {axes} (size {size}) under "
+                    f"rule {rule!r}; pick another dimension or 'replicate'"
                 )
         return partition
     raise AssertionError("the default rule matches every path")
 
 
-def validate_rules(rules: Sequence[Rule], mesh: Mesh) -> tuple[Rule, ...]:
+def validate_rules(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
     """The rules as (regex, spec) string pairs; a ConfigError for a malformed pair, a bad regex
     or a mesh axis the mesh does not have."""
     checked = []
@@ -113,11 +141,25 @@ def validate_rules(rules: Sequence[Rule], mesh: Mesh) -> tuple[Rule, ...]:
     return tuple(checked)
 
 
-def param_specs(params, rules, mesh: Mesh, shard_axes, min_shard_size: int):
+def fit_preset(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
+    """A preset's rules (written for a mesh with fsdp and tensor) for `mesh`: axes it lacks are
+    dropped from the specs, so one preset serves `tensor:8` and `data:2,fsdp:2,tensor:2` alike."""
+    fitted = []
+    for regex, spec in rules:
+        if spec not in ("fsdp", "replicate"):
+            entries = []
+            for entry in spec.split(","):
+                names = [n for n in entry.strip().split("+") if n in mesh.axis_names]
+                entries.append("+".join(names) or "None")
+            spec = ",".join(entries)
+        fitted.append((regex, spec))
+    return tuple(fitted)
+
+
+def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int):
     """A tree of PartitionSpecs shaped like `params` (arrays or ShapeDtypeStructs)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: spec_for(path_str(path), x.shape, rules, mesh, shard_axes, min_shard_size),
-        params,
+        lambda path, x: spec_for(path_str(path), x.shape, rules, mesh, min_shard_size), params
     )
 
 

@@ -1,32 +1,38 @@
-"""Data-parallel strategies, by the name `parallel.strategy` gives them.
+"""Strategies by the name `parallel.strategy` gives them, and the mesh each one runs on.
 
-A strategy owns placement and collectives; it takes the shared core (`jddp.core.Task`) and gives:
-`init_state(seed, sample_input)`, `place_state(state)`, `place_batch(batch)`,
-`train_step(state, batch) -> (state, metrics)`, `eval_step(state, batch) -> sums`,
-`host_state(state)`, `lower_train_step(state, batch)`, `num_devices` and `batch_axis_name`
-(the axes a synchronized BatchNorm reduces over inside the per-device program; models are
-built before their strategy, so `batch_axis_name(strategy, mesh)` gives it from the config).
+A run builds its mesh first (`device_mesh_for`), then the model (which takes its axis names from
+the mesh), then the strategy (`make_strategy`). What callers may use of a strategy is the
+`Strategy` protocol in jddp/strategies/base.py.
 """
 
-import functools
 from collections.abc import Sequence
 
 import jax
 
 from jddp.core import Task
 from jddp.errors import ConfigError
-from jddp.sharding.mesh import parse_mesh_spec
+from jddp.sharding.mesh import BATCH_ROLES, DeviceMesh, build_mesh, parse_mesh_spec
+from jddp.strategies.base import Strategy
 from jddp.strategies.ddp import DDP
-from jddp.strategies.zero import ZeroStrategy, default_mesh_spec
+from jddp.strategies.zero import (
+    DEFAULT_MIN_SHARD_SIZE,
+    STAGE_OF,
+    ZeroStrategy,
+    check_mesh_for,
+    default_mesh_spec,
+)
 
-STRATEGIES = {
-    "ddp": DDP,
-    "zero1": functools.partial(ZeroStrategy, stage="zero1"),
-    "zero2": functools.partial(ZeroStrategy, stage="zero2"),
-    "zero3": functools.partial(ZeroStrategy, stage="zero3"),
-    "fsdp": functools.partial(ZeroStrategy, stage="zero3"),
-    "hybrid": functools.partial(ZeroStrategy, stage="hybrid"),
-}
+STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid
+DDP_AXIS = DDP.batch_axis_name  # the pmap axis: what a synchronized BatchNorm names under ddp
+
+__all__ = [
+    "DDP_AXIS",
+    "STRATEGIES",
+    "Strategy",
+    "batch_axis_name",
+    "device_mesh_for",
+    "make_strategy",
+]
 
 
 def _check_name(name: str) -> None:
@@ -36,39 +42,69 @@ def _check_name(name: str) -> None:
         )
 
 
+def device_mesh_for(
+    name: str,
+    mesh: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    allow_cross_host_tensor: bool = False,
+) -> DeviceMesh | None:
+    """The mesh strategy `name` runs on (`mesh` like "data:2,fsdp:2,tensor:2", or the strategy's
+    default), over `devices` (default: every device of every process); None for ddp, which
+    maps over its devices with pmap. A tensor axis across processes is refused unless
+    `allow_cross_host_tensor`."""
+    _check_name(name)
+    if name == "ddp":
+        if mesh:
+            raise ConfigError(
+                "parallel.mesh does not apply to ddp (every device holds a full replica); use "
+                "zero1, zero2, zero3 or hybrid, or leave it empty"
+            )
+        return None
+    device_mesh = build_mesh(
+        mesh or default_mesh_spec(name),
+        devices or jax.devices(),
+        allow_cross_host_tensor=allow_cross_host_tensor,
+    )
+    check_mesh_for(name, device_mesh)
+    return device_mesh
+
+
 def batch_axis_name(strategy: str, mesh: str | None = None) -> str | tuple[str, ...]:
-    """What `nn.BatchNorm(axis_name=...)` must be under `strategy` (and, for the sharded ones,
-    `parallel.mesh`) for statistics over the whole global batch, as PyTorch's SyncBatchNorm
-    computes them: "batch" for ddp; the mesh's axis names for the sharded strategies, whose
-    per-device program runs under `shard_map` with the batch split over every mesh axis."""
+    """What `nn.BatchNorm(axis_name=...)` names for statistics over the whole global batch (as
+    PyTorch's SyncBatchNorm computes them): "batch" for ddp; the mesh's batch axes (`data`,
+    `fsdp`) for the mesh strategies. Only the axis names of `mesh` are read, not its sizes.
+    Writing `axis_name="batch"` (the Flax convention) works under every strategy as well."""
     _check_name(strategy)
     if strategy == "ddp":
         return DDP.batch_axis_name
-    stage = STRATEGIES[strategy].keywords["stage"]
-    axes = parse_mesh_spec(mesh or default_mesh_spec(stage), jax.device_count())
-    names = tuple(name for name, _ in axes)
-    return names[0] if len(names) == 1 else names
+    axes = parse_mesh_spec(mesh or default_mesh_spec(strategy))
+    return tuple(name for name, _ in axes if name in BATCH_ROLES)
 
 
 def make_strategy(
     name: str,
     task: Task,
+    mesh: DeviceMesh | None,
     devices: Sequence[jax.Device] | None = None,
     *,
-    mesh: str | None = None,
     rules: Sequence[tuple[str, str]] = (),
     min_shard_size: int | None = None,
-):
-    """The strategy `name`; `mesh`, `rules` and `min_shard_size` configure the sharded ones."""
+) -> Strategy:
+    """The strategy `name` for `task` on `mesh` (from `device_mesh_for`); `rules` and
+    `min_shard_size` lay out the mesh strategies' parameters."""
     _check_name(name)
     if name == "ddp":
-        if mesh or rules:
+        if rules:
             raise ConfigError(
-                "parallel.mesh and parallel.rules do not apply to ddp (every device holds a "
-                "full replica); use zero1, zero2, zero3 or hybrid, or leave them empty"
+                "parallel.rules do not apply to ddp (every device holds a full replica); use "
+                "zero1, zero2, zero3 or hybrid, or leave them empty"
             )
         return DDP(task, devices)
-    options = {"mesh": mesh, "rules": rules}
-    if min_shard_size is not None:
-        options["min_shard_size"] = min_shard_size
-    return STRATEGIES[name](task, devices, **options)
+    return ZeroStrategy(
+        task,
+        mesh,
+        name=name,
+        rules=rules,
+        min_shard_size=DEFAULT_MIN_SHARD_SIZE if min_shard_size is None else min_shard_size,
+    )

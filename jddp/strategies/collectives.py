@@ -12,15 +12,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 
-def spec_axes(spec: P) -> tuple[str, ...]:
-    """Every mesh axis named in `spec`, in order (`P("fsdp", ("data", "tensor"))` gives three)."""
-    axes = []
-    for entry in spec:
-        if entry is not None:
-            axes.extend(entry if isinstance(entry, tuple) else (entry,))
-    return tuple(axes)
-
-
 def gather(x, spec: P):
     """The full array from this device's shard: an all-gather of each sharded dimension."""
     for dim, axes in enumerate(spec):

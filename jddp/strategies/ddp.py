@@ -66,10 +66,17 @@ class DDP:
         return lax.psum(self.task.eval_sums(state.params, state.model_state, batch), AXIS)
 
     # ----------------------------------------------------------------------- placement
+    def prepare(self, abstract_state: TrainState) -> None:
+        """Everything is replicated: the programs do not depend on the state's shapes."""
+        self._abstract_state = abstract_state
+
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize once from `seed`, then place the same state on every device."""
         state = jit_init(self.task.init_state, jax.random.key(seed), sample_input)
         return self.place_state(state)
+
+    def lower_init(self, seed: int, sample_input):
+        return jax.jit(self.task.init_state).lower(jax.random.key(seed), sample_input)
 
     def place_state(self, state: TrainState) -> TrainState:
         """One full copy of `state` on every device.
@@ -123,16 +130,20 @@ class DDP:
     def lower_train_step(self, state, batch):
         return self._train_step.lower(state, batch)
 
-    def state_shardings(self, state: TrainState):
-        return jax.tree.map(lambda _: self._replicated, state)
+    def state_shardings(self) -> TrainState:
+        return jax.tree.map(lambda _: self._replicated, self._abstract_state)
 
-    def layout(self, state: TrainState):
+    def layout(self):
         """Everything replicated: the state, and the averaged gradients."""
+        state = self._abstract_state
         return jax.tree.map(lambda _: P(), state), jax.tree.map(lambda _: P(), state.params)
 
-    def abstract_inputs(self, state: TrainState, batch):
-        """ShapeDtypeStructs laid out as `train_step` takes them, for lowering without data."""
+    def abstract_batch(self, batch):
+        """ShapeDtypeStructs of a placed global batch: one leading slice per device."""
         n = self.num_devices
-        return state, jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((n, x.shape[0] // n, *x.shape[1:]), x.dtype), batch
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (n, x.shape[0] // n, *x.shape[1:]), x.dtype, sharding=self._per_device
+            ),
+            batch,
         )

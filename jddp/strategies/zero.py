@@ -1,21 +1,24 @@
-"""ZeRO-1/2/3 and hybrid sharding on a `jax.sharding.Mesh`.
+"""ZeRO-1/2/3 over the `fsdp` axis, replicas over `data`, tensor parallelism over `tensor`: one
+strategy on a `jax.sharding.Mesh` whose axes have roles (jddp/sharding/mesh.py).
 
 Each step is one `jax.jit` with explicit in/out shardings and donated state. Inside it a
-`shard_map` runs the shared core on every device's slice of the batch and performs exactly the
-collectives of the stage, written out (XLA:CPU would turn a sharding constraint into an
-all-reduce plus a slice); the optimizer update then runs at the jit level on sharded arrays, so
-global-norm clipping sees the whole gradient and each device updates only what it holds.
+`shard_map`, manual over the batch axes (`data`, `fsdp`), runs the shared core on every device's
+slice of the batch and performs exactly the ZeRO stage's collectives, written out (XLA:CPU
+would turn a sharding constraint into an all-reduce plus a slice). The `tensor` axis stays
+automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner inserts
+Megatron's activation all-reduces, so any Flax module is tensor-parallel without a change. The
+optimizer update then runs at the jit level on sharded arrays, so global-norm clipping sees the
+whole gradient and each device updates only what it holds.
 
-    stage   parameters  gradients         optimizer  collectives per step
+    stage   parameters  gradients         optimizer  collectives per step over fsdp
     zero1   replicated  all-reduced       sharded    all-reduce grads, all-gather params
     zero2   replicated  reduce-scattered  sharded    reduce-scatter grads, all-gather params
     zero3   sharded     reduce-scattered  sharded    all-gather params, reduce-scatter grads
-    hybrid  zero3 over the mesh's last axis (`shard`), replicated over the others (`replica`)
 
-`fsdp` is another name for `zero3`. The batch is split over every mesh axis.
+Over `data` gradients (or their shards) are all-reduced; over `tensor` each parameter is split
+as its rule says, under every stage. `fsdp` is another name for `zero3`; `hybrid` is zero3 whose
+default mesh replicates across hosts (`data:<processes>,fsdp:-1`).
 """
-
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -24,158 +27,199 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.core import Task, check_rows_divide, init_compiler_options
-from jddp.sharding.mesh import build_mesh
-from jddp.sharding.rules import mirror_specs, param_specs, validate_rules
+from jddp.errors import ConfigError
+from jddp.sharding.mesh import DeviceMesh
+from jddp.sharding.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.collectives import fused_pmean, gather, scatter_sum, spec_axes
+from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
 
-# stage -> (parameters sharded, gradients sharded)
-STAGES = {
-    "zero1": (False, False),
-    "zero2": (False, True),
-    "zero3": (True, True),
-    "hybrid": (True, True),
+# stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
+STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}
+STAGE_OF = {
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "fsdp": "zero3",
+    "hybrid": "zero3",
 }
 DEFAULT_MIN_SHARD_SIZE = 2**12  # elements; smaller tensors stay replicated under "fsdp"
 
 
-def default_mesh_spec(stage: str) -> str:
+def default_mesh_spec(name: str) -> str:
     # Hybrid shards within a host and replicates across hosts (FSDP's HYBRID_SHARD).
-    return f"replica:{jax.process_count()},shard:-1" if stage == "hybrid" else "data:-1"
+    return f"data:{jax.process_count()},fsdp:-1" if name == "hybrid" else "fsdp:-1"
+
+
+def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
+    """A ConfigError for a mesh on which `name` would shard nothing: before axes had roles,
+    `data:-1` meant what `fsdp:-1` means now."""
+    if mesh.fsdp_axis is None and mesh.tensor_axis is None:
+        raise ConfigError(
+            f"parallel.mesh {mesh.describe()!r} has no fsdp or tensor axis, so {name} would "
+            "shard nothing (data only replicates); write 'fsdp:-1' (formerly 'data:-1'), or "
+            "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
+        )
 
 
 class ZeroStrategy:
-    """One ZeRO stage (or hybrid) over `devices` (default: every device of every process)."""
+    """One ZeRO stage (with replicas and tensor parallelism) over a mesh of every device of
+    every process, or of the devices given."""
 
     def __init__(
         self,
         task: Task,
-        devices: Sequence[jax.Device] | None = None,
+        mesh: DeviceMesh,
         *,
-        stage: str,
-        mesh: str | None = None,
-        rules: Sequence[tuple[str, str]] = (),
+        name: str,
+        rules=(),
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     ):
-        self.name = stage
+        check_mesh_for(name, mesh)
+        self.name = name
         self.task = task
-        self.mesh = build_mesh(mesh or default_mesh_spec(stage), devices or jax.devices())
-        self.data_axes = tuple(self.mesh.axis_names)
-        self.shard_axes = self.data_axes[-1:] if stage == "hybrid" else self.data_axes
-        self.shard_params, self.shard_grads = STAGES[stage]
-        self.rules = validate_rules(rules, self.mesh)
+        self.device_mesh = mesh
+        self.mesh = mesh.mesh
+        self.batch_axes = mesh.batch_axes
+        self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
+        self.rules = validate_rules(rules, mesh)
         self.min_shard_size = min_shard_size
-        # SyncBatchNorm inside the per-device program reduces over these axes.
-        self.batch_axis_name = self.data_axes
         self._replicated = NamedSharding(self.mesh, P())
-        self._batch_sharding = NamedSharding(self.mesh, P(self.data_axes))
-        self._programs_for = None
+        self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
 
     @property
     def num_devices(self) -> int:
         return self.mesh.size
 
+    @property
+    def batch_axis_name(self) -> tuple[str, ...]:
+        return self.batch_axes
+
     # ---------------------------------------------------------------------------- layout
-    def state_specs(self, state: TrainState) -> TrainState:
-        """PartitionSpecs of every state leaf under this stage (state may be abstract)."""
-        specs = param_specs(
-            state.params, self.rules, self.mesh, self.shard_axes, self.min_shard_size
-        )
-        replicated = jax.tree.map(lambda _: P(), state.params)
-        return TrainState(
+    def prepare(self, abstract_state: TrainState) -> None:
+        """The state's layout and the jitted steps for states shaped like `abstract_state`."""
+        full = param_specs(abstract_state.params, self.rules, self.device_mesh, self.min_shard_size)
+        self._check_tensor_axis_used(full)
+        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        self._specs = TrainState(
             step=P(),
-            params=specs if self.shard_params else replicated,
-            opt_state=mirror_specs(state.opt_state, state.params, specs),
-            model_state=jax.tree.map(lambda _: P(), state.model_state),
+            params=full if self.shard_params else whole_over_fsdp,
+            opt_state=mirror_specs(abstract_state.opt_state, abstract_state.params, full),
+            model_state=jax.tree.map(lambda _: P(), abstract_state.model_state),
             rng=P(),
             nonfinite_steps=P(),
         )
+        self._grad_specs = full if self.shard_grads else whole_over_fsdp
+        self._state_shardings = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), self._specs
+        )
+        # What the per-device program sees split: the batch axes' part of each spec (tensor is
+        # left to the compiler).
+        manual = lambda tree: jax.tree.map(lambda s: restrict(s, self.batch_axes), tree)  # noqa: E731
+        self._manual_params = manual(self._specs.params)
+        self._manual_grads = manual(self._grad_specs)
+        self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        self._train_step = jax.jit(
+            self._train,
+            in_shardings=(self._state_shardings, self._batch_sharding),
+            out_shardings=(self._state_shardings, self._replicated),
+            donate_argnums=0,
+        )
+        self._eval_step = jax.jit(
+            self._eval,
+            in_shardings=(self._state_shardings, self._batch_sharding),
+            out_shardings=self._replicated,
+        )
+        self._abstract_state = abstract_state
 
-    def state_shardings(self, state: TrainState):
-        """NamedShardings of every state leaf (state may be abstract)."""
-        self._programs(state)
+    def _check_tensor_axis_used(self, specs) -> None:
+        tensor = self.device_mesh.size("tensor")
+        if tensor > 1 and not any("tensor" in spec_axes(s) for s in jax.tree.leaves(specs)):
+            raise ConfigError(
+                f"parallel.mesh has tensor:{tensor} but no partition rule splits a parameter "
+                "over tensor, so every tensor rank would hold and compute everything; add rules "
+                "such as ('attn/qkv/kernel', 'fsdp,tensor'), ('attn/out/kernel', "
+                "'tensor,fsdp') (the built-in GPT has them as a preset)"
+            )
+
+    def state_shardings(self) -> TrainState:
         return self._state_shardings
 
-    def layout(self, state: TrainState) -> tuple[TrainState, object]:
-        """(PartitionSpecs of the state, PartitionSpecs of the reduced gradients)."""
-        self._programs(state)
+    def layout(self) -> tuple[TrainState, object]:
         return self._specs, self._grad_specs
 
-    def abstract_inputs(self, state: TrainState, batch):
-        """ShapeDtypeStructs with this strategy's shardings, for lowering without data."""
-        self._programs(state)
-        return (
-            jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                state,
-                self._state_shardings,
-            ),
-            jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
-                batch,
-            ),
+    def abstract_batch(self, batch):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding), batch
         )
 
-    def _programs(self, state: TrainState):
-        """The jitted steps for states shaped like `state`, built once."""
-        structure = jax.tree.structure(state), tuple(np.shape(x) for x in jax.tree.leaves(state))
-        if self._programs_for != structure:
-            self._specs = self.state_specs(state)
-            self._grad_specs = param_specs(
-                state.params, self.rules, self.mesh, self.shard_axes, self.min_shard_size
-            )
-            if not self.shard_grads:
-                self._grad_specs = jax.tree.map(lambda _: P(), self._grad_specs)
-            self._state_shardings = jax.tree.map(
-                lambda spec: NamedSharding(self.mesh, spec), self._specs
-            )
-            self._train_step = jax.jit(
-                self._train,
-                in_shardings=(self._state_shardings, self._batch_sharding),
-                out_shardings=(self._state_shardings, self._replicated),
-                donate_argnums=0,
-            )
-            self._eval_step = jax.jit(
-                self._eval,
-                in_shardings=(self._state_shardings, self._batch_sharding),
-                out_shardings=self._replicated,
-            )
-            self._programs_for = structure
-        return self._train_step, self._eval_step
-
     # ------------------------------------------------------------ per-device programs
+    def _per_device(self, fn, in_specs, out_specs):
+        """`fn` as a shard_map that is manual over the batch axes and leaves tensor to XLA."""
+        if not self.batch_axes:  # tensor parallelism alone: nothing is split by hand
+            return fn
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(self.batch_axes),
+            # Per-device gradients as under pmap: every collective is written out below.
+            check_vma=False,
+        )
+
     def _gather_params(self, params):
-        return jax.tree.map(gather, params, self._specs.params)
+        on_shards = self._on_tensor_shards(gather)
+        return jax.tree.map(on_shards, params, self._manual_params, self._tensor_specs)
+
+    def _on_tensor_shards(self, collective):
+        """`collective(x, spec)` (over the batch axes) applied to each device's own tensor
+        shard of `x`. Under the partitioner a collective over a manual axis needs its operand
+        whole over the automatic ones (an fsdp all-gather of a tensor-split kernel became an
+        all-gather over tensor first); inside a shard_map manual over tensor as well, the
+        collective sees the local shard only."""
+        if self.device_mesh.size("tensor") == 1:
+            return lambda x, spec, _: collective(x, spec)
+
+        def on_shards(x, spec, tensor_spec):
+            return jax.shard_map(
+                lambda shard: collective(shard, spec),
+                in_specs=tensor_spec,
+                out_specs=tensor_spec,
+                axis_names={"tensor"},
+                check_vma=False,
+            )(x)
+
+        return on_shards
 
     def _reduce_grads(self, grads):
-        """Per-device gradients to the mean over all devices, laid out as `_grad_specs`."""
-        count = self.num_devices
+        """Per-device gradients to the mean over the batch slices, laid out as `_grad_specs`."""
 
         def reduce(grad, spec):
             if not self.shard_params:  # zero3 got the reduce-scatter from AD of the gather
                 grad = scatter_sum(grad, spec)
-            rest = tuple(a for a in self.data_axes if a not in spec_axes(spec))
-            return (lax.psum(grad, rest) if rest else grad) / count
+            rest = tuple(a for a in self.batch_axes if a not in spec_axes(spec))
+            return (lax.psum(grad, rest) if rest else grad) / self.device_mesh.batch_shards
 
-        return jax.tree.map(reduce, grads, self._grad_specs)
+        on_shards = self._on_tensor_shards(reduce)
+        return jax.tree.map(on_shards, grads, self._manual_grads, self._tensor_specs)
+
+    def _pmean(self, tree):
+        return fused_pmean(tree, self.batch_axes) if self.batch_axes else tree
 
     def _per_device_grads(self, params, model_state, step_key, batch):
-        rng = jax.random.fold_in(step_key, lax.axis_index(self.data_axes))
+        index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
+        rng = jax.random.fold_in(step_key, index)
         params_fn = self._gather_params if self.shard_params else None
         grads, metrics, model_state = self.task.local_grads(
             params, model_state, batch, rng, params_fn
         )
-        model_state = fused_pmean(model_state, self.data_axes)
-        return self._reduce_grads(grads), lax.pmean(metrics, self.data_axes), model_state
+        return self._reduce_grads(grads), self._pmean(metrics), self._pmean(model_state)
 
     def _train(self, state: TrainState, batch):
-        grads, metrics, model_state = jax.shard_map(
+        grads, metrics, model_state = self._per_device(
             self._per_device_grads,
-            mesh=self.mesh,
-            in_specs=(self._specs.params, self._specs.model_state, P(), P(self.data_axes)),
-            out_specs=(self._grad_specs, P(), self._specs.model_state),
-            # Per-device gradients as under pmap: every collective is written out above.
-            check_vma=False,
+            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes)),
+            out_specs=(self._manual_grads, P(), self._specs.model_state),
         )(state.params, state.model_state, state.step_key(), batch)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
@@ -183,14 +227,13 @@ class ZeroStrategy:
         def per_device(params, model_state, batch):
             if self.shard_params:
                 params = self._gather_params(params)
-            return lax.psum(self.task.eval_sums(params, model_state, batch), self.data_axes)
+            sums = self.task.eval_sums(params, model_state, batch)
+            return lax.psum(sums, self.batch_axes) if self.batch_axes else sums
 
-        return jax.shard_map(
+        return self._per_device(
             per_device,
-            mesh=self.mesh,
-            in_specs=(self._specs.params, self._specs.model_state, P(self.data_axes)),
+            in_specs=(self._manual_params, self._specs.model_state, P(self.batch_axes)),
             out_specs=P(),
-            check_vma=False,
         )(state.params, state.model_state, batch)
 
     # ----------------------------------------------------------------------- placement
@@ -204,23 +247,17 @@ class ZeroStrategy:
 
         With JAX's partitionable threefry each device draws only its own shard, and the values
         equal an unsharded initialization from the same seed."""
-        key = jax.random.key(seed)
-        self._programs(jax.eval_shape(self.task.init_state, key, sample_input))
         return jax.jit(self.task.init_state, out_shardings=self._state_shardings).lower(
-            key, sample_input
+            jax.random.key(seed), sample_input
         )
 
-    def place_state(self, state: TrainState) -> TrainState:
-        self._programs(state)
-        return jax.device_put(state, self._state_shardings)
-
     def place_batch(self, batch):
-        """This process's rows of a global batch, as global arrays split over every device."""
-        local = len(self.mesh.local_devices)
+        """This process's rows of a global batch, as global arrays split over the batch axes."""
+        local = len(self.mesh.local_devices) // (self.num_devices // self.device_mesh.batch_shards)
 
         def place(x):
             x = np.asarray(x)
-            check_rows_divide(x.shape[0], local)
+            check_rows_divide(x.shape[0], max(local, 1))
             return jax.make_array_from_process_local_data(self._batch_sharding, x)
 
         return jax.tree.map(place, batch)
@@ -237,12 +274,15 @@ class ZeroStrategy:
         return jax.device_get(state)
 
     # ---------------------------------------------------------------------------- steps
+    # Traced with the mesh as the context mesh: models place tensor-parallel pieces on it.
     def train_step(self, state: TrainState, batch):
-        return self._programs(state)[0](state, batch)
+        with jax.set_mesh(self.mesh):
+            return self._train_step(state, batch)
 
     def eval_step(self, state: TrainState, batch):
-        return self._programs(state)[1](state, batch)
+        with jax.set_mesh(self.mesh):
+            return self._eval_step(state, batch)
 
     def lower_train_step(self, state, batch):
-        """The step lowered for `state` and `batch` (arrays or ShapeDtypeStructs)."""
-        return self._programs(state)[0].lower(state, batch)
+        with jax.set_mesh(self.mesh):
+            return self._train_step.lower(state, batch)

@@ -1,0 +1,134 @@
+"""Tensor-parallel runs that outlive one layout or one process: checkpoints restored between
+tensor layouts, init_from across them through the experiment path, and two processes with a
+tensor axis training what one process trains."""
+
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jddp
+from experiments.configs import shakespeare_gpt_tiny
+from jddp.checkpoint import load_params
+from jddp.experiment import train_and_evaluate
+from tests.helpers import save_and_restore
+from tests.reference import (
+    TENSOR_RULES,
+    TensorNet,
+    assert_trees_close,
+    make_batches,
+    optimizer_for,
+    per_example_ce,
+    reference_training,
+)
+from tests.test_gpt import local_corpus
+from tests.test_multiprocess import launch, unflatten
+from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
+
+
+# ------------------------------------------------------------- checkpoints and processes
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        (("zero3", "data:2,fsdp:2,tensor:2"), ("ddp", None)),
+        (("ddp", None), ("zero1", "fsdp:2,tensor:4")),
+        (("zero2", "fsdp:4,tensor:2"), ("zero3", "fsdp:2,tensor:4")),
+        (("zero3", "tensor:8"), ("zero3", "fsdp:8")),
+    ],
+)
+def test_checkpoints_restore_between_tensor_layouts_exactly(tmp_path, source, target):
+    """10 steps in one layout, saved, restored into another (orbax reshards on load): the state
+    is bit-identical, and 10 more steps end where 20 steps of one device end."""
+    batches = token_batches()
+    writer = gpt_trainer(*source)
+    state = writer.init(seed=0, sample_batch=batches[0])
+    initial = writer.host_state(state).params
+    for batch in batches[:10]:
+        state, _ = writer.step(state, batch)
+    saved = writer.host_state(state)
+    reader = gpt_trainer(*target)
+    _, state, _ = save_and_restore(writer, state, reader, batches[0], str(tmp_path / "ckpt"))
+    jax.tree.map(np.testing.assert_array_equal, reader.host_state(state), saved)
+    for batch in batches[10:]:
+        state, _ = reader.step(state, batch)
+    params, *_ = reference_from("learned", True, initial)
+    assert_trees_close(reader.host_state(state).params, params)
+
+
+def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path):
+    """2 processes x 2 devices, fsdp:2,tensor:2 (tensor inside each process): the losses and
+    final parameters of one process on the same 4 devices, and of the single-device loop."""
+    out = str(tmp_path / "result.npz")
+    worker = ["-m", "tests.multiprocess_worker", "zero3@fsdp:2,tensor:2", out]
+    code, output = launch(2, 2, sys.executable, *worker)
+    assert code == 0, output
+    result = np.load(out)
+    initial = unflatten({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
+    final = unflatten({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    optimizer, batches = optimizer_for(clip=True), make_batches()
+    expected, expected_losses = reference_training(initial, optimizer, batches, TensorNet())
+    assert_trees_close(final, expected)
+    np.testing.assert_allclose(result["losses"], expected_losses, rtol=1e-5)
+
+    trainer = jddp.Trainer(
+        TensorNet(),
+        per_example_ce,
+        optimizer,
+        strategy="zero3",
+        mesh=jddp.strategies.device_mesh_for("zero3", "fsdp:2,tensor:2", jax.devices()[:4]),
+        rules=TENSOR_RULES,
+        min_shard_size=1,
+        grad_accum_steps=2,
+    )
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    assert_trees_close(final, trainer.host_state(state).params)
+
+
+def gpt_config(text_file, workdir_of_start="", **parallel):
+    config = shakespeare_gpt_tiny.get_config()
+    config.dataset, config.data.text_file, config.data.seq_len = "text_file", text_file, 16
+    config.model_args.update(num_layers=1, embed_dim=32, max_seq_len=16, vocab_size=128)
+    config.global_batch_size, config.num_train_steps, config.warmup_steps = 16, 4, 0
+    config.log_every = config.eval_every = config.checkpoint_every = 4
+    config.parallel.update(parallel)
+    if workdir_of_start:  # a step too small to move a parameter: export = what was loaded
+        config.init_from, config.learning_rate, config.num_train_steps = workdir_of_start, 1e-30, 1
+    return config
+
+
+def test_experiment_trains_a_3d_mesh_and_init_from_crosses_layouts_both_ways(tmp_path):
+    """The CLI path (train_and_evaluate) on data:2,fsdp:2,tensor:2 with sequence parallelism;
+    then ddp starts from its parameters, and fsdp:2,tensor:4 from ddp's: each run's parameters
+    are the ones it was given (a step of learning rate 1e-30 moves nothing but exact zeros)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(local_corpus(20_000))
+    three_d = tmp_path / "3d"
+    summary = train_and_evaluate(
+        gpt_config(
+            str(text),
+            strategy="zero3",
+            mesh="data:2,fsdp:2,tensor:2",
+            sequence_parallel=True,
+        ),
+        str(three_d),
+    )
+    assert summary["eval_loss"] < np.log(128)
+    first = (three_d / "metrics.jsonl").read_text().splitlines()[0]
+    assert '"state_bytes_per_device"' in first
+    ddp, tensor = tmp_path / "ddp", tmp_path / "tensor"
+    train_and_evaluate(gpt_config(str(text), str(three_d), strategy="ddp"), str(ddp))
+    train_and_evaluate(
+        gpt_config(str(text), str(ddp), strategy="zero1", mesh="fsdp:2,tensor:4"), str(tensor)
+    )
+    for source, target in ((three_d, ddp), (ddp, tensor)):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-25),
+            load_params(str(target / "export")),
+            load_params(str(source / "export")),
+        )

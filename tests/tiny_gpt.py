@@ -1,0 +1,163 @@
+"""The tiny GPT the tensor- and sequence-parallel tests train, its batches and optimizer, the
+meshes they cover, and the single-device reference they are held to."""
+
+import jax
+import numpy as np
+import optax
+
+import jddp
+from jddp.models import GPT
+from jddp.models.gpt import TENSOR_PARALLEL_RULES
+from jddp.objectives import OBJECTIVES
+from jddp.sharding.rules import fit_preset
+from jddp.strategies import device_mesh_for
+from tests.reference import assert_trees_close, plain_training
+
+LM = OBJECTIVES["language_model"]
+VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, STEPS = 64, 32, 4, 2, 16, 16, 20
+
+
+def adamw():
+    # eps 1e-4, not 1e-8: with a tiny eps Adam turns rounding noise in near-zero gradients (a
+    # GELU unit that is nearly off gets 1e-6 of the largest gradient) into steps of size lr, and
+    # even DDP on 8 devices then differs from one device by 2e-3 relative; that is Adam's
+    # sensitivity, not the layout's.
+    return optax.chain(
+        optax.clip_by_global_norm(0.5), optax.adamw(3e-3, eps=1e-4, weight_decay=0.1)
+    )
+
+
+def token_batches(seed=0, steps=STEPS):
+    rng = np.random.default_rng(seed)
+    # Targets follow the inputs (a shifted copy with noise), so the model has something to learn.
+    out = []
+    for _ in range(steps):
+        inputs = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+        targets = np.where(rng.random((BATCH, SEQ)) < 0.7, (inputs + 1) % VOCAB, inputs)
+        out.append({"inputs": inputs, "targets": targets.astype(np.int32)})
+    return out
+
+
+def tiny_gpt(positions="learned", tie=True, **mesh_fields):
+    return GPT(
+        VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        embed_dim=WIDTH,
+        max_seq_len=SEQ,
+        positions=positions,
+        tie_embeddings=tie,
+        **mesh_fields,
+    )
+
+
+def mesh_devices(mesh: str):
+    """The first devices, as many as `mesh` ("fsdp:2,tensor:2") has."""
+    return jax.devices()[: int(np.prod([int(e.split(":")[1]) for e in mesh.split(",")]))]
+
+
+def gpt_trainer(strategy, mesh, sp=False, positions="learned", tie=True, **kwargs):
+    """A Trainer of the tiny GPT on `mesh` (Megatron's rules), or under ddp on every device."""
+    if strategy == "ddp":
+        layout = {}
+        model = tiny_gpt(positions, tie)
+    else:
+        device_mesh = device_mesh_for(strategy, mesh, mesh_devices(mesh))
+        layout = {
+            "mesh": device_mesh,
+            "rules": fit_preset(TENSOR_PARALLEL_RULES, device_mesh),
+            "min_shard_size": 1,
+        }
+        model = tiny_gpt(positions, tie, tensor_axis=device_mesh.tensor_axis, sequence_parallel=sp)
+    return jddp.Trainer(
+        model,
+        LM.loss_fn,
+        kwargs.pop("optimizer", adamw()),
+        metrics=dict(LM.metrics),
+        input_key="inputs",
+        strategy=strategy,
+        **layout,
+        **kwargs,
+    )
+
+
+_REFERENCES = {}
+
+
+def reference_from(positions, tie, initial):
+    """The plain single-device loop from `initial` (params, model_state, losses, opt_state),
+    computed once per model variant: every layout must start from the same parameters, so
+    later callers check that theirs are bit-identical to the first caller's."""
+    key = (positions, tie)
+    if key not in _REFERENCES:
+        model = tiny_gpt(positions, tie)
+
+        def loss_fn(params, model_state, batch):
+            logits = model.apply({"params": params}, batch["inputs"])
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+            return ce.mean(), model_state
+
+        result = plain_training(loss_fn, initial, {}, adamw(), token_batches(), True)
+        _REFERENCES[key] = (initial, result)
+    first_initial, result = _REFERENCES[key]
+    jax.tree.map(np.testing.assert_array_equal, initial, first_initial)  # sharded init = plain
+    return result
+
+
+# Meshes on 8 devices; on those without fsdp every ZeRO stage is the same layout.
+STAGED = ["fsdp:2,tensor:2", "data:2,fsdp:2,tensor:2", "fsdp:2,tensor:4"]
+UNSTAGED = ["tensor:2", "tensor:4", "data:2,tensor:2"]
+CASES = [(mesh, "zero3") for mesh in UNSTAGED] + [
+    (mesh, stage) for mesh in STAGED for stage in ("zero1", "zero2", "zero3")
+]
+VARIANTS = [("learned", True), ("rotary", False), ("rotary", True), ("learned", False)]
+
+
+def train_and_compare(mesh, strategy, sp, **kwargs):
+    """20 steps of AdamW with clipping and 2 accumulation steps on `mesh`; every loss, the
+    parameters and the optimizer state are checked against the single-device loop. Returns the
+    trainer and its final state."""
+    positions, tie = VARIANTS[(CASES.index((mesh, strategy)) + sp) % len(VARIANTS)]
+    trainer = gpt_trainer(strategy, mesh, sp, positions, tie, grad_accum_steps=2, **kwargs)
+    batches = token_batches()
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    initial = trainer.host_state(state).params
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params, _, expected_losses, opt_state = reference_from(positions, tie, initial)
+    final = trainer.host_state(state)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(final.params, params)
+    assert_trees_close(final.opt_state, opt_state)
+    assert expected_losses[-1] < 0.8 * expected_losses[0]  # it learned something
+    return trainer, state
+
+
+def assert_copies_identical(tree):
+    """Every device holding the same part of a leaf (a replica over data, fsdp or tensor) holds
+    bit-identical values."""
+    for leaf in jax.tree.leaves(tree):
+        by_index = {}
+        for shard in leaf.addressable_shards:
+            key = tuple((s.start, s.stop) for s in shard.index)
+            by_index.setdefault(key, []).append(np.asarray(shard.data))
+        for copies in by_index.values():
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0])
+
+
+def tensor_group_ops(trainer, state, batch, tensor: int):
+    """(kind, bytes) of every collective in the compiled step over groups of `tensor` devices
+    (the tensor groups on a mesh whose other axes have another size)."""
+    from jddp.hlo import collectives
+
+    placed = trainer.place_batch(batch).arrays
+    text = trainer.strategy.lower_train_step(state, placed).compile().as_text()
+    return [
+        (kind, size)
+        for kind, sizes, group in collectives(text)
+        if group == tensor
+        for size in sizes
+    ]

@@ -70,6 +70,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
     c.parallel.sequence_parallel = False  # GPT: split activations along the sequence over tensor
     c.parallel.allow_cross_host_tensor = False  # a tensor axis spanning processes is refused
+    # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats.
+    c.parallel.pipeline = ml_collections.ConfigDict()
+    c.parallel.pipeline.microbatches = 0
+    c.parallel.pipeline.schedule = "1f1b"
+    c.parallel.pipeline.repeats = 1
     return c
 
 

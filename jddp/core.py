@@ -14,6 +14,7 @@ import optax
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.modules import as_functional
+from jddp.pipeline.layers import finding_stacks
 from jddp.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -32,7 +33,7 @@ def compute_dtype_of(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def _cast_floats(tree, dtype):
+def cast_floats(tree, dtype):
     def cast(x):
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
@@ -73,14 +74,20 @@ class Task:
             raise ConfigError("'loss' is reserved for loss_fn; give the metric another name")
         # Linen and NNX modules alike, as init -> (params, model_state) and apply.
         object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
+        object.__setattr__(self, "stack", None)  # set by init_state
 
     # ----------------------------------------------------------------------------- init
     def init_state(self, seed_key: jax.Array, sample_input: jax.Array) -> TrainState:
-        """A fresh state from a PRNG key and one example input (its batch size does not matter)."""
+        """A fresh state from a PRNG key and one example input (its batch size does not matter).
+        Also notes where the model's `Pipelined` stack of layers is, if it has one (`stack`)."""
         params_key, dropout_key, step_key = jax.random.split(seed_key, 3)
-        params, model_state = self._module.init(
-            {"params": params_key, "dropout": dropout_key}, sample_input
-        )
+        with finding_stacks() as stacks:
+            params, model_state = self._module.init(
+                {"params": params_key, "dropout": dropout_key}, sample_input
+            )
+        if len(stacks) > 1:
+            raise ConfigError("a model may hold one jddp.pipeline.Pipelined stack, not several")
+        object.__setattr__(self, "stack", stacks[0] if stacks else None)
         return TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
@@ -92,13 +99,13 @@ class Task:
     def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
         """Model outputs in float32 and the updated mutable collections."""
         outputs, model_state = self._module.apply(
-            _cast_floats(params, self.compute_dtype),
+            cast_floats(params, self.compute_dtype),
             model_state,
-            _cast_floats(batch[self.input_key], self.compute_dtype),
+            cast_floats(batch[self.input_key], self.compute_dtype),
             train=train,
             rng=rng,
         )
-        return _cast_floats(outputs, jnp.float32), model_state
+        return cast_floats(outputs, jnp.float32), model_state
 
     def per_example(self, outputs, batch: Batch) -> dict[str, jax.Array]:
         """`loss` and every metric, one value per example."""

@@ -32,6 +32,7 @@ from jddp.errors import TrainingHalted, WorkdirError
 from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
 from jddp.model_fit import check_model_fits
+from jddp.pipeline.options import PipelineOptions
 from jddp.preemption import PreemptionWatch
 from jddp.profiling import StepProfiler
 from jddp.progress import Progress
@@ -74,6 +75,7 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         tensor_axis=tensor_axis,
         tensor_size=device_mesh.size("tensor") if device_mesh else 1,
         sequence_parallel=config.parallel.sequence_parallel,
+        pipelined=bool(device_mesh and device_mesh.stage_axis),
         **config.model_args,
     )
     rules = tuple(config.parallel.rules) if strategy != "ddp" else ()
@@ -88,6 +90,7 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         mesh=device_mesh,
         rules=rules,
         min_shard_size=config.parallel.min_shard_size,
+        pipeline=PipelineOptions(**config.parallel.pipeline),
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,

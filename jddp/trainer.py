@@ -15,6 +15,7 @@ from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError
 from jddp.memory import peak_bytes, state_bytes_per_device
+from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
 from jddp.state import TrainState
 from jddp.strategies import device_mesh_for, make_strategy
@@ -50,7 +51,9 @@ class Trainer:
     `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
     or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
     `min_shard_size` elements replicated); see `jddp/strategies/zero.py` and
-    `jddp/sharding/rules.py`. A layer reducing over the axis `"batch"` (a pmap-era
+    `jddp/sharding/rules.py`. A mesh with a `stage` axis pipelines the model's
+    `jddp.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer reducing
+    over the axis `"batch"` (a pmap-era
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     """
 
@@ -66,6 +69,7 @@ class Trainer:
         mesh: str | DeviceMesh | None = None,
         rules: Sequence[tuple[str, str]] = (),
         min_shard_size: int | None = None,
+        pipeline: PipelineOptions | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: str = "float32",
         input_key: str = "image",
@@ -96,6 +100,7 @@ class Trainer:
             devices,
             rules=rules,
             min_shard_size=min_shard_size,
+            pipeline=pipeline,
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
         self._abstract_for = None  # (input shape, dtype) the strategy was prepared for

@@ -11,6 +11,7 @@ import jax
 
 from jddp.core import Task
 from jddp.errors import ConfigError
+from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import BATCH_ROLES, DeviceMesh, build_mesh, parse_mesh_spec
 from jddp.strategies.base import Strategy
 from jddp.strategies.ddp import DDP
@@ -90,9 +91,11 @@ def make_strategy(
     *,
     rules: Sequence[tuple[str, str]] = (),
     min_shard_size: int | None = None,
+    pipeline: PipelineOptions | None = None,
 ) -> Strategy:
     """The strategy `name` for `task` on `mesh` (from `device_mesh_for`); `rules` and
-    `min_shard_size` lay out the mesh strategies' parameters."""
+    `min_shard_size` lay out the mesh strategies' parameters; `pipeline` says how a stage axis
+    is used."""
     _check_name(name)
     if name == "ddp":
         if rules:
@@ -107,4 +110,5 @@ def make_strategy(
         name=name,
         rules=rules,
         min_shard_size=DEFAULT_MIN_SHARD_SIZE if min_shard_size is None else min_shard_size,
+        pipeline=pipeline,
     )

@@ -16,7 +16,8 @@ from absl import app, flags, logging
 
 from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
-CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "configs", "digits_mlp.py"))
+_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
 _WORKDIR = flags.DEFINE_string(
     "workdir",
     None,

@@ -22,6 +22,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jddp.errors import CheckpointError
+from jddp.sharding.rules import path_str
 
 STATE, META = "state", "meta"
 
@@ -87,7 +88,7 @@ class Checkpoints:
                     step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
                 )[META]
                 saved_shapes = shapes_by_path(self._manager.item_metadata(step)[STATE].tree)
-            except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
+            except Exception as e:  # any failure to read means "damaged"
                 self._report_damage(step, e)
                 continue
             if check is not None:
@@ -102,7 +103,7 @@ class Checkpoints:
                         }
                     ),
                 )
-            except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
+            except Exception as e:  # any failure to read means "damaged"
                 self._report_damage(step, e)
                 continue
             return step, restored[STATE], meta
@@ -138,7 +139,7 @@ class Checkpoints:
 def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     """{"params/hidden_0/kernel": (64, 256), ...} for any tree of arrays or array metadata."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+        path_str(path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
 
@@ -173,7 +174,7 @@ def peek_latest(directory: str):
             with open(os.path.join(folder, META, "metadata")) as f:
                 meta = json.load(f)
             return meta, shapes_by_path(_saved_tree(os.path.join(folder, STATE)))
-        except Exception:  # noqa: BLE001, S112 - unreadable or uncommitted: skip it here
+        except Exception:  # unreadable or uncommitted: skip it here
             continue
     return None
 

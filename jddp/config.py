@@ -1,7 +1,9 @@
 """The experiment config: its keys and defaults, and the checks that reject bad values early.
 
-Experiment files (`experiments/configs/NAME.py`) start from `default_config()` and override.
-Every key here is part of the contract with users; see the README's config table.
+Experiment files (`experiments/configs/NAME.py` in the repository) start from `default_config()`
+and override. Every key here is part of the contract with users; see the README's config table.
+This file is itself a config file (`get_config()`: the defaults, an MLP on the UCI digits), the
+one the installed `python -m jddp.plan` reads when given no `--config`.
 """
 
 import ml_collections
@@ -68,6 +70,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.rules = ()
     c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
     return c
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The defaults as an experiment: what `--config=<this file>` loads."""
+    return default_config()
 
 
 _POSITIVE_INTS = (

@@ -32,7 +32,7 @@ def check_model_fits(task: Task, sample_batch, model_name: str, dataset_name: st
         )
     try:
         state = jax.eval_shape(task.init_state, jax.random.key(0), sample[:1])
-    except Exception as e:  # noqa: BLE001 - any failure here is the model rejecting the input
+    except Exception as e:  # any failure here is the model rejecting the input
         line = (str(e).strip().splitlines() or [""])[0][:160]
         raise DataError(f"{what}: {type(e).__name__}: {line}; {hint}") from None
     empty = [

@@ -18,7 +18,8 @@ from jddp.strategies import make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
-# across processes (shared NOTES); a small bound costs nothing, since the host runs ahead anyway.
+# across processes (2 processes of 2 CPU devices, after ~40 steps); a small bound costs nothing,
+# since the host runs ahead anyway.
 MAX_STEPS_IN_FLIGHT = 4
 
 

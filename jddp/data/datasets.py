@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 
 from jddp.data import text, transforms
 from jddp.data.cache import decoded_split
@@ -26,6 +27,7 @@ from jddp.data.pipeline import Transform, read_batch
 from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
 from jddp.data.source_files import LocalFilesBuilder
 from jddp.errors import ConfigError
+from jddp.quiet import library_warnings_muted
 
 CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
 
@@ -198,12 +200,19 @@ def _prepared_builder(spec: DatasetSpec, options: DataOptions) -> tfds.core.Data
     kwargs = {"data_dir": options.resolved_data_dir, "file_format": "array_record"}
     if issubclass(spec.builder_class, LocalFilesBuilder):
         kwargs["manual_dir"] = options.resolved_manual_dir
-    builder = spec.builder_class(**kwargs)
-    if isinstance(builder, LocalFilesBuilder) and not builder.data_path.exists():
+    with library_warnings_muted("tensorflow_datasets"):  # "variant folder has no info"
+        builder = spec.builder_class(**kwargs)
+        if builder.is_prepared():
+            return builder
+    if isinstance(builder, LocalFilesBuilder):
         builder.check_sources()  # missing files: one line now, before TFDS starts and logs
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
-    )
+    # One line says what happens; TFDS's progress bars (stderr) and banners (stdout) would not.
+    logging.info("preparing dataset %s in %s (once, on first use)", spec.name, builder.data_dir)
+    tfds.display_progress_bar(False)
+    with library_warnings_muted("tensorflow_datasets", stdout=True):
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
+        )
     return builder
 
 

@@ -58,6 +58,7 @@ class ConfigFlag:
     def parse(self, argv: list[str]) -> list[str]:
         """absl's parse, with every user mistake turned into one line and exit code 2."""
         model_args, argv = _split_model_args(argv)
+        path = _config_path(argv, self.default_path)  # the flag is unreadable if parsing failed
         try:
             # DEFINE_config_file reads the --config.KEY overrides from argv as it defines them.
             self._holder = config_flags.DEFINE_config_file(
@@ -67,17 +68,21 @@ class ConfigFlag:
                 sys_argv=argv,
             )
             rest = flags.FLAGS(argv)
-            config = self._holder.value  # a missing file surfaces only when the config is read
+            config = self._holder.value
+            config.keys()  # a missing file surfaces only when the config is read
         except OSError:
-            fail(f"config file {self.path!r} not found; pass --config=PATH{self._examples()}")
+            fail(f"config file {path!r} not found; pass --config=PATH{self._examples()}")
         except AttributeError as e:
-            if "get_config" in str(e):
+            if "attribute 'get_config'" in str(e):
                 fail(
-                    f"config file {self.path!r} defines no get_config(); define "
-                    "get_config() returning an ml_collections.ConfigDict (start from "
+                    f"config file {path!r} defines no get_config(); define get_config() "
+                    "returning an ml_collections.ConfigDict (start from "
                     "jddp.config.default_config())"
                 )
-            fail(f"config file failed to load: AttributeError: {str(e).splitlines()[0]}")
+            fail(
+                f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
+                "overrides against the keys in the config file"
+            )
         except KeyError as e:
             fail(
                 f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
@@ -102,6 +107,16 @@ class ConfigFlag:
             return " to a file that defines get_config()"
         names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n[0] != "_")
         return f", e.g. one of {os.path.relpath(folder)}/{{{','.join(names)}}}.py"
+
+
+def _config_path(argv: list[str], default: str) -> str:
+    """The config file `--config=PATH` (or `--config PATH`) names in `argv`, else `default`."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
 
 
 _MODEL_ARG = re.compile(r"^--config\.model_args\.(\w+)(?:=(.*))?$", re.DOTALL)

@@ -3,6 +3,8 @@
 import contextlib
 import io
 import logging
+import sys
+import threading
 
 
 class _BelowError(logging.Filter):
@@ -25,3 +27,29 @@ def library_warnings_muted(package: str, *, stdout: bool = False):
             yield
     finally:
         absl_logger.removeFilter(mute)
+
+
+def _drop(owner, hook_name: str, name: str, is_expected) -> None:
+    previous = getattr(owner, hook_name)
+    installed = getattr(previous, "jddp_drops", ())
+    if name in installed:
+        return
+
+    def hook(report):
+        if not is_expected(report):
+            previous(report)
+
+    hook.jddp_drops = (*installed, name)
+    setattr(owner, hook_name, hook)
+
+
+def drop_unraisable(name: str, is_expected) -> None:
+    """From now on, exceptions Python reports as unraisable (`sys.unraisablehook`: from
+    finalizers, atexit callbacks, C callbacks) pass `is_expected(unraisable)` before they print;
+    the expected ones are dropped. Installed once per `name`."""
+    _drop(sys, "unraisablehook", name, is_expected)
+
+
+def drop_thread_errors(name: str, is_expected) -> None:
+    """`drop_unraisable` for exceptions that end threads (`threading.excepthook`)."""
+    _drop(threading, "excepthook", name, is_expected)

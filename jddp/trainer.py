@@ -13,7 +13,7 @@ from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ShapeError
 from jddp.memory import peak_bytes, state_bytes_per_device
-from jddp.state import TrainState
+from jddp.state import TrainState, arranged_like
 from jddp.strategies import make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
@@ -111,14 +111,24 @@ class Trainer:
             self.strategy.state_shardings(state),
         )
 
-    def replace_params(self, state: TrainState, params) -> TrainState:
-        """`state` with `params` (host arrays shaped like its own) placed as its own are."""
-        placed = jax.tree.map(
-            lambda x, host: jax.make_array_from_callback(x.shape, x.sharding, lambda i: host[i]),
-            state.params,
-            params,
-        )
-        return state.replace(params=placed)
+    def replace_state(
+        self, state: TrainState, *, params=None, model_state=None, opt_state=None
+    ) -> TrainState:
+        """`state` with any of `params`, `model_state` (`{"batch_stats": ...}`) and `opt_state`
+        replaced by host arrays of the same paths and shapes, placed as `state`'s own: how a run
+        starts from weights it already has. A ShapeError names the first path that differs."""
+        given = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        placed = {}
+        for name, host in given.items():
+            if host is None:
+                continue
+            ours = getattr(state, name)
+            placed[name] = jax.tree.map(
+                lambda x, h: jax.make_array_from_callback(x.shape, x.sharding, lambda i: h[i]),
+                ours,
+                arranged_like(ours, host, name),
+            )
+        return state.replace(**placed)
 
     def check_layout(self, sample_batch) -> None:
         """Raises ConfigError now, before any work, if the partition rules do not fit the model

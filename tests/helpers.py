@@ -1,8 +1,12 @@
 """Shared by tests: running the CLI in a real subprocess; training steps with their losses."""
 
+import contextlib
+import hashlib
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,3 +38,42 @@ def train_steps(trainer, state, batches):
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+def snapshot(root) -> dict[str, str]:
+    """{path relative to `root`: sha256 of the file, or "dir"} for everything under `root`: equal
+    snapshots mean nothing was written, created, removed or moved."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(folder, name), root)] = "dir"
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+@contextlib.contextmanager
+def read_only_dir(path):
+    """`path` made a directory nobody may write to: a read-only tmpfs where this process may
+    mount one (root), else a directory without write permission."""
+    os.makedirs(path)
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        if os.geteuid() == 0:  # root writes through permissions
+            pytest.skip("root, but no tmpfs mount allowed: no read-only directory to test with")
+        os.chmod(path, 0o555)
+    try:
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+        else:
+            os.chmod(path, 0o755)

@@ -18,7 +18,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from jddp.data import text, transforms
-from jddp.data.cache import decoded_split
+from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
 from jddp.data.imagenet import Imagenet2012
@@ -26,7 +26,8 @@ from jddp.data.mnist import FashionMnist, Mnist
 from jddp.data.pipeline import Transform, read_batch
 from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
 from jddp.data.source_files import LocalFilesBuilder
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, DataError
+from jddp.fs import directory_problem
 from jddp.quiet import library_warnings_muted
 
 CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
@@ -158,7 +159,11 @@ def get_dataset(name: str, text_file: str = "") -> DatasetSpec:
 
 @contextlib.contextmanager
 def _exclusive(path: str):
-    """One preparer at a time per data dir, across processes (pytest workers, hosts' ranks)."""
+    """One preparer at a time per data dir, across processes (pytest workers, hosts' ranks). A
+    data dir nobody can write to (a read-only mount of prepared data) needs no lock."""
+    if directory_problem(os.path.dirname(path), write=True):
+        yield
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -178,6 +183,12 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
         return _language_model_splits(spec, options, texts, where, transform)
 
+    problem = directory_problem(options.resolved_data_dir, write=False)
+    if problem:
+        raise DataError(
+            f"data dir {options.resolved_data_dir!r} {problem}; pass a directory as "
+            "--config.data.data_dir (or $TFDS_DATA_DIR)"
+        )
     # One process at a time prepares (and decodes) a dataset: pytest workers, a host's ranks.
     with _exclusive(os.path.join(options.resolved_data_dir, f".{spec.builder_class.name}.lock")):
         builder = _prepared_builder(spec, options)
@@ -204,6 +215,12 @@ def _prepared_builder(spec: DatasetSpec, options: DataOptions) -> tfds.core.Data
         builder = spec.builder_class(**kwargs)
         if builder.is_prepared():
             return builder
+    problem = directory_problem(options.resolved_data_dir, write=True)
+    if problem:
+        raise DataError(
+            f"dataset {spec.name} is not prepared in {options.resolved_data_dir!r}, which "
+            f"{problem}; pass a writable --config.data.data_dir (or prepare it there once)"
+        )
     if isinstance(builder, LocalFilesBuilder):
         builder.check_sources()  # missing files: one line now, before TFDS starts and logs
     # One line says what happens; TFDS's progress bars (stderr) and banners (stdout) would not.
@@ -226,6 +243,8 @@ def _split_source(builder, sources, split: str, spec: DatasetSpec, options: Data
     folder = os.path.join(
         options.resolved_data_dir, "decoded", builder.name, str(builder.version), split
     )
+    if not is_decoded(folder) and directory_problem(folder, write=True):
+        return sources[split]  # a read-only data dir: read the TFDS files as they are
     return decoded_split(sources[split], folder, features)
 
 

@@ -77,3 +77,11 @@ def read_only_dir(path):
             subprocess.run(["umount", str(path)], check=True)
         else:
             os.chmod(path, 0o755)
+
+
+def assert_one_line(error, *words) -> None:
+    """`error` (a pytest.raises result) is one line holding each of `words`."""
+    message = str(error.value)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, (word, message)

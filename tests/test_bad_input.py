@@ -14,14 +14,7 @@ from experiments.configs import digits_mlp
 from jddp import config as config_lib
 from jddp.errors import ConfigError, DataError, WorkdirError
 from jddp.experiment import train_and_evaluate
-from tests.helpers import read_only_dir
-
-
-def assert_one_line(error, *words):
-    message = str(error.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
+from tests.helpers import assert_one_line, read_only_dir
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from jddp.errors import ConfigError, DataError
 from jddp.model_fit import check_model_fits
 from jddp.models import create_model
 from tests import fake_files
+from tests.helpers import assert_one_line
 
 
 def options(tmp_path, **kwargs) -> data.DataOptions:
@@ -31,13 +32,6 @@ def all_examples(dataset, split):
     """Every example of a split, read in index order, through the dataset's eval transform."""
     source = getattr(dataset, split)
     return dataset.transform(data.pipeline.read_batch(source, np.arange(len(source))))
-
-
-def assert_one_line(error: pytest.ExceptionInfo, *words):
-    message = str(error.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 from experiments.configs import digits_mlp
 from jddp.errors import CheckpointError, WorkdirError
 from jddp.experiment import train_and_evaluate
-from tests.helpers import REPO, checkout_env, run_cli, snapshot
+from tests.helpers import REPO, assert_one_line, checkout_env, run_cli, snapshot
 
 SMALL = {
     "num_train_steps": 10,
@@ -57,13 +57,6 @@ def workdir(finished_run, tmp_path):
 
 def records(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_one_line(error, *words):
-    message = str(error.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
 
 
 # ------------------------------------------------------------------------- 6: config changes

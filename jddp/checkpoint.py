@@ -18,6 +18,7 @@ import datetime
 import json
 import logging as std_logging
 import os
+import re
 import shutil
 from typing import Any
 
@@ -289,7 +290,11 @@ def _saved_trees(path: str) -> list[str]:
     for step in _numbered(path):
         candidates += [os.path.join(step, item) for item in sorted(os.listdir(step))]
     candidates += _numbered(path, "checkpoint_")
-    return [c for c in candidates if os.path.isfile(c) or os.path.isfile(f"{c}/_METADATA")]
+    return [c for c in candidates if os.path.isfile(f"{c}/_METADATA") or _is_msgpack_file(c)]
+
+
+def _is_msgpack_file(path: str) -> bool:
+    return os.path.isfile(path) and re.fullmatch(r"checkpoint_\d+", os.path.basename(path))
 
 
 def _is_jddp_state(saved: str) -> bool:

@@ -12,7 +12,7 @@ def directory_problem(path: str, *, write: bool) -> str | None:
     phrase such as "is a file"; None if it can."""
     if os.path.exists(path) and not os.path.isdir(path):
         return "is a file"
-    existing = path
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):  # the nearest existing ancestor decides
         parent = os.path.dirname(existing)
         if parent == existing:

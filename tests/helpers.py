@@ -74,7 +74,7 @@ def read_only_dir(path):
         yield path
     finally:
         if mounted:
-            subprocess.run(["umount", str(path)], check=True)
+            subprocess.run(["umount", "--lazy", str(path)], check=True)
         else:
             os.chmod(path, 0o755)
 

@@ -9,7 +9,7 @@ import os
 import jax
 from absl import logging
 
-from jddp import checkpoint
+from jddp import checkpoint, weights
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
 
 # Keys a resumed run may change without it counting as a config change: they decide how the run
@@ -144,7 +144,7 @@ def _check_init_from(config, abstract_state) -> None:
             "checkpoints/STEP or export dir), or at a checkpoint directory written by orbax or "
             "flax.training.checkpoints"
         )
-    params, model_state, saved = checkpoint.weight_shapes(config.init_from)
+    params, model_state, saved = weights.weight_shapes(config.init_from)
     trees = [(abstract_state.params, params)]
     if model_state is not None and jax.tree.leaves(abstract_state.model_state):
         trees.append((abstract_state.model_state, model_state))
@@ -154,7 +154,7 @@ def _check_init_from(config, abstract_state) -> None:
         )
         if mismatch:
             raise CheckpointError(f"{mismatch}; point init_from at weights of the same model")
-    if config.init_from_optimizer and checkpoint.jddp_state_in(config.init_from) is None:
+    if config.init_from_optimizer and weights.jddp_state_in(config.init_from) is None:
         raise CheckpointError(
             f"init_from {config.init_from!r} holds no jddp optimizer state (an export, or another "
             "program's checkpoint, has weights only); set init_from_optimizer=false, or use "
@@ -183,24 +183,24 @@ def _init_from(trainer, state, config, sample_batch):
     """`state` with the weights saved at `config.init_from` (parameters, and batch statistics
     where the checkpoint has them) and with `init_from_optimizer`, the optimizer state; the step,
     RNG and data order stay this run's own."""
-    weights = checkpoint.load_weights(config.init_from)
+    saved = weights.load_weights(config.init_from)
     has_model_state = bool(jax.tree.leaves(state.model_state))
-    if has_model_state and weights.model_state is None:
+    if has_model_state and saved.model_state is None:
         logging.warning(
             "%s holds no batch statistics: the model's start from their initial values",
-            weights.source,
+            saved.source,
         )
     state = trainer.replace_state(
         state,
-        params=weights.params,
-        model_state=weights.model_state if has_model_state else None,
+        params=saved.params,
+        model_state=saved.model_state if has_model_state else None,
     )
     if config.init_from_optimizer:
-        loaded = checkpoint.load_state(config.init_from, trainer.abstract_state(sample_batch))
+        loaded = weights.load_state(config.init_from, trainer.abstract_state(sample_batch))
         state = state.replace(opt_state=loaded.opt_state, model_state=loaded.model_state)
     logging.info(
         "initialized from %s%s",
-        weights.source,
+        saved.source,
         " (parameters and optimizer state)" if config.init_from_optimizer else "",
     )
     return state

@@ -13,9 +13,10 @@ import pytest
 import jddp
 from experiments.configs import digits_mlp
 from jddp import data
-from jddp.checkpoint import Checkpoints, load_params
+from jddp.checkpoint import Checkpoints
 from jddp.errors import TrainingHalted
 from jddp.experiment import train_and_evaluate
+from jddp.weights import load_params
 from tests.helpers import run_cli, snapshot
 from tests.reference import (
     SmallNet,

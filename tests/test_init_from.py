@@ -18,8 +18,9 @@ from flax.training import checkpoints as flax_checkpoints
 from flax.training import train_state
 
 import jddp
+import jddp.weights
 from experiments.configs import digits_mlp
-from jddp import checkpoint, data, optim, resume
+from jddp import data, optim, resume
 from jddp.errors import CheckpointError
 from jddp.experiment import build_trainer
 from tests.helpers import assert_one_line, train_steps
@@ -158,7 +159,7 @@ def test_init_from_finds_parameters_and_batch_statistics_by_name(tmp_path):
             step, state, _ = resume.restore_or_start(trainer, config, None, sample)
             assert step == 0
         else:  # its loading and placing, for the other writers (initializing is the slow part)
-            weights = checkpoint.load_weights(folder)
+            weights = jddp.weights.load_weights(folder)
             params, model_state = weights.params, weights.model_state
             state = trainer.replace_state(state, params=params, model_state=model_state)
         host = trainer.host_state(state)

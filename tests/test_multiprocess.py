@@ -19,8 +19,9 @@ import jddp.launch
 import jddp.supervise
 from experiments.configs import digits_mlp
 from jddp import data, optim
-from jddp.checkpoint import Checkpoints, load_params
+from jddp.checkpoint import Checkpoints
 from jddp.experiment import build_trainer
+from jddp.weights import load_params
 from tests.helpers import REPO
 from tests.reference import (
     SmallNet,

@@ -25,7 +25,7 @@ class WorkdirError(JddpError):
 
 
 class CheckpointError(JddpError):
-    """A checkpoint to start from is missing or does not fit the model."""
+    """A checkpoint cannot be read or written, or does not fit the model."""
 
 
 class TrainingHalted(JddpError):

@@ -4,7 +4,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+from jddp.errors import ShapeError
+from jddp.sharding.rules import path_str
 
 
 class TrainState(struct.PyTreeNode):
@@ -36,3 +40,26 @@ class TrainState(struct.PyTreeNode):
     def step_key(self) -> jax.Array:
         """The PRNG key for the current step (dropout and other stochastic layers)."""
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
+
+def arranged_like(tree, given, what: str):
+    """The leaves of `given` (host arrays) in `tree`'s structure and dtypes, matched by path
+    ("Dense_0/kernel", "0/mu/Dense_0/kernel"), so a tuple saved as a list or a namedtuple as a dict
+    still fits. A ShapeError names the first path that is missing, extra or of another shape."""
+    found = {path_str(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(given)}
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = []
+    for path, leaf in paths:
+        name = path_str(path)
+        if name not in found:
+            raise ShapeError(f"{what} has no {name!r} (the model's has shape {leaf.shape})")
+        value = np.asarray(found.pop(name))
+        if value.shape != tuple(leaf.shape):
+            raise ShapeError(
+                f"{what}'s {name!r} has shape {value.shape}, the model's {tuple(leaf.shape)}"
+            )
+        leaves.append(value.astype(leaf.dtype, copy=False))
+    if found:
+        name, extra = next(iter(found.items()))
+        raise ShapeError(f"{what} has {name!r} (shape {np.shape(extra)}) that the model lacks")
+    return jax.tree_util.tree_unflatten(treedef, leaves)

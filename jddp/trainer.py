@@ -17,12 +17,13 @@ from jddp.errors import ConfigError, ShapeError
 from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
-from jddp.state import TrainState
+from jddp.state import TrainState, arranged_like
 from jddp.strategies import device_mesh_for, make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
-# across processes (shared NOTES); a small bound costs nothing, since the host runs ahead anyway.
+# across processes (2 processes of 2 CPU devices, after ~40 steps); a small bound costs nothing,
+# since the host runs ahead anyway.
 MAX_STEPS_IN_FLIGHT = 4
 
 
@@ -150,14 +151,24 @@ class Trainer:
             self._abstract_for = key
         return self._abstract
 
-    def replace_params(self, state: TrainState, params) -> TrainState:
-        """`state` with `params` (host arrays shaped like its own) placed as its own are."""
-        placed = jax.tree.map(
-            lambda x, host: jax.make_array_from_callback(x.shape, x.sharding, lambda i: host[i]),
-            state.params,
-            params,
-        )
-        return state.replace(params=placed)
+    def replace_state(
+        self, state: TrainState, *, params=None, model_state=None, opt_state=None
+    ) -> TrainState:
+        """`state` with any of `params`, `model_state` (`{"batch_stats": ...}`) and `opt_state`
+        replaced by host arrays of the same paths and shapes, placed as `state`'s own: how a run
+        starts from weights it already has. A ShapeError names the first path that differs."""
+        given = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        placed = {}
+        for name, host in given.items():
+            if host is None:
+                continue
+            ours = getattr(state, name)
+            placed[name] = jax.tree.map(
+                lambda x, h: jax.make_array_from_callback(x.shape, x.sharding, lambda i: h[i]),
+                ours,
+                arranged_like(ours, host, name),
+            )
+        return state.replace(**placed)
 
     def check_layout(self, sample_batch) -> None:
         """Raises ConfigError now, before any work, if the partition rules do not fit the model

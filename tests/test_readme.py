@@ -22,7 +22,7 @@ def test_library_example_runs_and_learns(capsys):
     code = readme_example()
     assert len([line for line in code.splitlines() if line.strip()]) <= 25
     namespace = {"__name__": "readme_example"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(code, "README.md", "exec"), namespace)  # our own README
     result = namespace["trainer"].evaluate(namespace["state"], [namespace["data"]])
     assert result["count"] == 1797
     assert result["accuracy"] > 0.9

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jddp.checkpoint import load_params
+from jddp.weights import load_params
 from tests.helpers import REPO
 
 FLAGS = [

@@ -132,14 +132,16 @@ class Checkpoints:
                 "space or move the workdir, then run the same command to resume"
             ) from None
 
-    def restore_latest(self, abstract_state, check=None):
+    def restore_latest(self, abstract_state, check=None, layout=None):
         """(step, state, meta) of the newest checkpoint that restores, or None if there is none.
 
         `abstract_state` carries the target shardings (ShapeDtypeStructs or arrays). Before the
         state is read, `check(meta, saved_shapes)` may refuse the checkpoint by raising (a
-        different model is not damage). A checkpoint whose files are damaged (truncated, missing,
-        unparsable) is named in a warning and moved to `checkpoints_damaged/` beside the
-        checkpoints (never deleted); the one before it is tried next. Any other failure to read
+        different model is not damage). `layout(abstract_state, saved_shapes)` may give another
+        tree to restore into and a function from it to `abstract_state`'s layout. A checkpoint
+        whose files are damaged (truncated, missing, unparsable) is named in a warning and moved
+        to `checkpoints_damaged/` beside the checkpoints (never deleted); the one before it is
+        tried next. Any other failure to read
         (memory, permissions, a flaky file system), or damage to every checkpoint, is a
         CheckpointError that leaves the checkpoints where they are.
         """
@@ -156,12 +158,15 @@ class Checkpoints:
                 continue
             if check is not None:
                 check(meta, saved_shapes)
+            target, convert = (
+                layout(abstract_state, saved_shapes) if layout else (abstract_state, None)
+            )
             try:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
                         **{
-                            STATE: ocp.args.StandardRestore(abstract_state),
+                            STATE: ocp.args.StandardRestore(target),
                             META: ocp.args.JsonRestore(),
                         }
                     ),
@@ -169,7 +174,8 @@ class Checkpoints:
             except Exception as e:
                 self._set_aside(step, e)
                 continue
-            return step, restored[STATE], meta
+            state = convert(restored[STATE]) if convert else restored[STATE]
+            return step, state, meta
         if steps:
             raise CheckpointError(
                 f"every checkpoint in {self.directory} is damaged (moved to "

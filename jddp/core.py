@@ -214,14 +214,17 @@ class Task:
         return {**sums, "count": jnp.sum(mask)}
 
 
-def check_divisible(global_batch_size: int, num_devices: int, grad_accum_steps: int) -> int:
-    """The per-device micro-batch size, or a ConfigError naming the sizes that do not divide."""
+def check_divisible(
+    global_batch_size: int, num_devices: int, grad_accum_steps: int, what: str = "devices"
+) -> int:
+    """The per-device micro-batch size, or a ConfigError naming the sizes that do not divide
+    (`what` names `num_devices`: the parts each batch is split into)."""
     parts = num_devices * grad_accum_steps
     if global_batch_size < 1 or global_batch_size % parts:
         below = global_batch_size // parts * parts
         nearest = " or ".join(str(n) for n in (below, below + parts) if n > 0)
         raise ConfigError(
-            f"global_batch_size={global_batch_size} is not divisible by devices x grad_accum_steps "
+            f"global_batch_size={global_batch_size} is not divisible by {what} x grad_accum_steps "
             f"= {num_devices} x {grad_accum_steps} = {parts}; use a multiple of {parts}, "
             f"e.g. {nearest}"
         )

@@ -165,7 +165,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     splits = data.open_dataset(dataset, data_options)
     sample_batch = splits.sample_batch()
     check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
-    trainer.check_layout(sample_batch)
+    trainer.check_layout(sample_batch, config.global_batch_size)
     # Each process reads only its rows of every global batch (see jddp/data/pipeline.py).
     processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     batches = data.train_batches(
@@ -247,6 +247,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             format_bytes(memory["state_bytes_per_device"]),
             format_bytes(memory["peak_bytes_per_device"]),
         )
+        pipeline = trainer.strategy.pipeline if trainer.device_mesh else None
+        if pipeline:
+            memory |= pipeline.describe()
+            logging.info(
+                "pipeline: %s over %d stages, %d micro-batches, bubble (S-1)/(M+S-1) = %.1f%%",
+                pipeline.schedule.name,
+                pipeline.schedule.stages,
+                pipeline.schedule.microbatches,
+                100 * memory["pipeline_bubble"],
+            )
 
     # ----------------------------------------------------------------------------- loop
     writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)

@@ -3,6 +3,8 @@
 import math
 import re
 
+import numpy as np
+
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _OP = re.compile(
@@ -55,3 +57,64 @@ def ring_bytes(ops, min_bytes: int = 5) -> int:
         big = sum(b for b in sizes if b >= min_bytes)
         total += {"all-reduce": 2 * big, "reduce-scatter": big * group}.get(kind, big)
     return total
+
+
+# ---------------------------------------------------------- which devices, which computation
+_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) \(", re.MULTILINE)
+_CALLS = re.compile(
+    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """{computation name: its text} of an HLO module."""
+    headers = list(_HEADER.finditer(hlo_text))
+    ends = [h.start() for h in headers[1:]] + [len(hlo_text)]
+    return {
+        h.group("name"): hlo_text[h.start() : end] for h, end in zip(headers, ends, strict=True)
+    }
+
+
+def reachable(comps: dict[str, str], roots) -> set[str]:
+    """The computations `roots` call, directly or not, and the roots themselves."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for direct, branches in _CALLS.findall(comps[name]):
+            todo += [direct] if direct else re.findall(r"%([\w.\-]+)", branches)
+    return seen
+
+
+def device_groups(line: str) -> list[tuple[int, ...]] | None:
+    """The groups of device ids a collective's HLO line communicates within (for a
+    collective-permute, its source -> target pairs), or None if the format is not read here."""
+    if match := _PAIRS.search(line):
+        return [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]
+    if match := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+    if match := _IOTA.search(line):
+        count, size = int(match.group(1)), int(match.group(2))
+        dims = [int(d) for d in match.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(4):
+            ids = ids.transpose([int(p) for p in match.group(4).split(",")])
+        return [tuple(row) for row in ids.reshape(count, size).tolist()]
+    return None
+
+
+def collectives_with_groups(hlo_text: str) -> list[tuple[str, int, list | None]]:
+    """(kind, bytes of the results, `device_groups`) for every collective op."""
+    found = []
+    for match in _OP.finditer(hlo_text):
+        size = sum(
+            DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _ARRAY.findall(match.group("shape"))
+        )
+        found.append((match.group("kind"), size, device_groups(match.group("rest"))))
+    return found

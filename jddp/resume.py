@@ -11,6 +11,7 @@ from absl import logging
 
 from jddp import checkpoint, weights
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
+from jddp.pipeline import layouts
 
 # Keys a resumed run may change without it counting as a config change: they decide how the run
 # is logged, evaluated, checkpointed, profiled, read from disk or placed on devices (checkpoints
@@ -128,7 +129,9 @@ def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> d
             "--config.allow_config_change=true to continue with these changes"
         )
     mismatch = checkpoint.first_mismatch(
-        checkpoint.shapes_by_path(abstract_state), saved_shapes, f"the checkpoints of {directory}"
+        _layer_by_layer(abstract_state),
+        layouts.per_layer_shapes(saved_shapes),
+        f"the checkpoints of {directory}",
     )
     if mismatch:
         raise CheckpointError(
@@ -150,7 +153,7 @@ def _check_init_from(config, abstract_state) -> None:
         trees.append((abstract_state.model_state, model_state))
     for tree, shapes in trees:
         mismatch = checkpoint.first_mismatch(
-            checkpoint.shapes_by_path(tree), shapes, f"init_from {saved!r}"
+            _layer_by_layer(tree), layouts.per_layer_shapes(shapes), f"init_from {saved!r}"
         )
         if mismatch:
             raise CheckpointError(f"{mismatch}; point init_from at weights of the same model")
@@ -170,7 +173,7 @@ def restore_or_start(trainer, config, checkpoints, sample_batch):
         def check(meta, saved_shapes):
             _check_resumable(meta, saved_shapes, config, abstract, checkpoints.directory)
 
-        step, state, meta = checkpoints.restore_latest(abstract, check)
+        step, state, meta = checkpoints.restore_latest(abstract, check, restore_layout)
         logging.info("resuming from the checkpoint at step %d in %s", step, checkpoints.directory)
         return step, state, meta.get("data")
     state = trainer.init(config.seed, sample_batch)
@@ -190,13 +193,18 @@ def _init_from(trainer, state, config, sample_batch):
             "%s holds no batch statistics: the model's start from their initial values",
             saved.source,
         )
+    stacked = layouts.is_stacked(checkpoint.shapes_by_path(state.params))
+    convert = layouts.to_stacked if stacked else layouts.to_per_layer
     state = trainer.replace_state(
         state,
-        params=saved.params,
+        params=convert(saved.params),
         model_state=saved.model_state if has_model_state else None,
     )
     if config.init_from_optimizer:
-        loaded = weights.load_state(config.init_from, trainer.abstract_state(sample_batch))
+        abstract = trainer.abstract_state(sample_batch)
+        target, to_ours = restore_layout(abstract, weights.state_shapes(config.init_from))
+        loaded = weights.load_state(config.init_from, target)
+        loaded = to_ours(loaded) if to_ours else loaded
         state = state.replace(opt_state=loaded.opt_state, model_state=loaded.model_state)
     logging.info(
         "initialized from %s%s",
@@ -204,6 +212,25 @@ def _init_from(trainer, state, config, sample_batch):
         " (parameters and optimizer state)" if config.init_from_optimizer else "",
     )
     return state
+
+
+def _layer_by_layer(tree) -> dict:
+    """Shapes of `tree` by path, stacked layers written layer by layer: the same model compares
+    equal whether its layers are stacked (scan_layers, pipelines) or not."""
+    return layouts.per_layer_shapes(checkpoint.shapes_by_path(tree))
+
+
+def restore_layout(abstract_state, saved_shapes):
+    """(what to restore into, a function to this run's layout or None): a checkpoint whose
+    layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
+    its own layout and converted on the devices, into this run's shardings."""
+    ours = layouts.is_stacked(checkpoint.shapes_by_path(abstract_state))
+    if layouts.is_stacked(saved_shapes) == ours:
+        return abstract_state, None
+    target = layouts.to_per_layer(abstract_state) if ours else layouts.to_stacked(abstract_state)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+    convert = layouts.to_stacked if ours else layouts.to_per_layer
+    return target, jax.jit(convert, out_shardings=shardings)
 
 
 def checkpoint_meta(config, trainer, step: int, data_state) -> dict:

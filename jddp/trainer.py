@@ -111,6 +111,13 @@ class Trainer:
         return self.strategy.num_devices
 
     @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipeline (1 without a stage axis); known once the state is laid
+        out (`abstract_state`, `init`)."""
+        pipeline = getattr(self.strategy, "pipeline", None)
+        return pipeline.schedule.microbatches if pipeline else 1
+
+    @property
     def batch_shards(self) -> int:
         """Into how many slices each global batch is split (devices along `tensor` share one)."""
         return self.device_mesh.batch_shards if self.device_mesh else self.num_devices
@@ -170,15 +177,23 @@ class Trainer:
             )
         return state.replace(**placed)
 
-    def check_layout(self, sample_batch) -> None:
-        """Raises ConfigError now, before any work, if the partition rules do not fit the model
-        (computed from shapes alone: nothing is initialized)."""
+    def check_layout(self, sample_batch, global_batch_size: int | None = None) -> None:
+        """Raises ConfigError now, before any work, if the partition rules or the pipeline do
+        not fit the model, or `global_batch_size` does not split into batch slices x
+        micro-batches x accumulation steps (computed from shapes alone: nothing is
+        initialized)."""
         self.abstract_state(sample_batch)
+        if global_batch_size is not None:
+            parts, accum = self.batch_shards * self.microbatches, self.task.grad_accum_steps
+            if self.microbatches > 1:
+                check_divisible(global_batch_size, parts, accum, "batch slices x micro-batches")
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
         global_rows = len(self._model_input(batch)) * jax.process_count()  # equal rows each
-        check_divisible(global_rows, self.batch_shards, self.task.grad_accum_steps)
+        check_divisible(
+            global_rows, self.batch_shards * self.microbatches, self.task.grad_accum_steps
+        )
         return PlacedBatch(self.strategy.place_batch(batch))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:

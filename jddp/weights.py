@@ -122,6 +122,14 @@ def jddp_state_in(path: str) -> str | None:
     return next((s for s in _saved_trees(os.path.abspath(path)) if _is_jddp_state(s)), None)
 
 
+def state_shapes(path: str) -> dict[str, tuple]:
+    """Shapes by path of the TrainState `load_state(path, ...)` would read (metadata only)."""
+    saved = jddp_state_in(path)
+    if saved is None:
+        raise CheckpointError(f"init_from {path!r} holds no jddp TrainState")
+    return shapes_by_path(_read(saved, arrays=False))
+
+
 def load_state(path: str, abstract_state):
     """A whole TrainState from `jddp_state_in(path)`, restored into `abstract_state`'s
     shardings."""

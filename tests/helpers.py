@@ -42,8 +42,10 @@ def train_steps(trainer, state, batches):
 
 def save_and_restore(writer, state, reader, sample_batch, directory: str, step: int = 10):
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
-    `reader`'s layout (orbax reshards on load); returns (step, state, meta)."""
+    `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns
+    (step, state, meta)."""
     from jddp.checkpoint import Checkpoints
+    from jddp.resume import restore_layout
 
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)
@@ -51,7 +53,9 @@ def save_and_restore(writer, state, reader, sample_batch, directory: str, step: 
     checkpoints.close()
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     try:
-        return checkpoints.restore_latest(reader.abstract_state(sample_batch))
+        return checkpoints.restore_latest(
+            reader.abstract_state(sample_batch), layout=restore_layout
+        )
     finally:
         checkpoints.close()
 

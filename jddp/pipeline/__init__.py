@@ -2,5 +2,6 @@
 that runs them over a mesh's `stage` axis."""
 
 from jddp.pipeline.layers import Pipelined
+from jddp.pipeline.options import PipelineOptions
 
-__all__ = ["Pipelined"]
+__all__ = ["PipelineOptions", "Pipelined"]

@@ -21,7 +21,14 @@ from jax import lax
 from jddp.core import Task, cast_floats
 from jddp.errors import ConfigError, ShapeError
 from jddp.pipeline import layers
-from jddp.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
+from jddp.pipeline.schedule import (
+    BACKWARD_HIGH,
+    BACKWARD_LOW,
+    FORWARD,
+    IDLE,
+    Schedule,
+    bubble_fraction,
+)
 
 # What idle slots hold and idle sends carry. 0.0; the bubble test sets NaN to prove that no
 # idle value ever reaches a result.
@@ -65,6 +72,17 @@ class Pipeline:
         self.layers_per_stage = self.stack.num_layers // schedule.stages
         self._call = None  # the stack's block and extra arguments, found at the first trace
 
+    def describe(self) -> dict:
+        """The schedule, its micro-batches and the bubble fraction it implies (the log and
+        the first metrics record)."""
+        sched = self.schedule
+        return {
+            "pipeline_schedule": sched.name,
+            "pipeline_stages": sched.stages,
+            "pipeline_microbatches": sched.microbatches,
+            "pipeline_bubble": bubble_fraction(sched.stages, sched.microbatches),
+        }
+
     def _find_call(self, rest, batch, rng) -> layers.StackCall:
         """How the model calls its stack in training (its block and arguments): traced once."""
         if self._call is None:
@@ -93,9 +111,10 @@ class Pipeline:
         means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
         return means["loss"], means
 
-    def _stage(self, stage_params, x, rng):
-        """This stage's layers of the stack, in order, on `x`."""
-        first = lax.axis_index(self.axis) * self.layers_per_stage
+    def _stage(self, stage_params, x, rng, offset: int = 0):
+        """Layers of this stage, from its `offset`-th on (as many as `stage_params` holds), in
+        order, on `x`."""
+        first = lax.axis_index(self.axis) * self.layers_per_stage + offset
         params = cast_floats(stage_params, self.task.compute_dtype)
         call = self._call
 
@@ -105,7 +124,8 @@ class Pipeline:
             y = call.block.apply({"params": layer_params}, x, *call.args, rngs={"dropout": key})
             return y, None
 
-        x, _ = lax.scan(layer, x, (jnp.arange(self.layers_per_stage), params))
+        count = jax.tree.leaves(stage_params)[0].shape[0]
+        x, _ = lax.scan(layer, x, (jnp.arange(count), params))
         return x
 
     # ------------------------------------------------------------------------- gradients
@@ -147,11 +167,15 @@ class Pipeline:
         sched, axis = self.schedule, self.axis
         S, M = sched.stages, sched.microbatches
         stage = lax.axis_index(axis)
+        last = stage == S - 1
         stacked, rest = split_stack(params, self.stack.path)
-        tables = {
-            name: jnp.asarray(getattr(sched, name))
-            for name in ("op", "microbatch", "stash", "read", "arrive_forward", "arrive_backward")
-        }
+        # The stage's layers in two halves: the backward of each is one tick (schedule.py).
+        low = self.layers_per_stage // 2 if sched.split_backward else 0
+        halves = [
+            jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked) for a, b in ((0, low), (low, None))
+        ]
+        names = ("op", "microbatch", "stash", "read", "middle", "arrive_forward", "arrive_backward")
+        tables = {name: jnp.asarray(getattr(sched, name)) for name in names}
 
         def take(m):
             return jax.tree.map(lambda x: x[m], microbatches)
@@ -159,71 +183,76 @@ class Pipeline:
         def key(m):
             return jax.random.fold_in(rng, m)
 
-        self._find_call(rest, take(0), key(0))
+        def half_vjp(h, x, m):
+            """(output, pullback) of half `h` (0: first layers, 1: the rest) on `x`."""
+            offset = low if h else 0
+            return jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
 
+        self._find_call(rest, take(0), key(0))
         # Shapes of what moves and what is kept, from one abstract micro-batch.
         x_shape = jax.eval_shape(self._pre, rest, take(0), key(0))
-        residuals = jax.eval_shape(
-            lambda sp, x: jax.vjp(lambda sp, x: self._stage(sp, x, key(0)), sp, x)[1],
-            stacked,
-            x_shape,
-        )
-        pullback_tree = jax.tree.structure(residuals)
+        used = [1] if low == 0 else [0, 1]
+        pullbacks = {h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0)[1], x_shape) for h in used}
+        trees = {h: jax.tree.structure(pullbacks[h]) for h in used}
 
         def fill(shape, slots):
             return jnp.full((slots, *shape.shape), BUBBLE_FILL, shape.dtype)
 
+        zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
         carry = {
-            "stash": [fill(r, sched.stash_slots) for r in jax.tree.leaves(residuals)],
+            "stash": {
+                h: [fill(r, sched.stash_slots) for r in jax.tree.leaves(pullbacks[h])] for h in used
+            },
             "inbox_f": fill(x_shape, sched.forward_slots),
             "inbox_b": fill(x_shape, max(sched.backward_slots, 1)),
-            "grad_stack": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), stacked),
-            "grad_rest": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), rest),
+            "middle": fill(x_shape, sched.middle_slots),
+            "grad_halves": [zeros(halves[0]), zeros(halves[1])],
+            "grad_rest": zeros(rest),
             "metrics": {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)},
         }
-        last = stage == S - 1
         idle_send = jnp.full(x_shape.shape, BUBBLE_FILL, x_shape.dtype)
         add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)  # noqa: E731
 
+        def keep(carry, h, pullback, slot):
+            leaves = jax.tree.leaves(pullback)
+            stash = [
+                buf.at[slot].set(leaf) for buf, leaf in zip(carry["stash"][h], leaves, strict=True)
+            ]
+            return {**carry, "stash": {**carry["stash"], h: stash}}
+
+        def unstash(carry, h, slot):
+            return jax.tree.unflatten(trees[h], [buf[slot] for buf in carry["stash"][h]])
+
         def forward(carry, t):
-            m = tables["microbatch"][t, stage]
+            m, slot = tables["microbatch"][t, stage], tables["stash"][t, stage]
             batch = take(m)
             x = lax.cond(
                 stage == 0,
                 lambda: self._pre(rest, batch, key(m)),
                 lambda: carry["inbox_f"][tables["read"][t, stage]],
             )
-            y, pullback = jax.vjp(lambda sp, x: self._stage(sp, x, key(m)), stacked, x)
-            slot = tables["stash"][t, stage]
-            carry = dict(carry)
-            carry["stash"] = [
-                buffer.at[slot].set(leaf)
-                for buffer, leaf in zip(carry["stash"], jax.tree.leaves(pullback), strict=True)
-            ]
+            for h in used:
+                x, pullback = half_vjp(h, x, m)
+                carry = keep(carry, h, pullback, slot)
 
-            def head(carry):
+            def head(carry):  # the last stage: head, loss, and the cotangent it sends back
                 (loss, metrics), post_pullback = _vjp_with_aux(
-                    lambda rest, y: self._post(rest, y, batch, key(m)), rest, y
+                    lambda rest, y: self._post(rest, y, batch, key(m)), rest, x
                 )
                 d_rest, dy = post_pullback(jnp.asarray(1.0 / M, loss.dtype))
-                carry = dict(carry)
-                carry["grad_rest"] = add(carry["grad_rest"], d_rest)
-                carry["metrics"] = add(carry["metrics"], jax.tree.map(lambda v: v / M, metrics))
                 slot = tables["arrive_backward"][t, stage]
-                carry["inbox_b"] = carry["inbox_b"].at[slot].set(dy.astype(x_shape.dtype))
-                return carry
+                return {
+                    **carry,
+                    "grad_rest": add(carry["grad_rest"], d_rest),
+                    "metrics": add(carry["metrics"], jax.tree.map(lambda v: v / M, metrics)),
+                    "inbox_b": carry["inbox_b"].at[slot].set(dy.astype(x_shape.dtype)),
+                }
 
             carry = lax.cond(last, head, lambda c: c, carry)
-            return carry, jnp.where(last, idle_send, y), idle_send
+            return carry, jnp.where(last, idle_send, x), idle_send
 
-        def backward(carry, t):
-            m = tables["microbatch"][t, stage]
-            slot = tables["stash"][t, stage]
-            pullback = jax.tree.unflatten(pullback_tree, [b[slot] for b in carry["stash"]])
-            cotangent = carry["inbox_b"][tables["read"][t, stage]]
-            d_stack, dx = pullback(cotangent)
-            carry = dict(carry)
-            carry["grad_stack"] = add(carry["grad_stack"], d_stack)
+        def send_back(carry, m, dx):
+            """The first stage takes `dx` into the embedding's gradients; the others send it."""
 
             def embedding(carry):
                 _, pre_pullback = jax.vjp(lambda rest: self._pre(rest, take(m), key(m)), rest)
@@ -233,14 +262,35 @@ class Pipeline:
             carry = lax.cond(stage == 0, embedding, lambda c: c, carry)
             return carry, idle_send, jnp.where(stage == 0, idle_send, dx)
 
+        def backward_half(carry, t, h, cotangent):
+            m, slot = tables["microbatch"][t, stage], tables["stash"][t, stage]
+            d_half, d_x = unstash(carry, h, slot)(cotangent)
+            grads = list(carry["grad_halves"])
+            grads[h] = add(grads[h], d_half)
+            return {**carry, "grad_halves": grads}, m, d_x
+
+        def backward_high(carry, t):
+            cotangent = carry["inbox_b"][tables["read"][t, stage]]
+            carry, m, d_x = backward_half(carry, t, 1, cotangent)
+            if low == 0:  # the whole backward in one tick
+                return send_back(carry, m, d_x)
+            middle = carry["middle"].at[tables["middle"][t, stage]].set(d_x)
+            return {**carry, "middle": middle}, idle_send, idle_send
+
+        def backward_low(carry, t):
+            if low == 0:
+                return carry, idle_send, idle_send
+            cotangent = carry["middle"][tables["read"][t, stage]]
+            carry, m, d_x = backward_half(carry, t, 0, cotangent)
+            return send_back(carry, m, d_x)
+
         def idle(carry, t):
             del t
             return carry, idle_send, idle_send
 
         def tick(carry, t):
-            carry, send_f, send_b = lax.switch(
-                tables["op"][t, stage], [idle, forward, backward], carry, t
-            )
+            branches = [idle, forward, backward_high, backward_low]
+            carry, send_f, send_b = lax.switch(tables["op"][t, stage], branches, carry, t)
             received_f = lax.ppermute(send_f, axis, [(i, i + 1) for i in range(S - 1)])
             received_b = lax.ppermute(send_b, axis, [(i + 1, i) for i in range(S - 1)])
             slot_f, slot_b = tables["arrive_forward"][t, stage], tables["arrive_backward"][t, stage]
@@ -260,9 +310,10 @@ class Pipeline:
             return carry, None
 
         carry, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+        grad_stack = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *carry["grad_halves"])
         # The replicated parts' gradients and the metrics live on the first and last stage.
         grad_rest, metrics = lax.psum((carry["grad_rest"], carry["metrics"]), axis)
-        return join_stack(grad_rest, carry["grad_stack"], self.stack.path), metrics
+        return join_stack(grad_rest, grad_stack, self.stack.path), metrics
 
 
 def _vjp_with_aux(fn, *primals):
@@ -271,4 +322,5 @@ def _vjp_with_aux(fn, *primals):
     return (value, aux), pullback
 
 
-assert IDLE == 0 and FORWARD == 1 and BACKWARD == 2  # the order lax.switch takes the branches
+# The order lax.switch takes the branches in.
+assert (IDLE, FORWARD, BACKWARD_HIGH, BACKWARD_LOW) == (0, 1, 2, 3)

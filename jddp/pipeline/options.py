@@ -3,7 +3,7 @@
 import dataclasses
 
 from jddp.errors import ConfigError
-from jddp.pipeline.schedule import SCHEDULES, bubble_fraction, make_schedule
+from jddp.pipeline.schedule import SCHEDULES, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +14,9 @@ class PipelineOptions:
     microbatches: int = 0
     schedule: str = "1f1b"
     repeats: int = 1
+
+    def __post_init__(self):
+        self.check()
 
     def check(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -38,7 +41,6 @@ class PipelineOptions:
         micro-batches."""
         from jddp.pipeline.engine import Pipeline
 
-        self.check()
         stages = mesh.size("stage")
         if task.stack is None:
             raise ConfigError(
@@ -58,14 +60,8 @@ class PipelineOptions:
                 f"parallel.pipeline.microbatches={microbatches} is fewer than the {stages} "
                 f"stages (every stage would idle); use at least {stages}, e.g. {4 * stages}"
             )
-        schedule = make_schedule(self.schedule, stages, microbatches)
+        # With 2 layers or more per stage the backward is split into two ticks of about a
+        # forward's cost each, so that no stage waits for another (schedule.py).
+        split = layers // (stages * self.repeats) >= 2
+        schedule = make_schedule(self.schedule, stages, microbatches, split)
         return Pipeline(task, schedule, "stage")
-
-    def describe(self, stages: int) -> dict:
-        """What the log and the first metrics record say of the pipeline."""
-        microbatches = self.microbatches or stages
-        return {
-            "pipeline_schedule": self.schedule,
-            "pipeline_microbatches": microbatches,
-            "pipeline_bubble": bubble_fraction(stages, microbatches, self.repeats),
-        }

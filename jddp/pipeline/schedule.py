@@ -1,16 +1,23 @@
-"""Pipeline schedules as timetables: which stage runs which micro-batch's forward or backward at
-every tick, and which buffer slot each activation waits in.
+"""Pipeline schedules as timetables: at every tick, what each stage runs, and which buffer slot
+each activation and cotangent waits in.
 
-A tick is one unit of work on every stage at once (all stages step together in one SPMD
-program); forward and backward each take one tick. A stage's output reaches its neighbour at
-the next tick. From the same dependencies, two policies:
+All stages step together (one SPMD program), so a tick lasts as long as its slowest stage. For
+no stage to wait on another, every tick's work should cost the same: a backward costs about
+twice a forward, so it is split into two ticks, the backward of the stage's second half of
+layers (`BACKWARD_HIGH`) then of its first half (`BACKWARD_LOW`); a stage of one layer runs its
+whole backward in one tick (`BACKWARD_HIGH`). What a stage sends reaches its neighbour at the
+next tick (the last stage's own output cotangent too). From the same dependencies, two
+policies:
 
     gpipe  all forwards first, then all backwards (Huang et al., 2019): every stage holds the
            activations of all M micro-batches before the first backward
-    1f1b   after a warm-up, one forward then one backward (PipeDream-Flush, Narayanan et al.,
+    1f1b   after a warm-up, forwards and backwards alternate (PipeDream-Flush, Narayanan et al.,
            2021): stage s holds at most S - s micro-batches' activations
 
-Both take 2 (M + S - 1) ticks, so the idle fraction (the bubble) is (S - 1) / (M + S - 1).
+Both take (M + S - 1) x (forward + backward) time, so the idle fraction (the bubble) is
+(S - 1) / (M + S - 1): `bubble_fraction`, checked against every timetable's `Schedule.bubble`.
+MaxText's maintainers hold 1F1B to need MPMD, devices at their own pace; the split backward is
+what lets one lockstep program reach 1F1B's memory with GPipe's bubble.
 """
 
 import dataclasses
@@ -19,42 +26,51 @@ import numpy as np
 
 from jddp.errors import ConfigError
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
 SCHEDULES = ("gpipe", "1f1b")
+IDLE, FORWARD, BACKWARD_HIGH, BACKWARD_LOW = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A timetable; every table is (ticks, stages), -1 where nothing happens.
+    """A timetable; every table is (ticks, stages).
 
-    `op`, `microbatch`: what each stage does. `stash`: the slot a forward keeps its activations
-    for the backward in (read back by that backward). `read`: the inbox slot a forward reads its
-    input from (stages after the first) and a backward its cotangent from. `arrive_forward`,
-    `arrive_backward`: the inbox slot where what the previous (next) stage sent at this tick is
-    put; the last stage's own output cotangent is put at `arrive_backward` of its forward tick.
+    `op`: what each stage runs (IDLE, FORWARD, BACKWARD_HIGH, BACKWARD_LOW), on micro-batch
+    `microbatch`. A forward keeps its activations in stash slot `stash`, where the two
+    backward halves read them. `read`: the forward-inbox slot a forward takes its input from
+    (stages after the first), the backward-inbox slot BACKWARD_HIGH takes its cotangent from,
+    the middle slot BACKWARD_LOW takes the first half's cotangent from (written by
+    BACKWARD_HIGH at `middle`). What a neighbour sent in a tick goes into inbox slot
+    `arrive_forward` / `arrive_backward` at its end (-1: nothing arrives); the last stage's own
+    output cotangent, from its forward, arrives at its `arrive_backward` slot.
     """
 
     name: str
     stages: int
     microbatches: int
+    split_backward: bool
     op: np.ndarray
     microbatch: np.ndarray
     stash: np.ndarray
     read: np.ndarray
+    middle: np.ndarray
     arrive_forward: np.ndarray
     arrive_backward: np.ndarray
     stash_slots: int
     forward_slots: int
     backward_slots: int
+    middle_slots: int
 
     @property
     def ticks(self) -> int:
         return self.op.shape[0]
 
-    @property
-    def bubble(self) -> float:
-        """The idle fraction of the stages' ticks."""
-        return float(np.mean(self.op == IDLE))
+    def bubble(self, layers_per_stage: int = 2) -> float:
+        """The idle fraction of every stage's time, a forward costing one unit per layer and a
+        backward two, each tick as long as its slowest stage."""
+        low = layers_per_stage // 2 if self.split_backward else 0
+        cost = np.array([0, layers_per_stage, 2 * (layers_per_stage - low), 2 * low])
+        busy = self.microbatches * 3 * layers_per_stage
+        return 1.0 - busy / float(np.sum(cost[self.op].max(axis=1)))
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -78,70 +94,93 @@ class _Slots:
         self.free.append(slot)
 
 
-def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
-    """The timetable of schedule `name` for `stages` stages and `microbatches` micro-batches."""
+def make_schedule(name: str, stages: int, microbatches: int, split_backward: bool) -> Schedule:
+    """The timetable of schedule `name` for `stages` stages and `microbatches` micro-batches,
+    with the backward in two ticks (`split_backward`) or one."""
     if name not in SCHEDULES:
         raise ConfigError(
             f"unknown parallel.pipeline.schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
         )
     S, M = stages, microbatches
-    ticks = 2 * (M + S - 1)
-    tables = {k: np.full((ticks, S), -1, np.int32) for k in ("mb", "stash", "read", "af", "ab")}
-    op = np.full((ticks, S), IDLE, np.int32)
-    next_forward, next_backward = [0] * S, [0] * S
-    inbox_forward = [dict() for _ in range(S)]  # micro-batch -> slot, arrived and not yet used
-    inbox_backward = [dict() for _ in range(S)]
-    stashed = [dict() for _ in range(S)]
-    slots = {k: [_Slots() for _ in range(S)] for k in ("stash", "forward", "backward")}
-    for t in range(ticks):
-        arrivals = []  # (kind, stage, micro-batch), delivered at the end of this tick
+    forwarded, high_done, backwarded = [0] * S, [0] * S, [0] * S
+    inbox_f, inbox_b, stashed, middle = ([{} for _ in range(S)] for _ in range(4))
+    slots = {k: [_Slots() for _ in range(S)] for k in ("stash", "forward", "backward", "middle")}
+    names = ("op", "microbatch", "stash", "read", "middle", "arrive_forward", "arrive_backward")
+    rows = {k: [] for k in names}
+    while min(backwarded) < M:
+        row = {k: [IDLE if k == "op" else -1] * S for k in names}
+        arrive_f, arrive_b = [], []  # (stage, micro-batch), delivered at the end of the tick
+
+        def backward_done(s, m, row=row, arrive_b=arrive_b):
+            backwarded[s] += 1
+            row["stash"][s] = stashed[s].pop(m)
+            slots["stash"][s].give(row["stash"][s])
+            if s > 0:
+                arrive_b.append((s - 1, m))
+
         for s in range(S):
-            m_f, m_b = next_forward[s], next_backward[s]
-            can_forward = m_f < M and (s == 0 or m_f in inbox_forward[s])
-            can_backward = m_b < m_f and m_b in inbox_backward[s]
-            if name == "1f1b":
-                can_forward = can_forward and m_f - m_b < S - s
-                choice = BACKWARD if can_backward else FORWARD if can_forward else IDLE
-            else:
-                choice = FORWARD if can_forward else BACKWARD if can_backward else IDLE
-            op[t, s] = choice
-            if choice == FORWARD:
-                tables["mb"][t, s] = m_f
+            m_low, m_high, m_fwd = backwarded[s], high_done[s], forwarded[s]
+            may_backward = name == "1f1b" or m_fwd == M
+            if split_backward and m_low < m_high:  # the second backward tick, always next
+                row["op"][s], row["microbatch"][s] = BACKWARD_LOW, m_low
+                row["read"][s] = middle[s].pop(m_low)
+                slots["middle"][s].give(row["read"][s])
+                backward_done(s, m_low)
+            elif m_high < m_fwd and m_high in inbox_b[s] and may_backward:
+                row["op"][s], row["microbatch"][s] = BACKWARD_HIGH, m_high
+                row["read"][s] = inbox_b[s].pop(m_high)
+                slots["backward"][s].give(row["read"][s])
+                high_done[s] += 1
+                if split_backward:
+                    middle[s][m_high] = row["middle"][s] = slots["middle"][s].take()
+                    row["stash"][s] = stashed[s][m_high]
+                else:
+                    backward_done(s, m_high)
+            elif (
+                m_fwd < M
+                and (s == 0 or m_fwd in inbox_f[s])
+                and m_fwd - m_low < (S - s if name == "1f1b" else M)
+            ):
+                row["op"][s], row["microbatch"][s] = FORWARD, m_fwd
                 if s > 0:
-                    slot = inbox_forward[s].pop(m_f)
-                    tables["read"][t, s] = slot
-                    slots["forward"][s].give(slot)
-                stashed[s][m_f] = tables["stash"][t, s] = slots["stash"][s].take()
-                arrivals.append(("forward", s + 1, m_f) if s < S - 1 else ("backward", s, m_f))
-                next_forward[s] += 1
-            elif choice == BACKWARD:
-                tables["mb"][t, s] = m_b
-                slot = inbox_backward[s].pop(m_b)
-                tables["read"][t, s] = slot
-                slots["backward"][s].give(slot)
-                tables["stash"][t, s] = stashed[s].pop(m_b)
-                slots["stash"][s].give(tables["stash"][t, s])
-                if s > 0:
-                    arrivals.append(("backward", s - 1, m_b))
-                next_backward[s] += 1
-        for kind, s, m in arrivals:
-            slot = slots[kind][s].take()
-            (inbox_forward if kind == "forward" else inbox_backward)[s][m] = slot
-            # The last stage's own cotangent is stored by its forward, at that tick.
-            tables["af" if kind == "forward" else "ab"][t, s] = slot
-    if any(n < M for n in next_backward):
-        raise AssertionError(f"schedule {name} did not finish in {ticks} ticks")
+                    row["read"][s] = inbox_f[s].pop(m_fwd)
+                    slots["forward"][s].give(row["read"][s])
+                stashed[s][m_fwd] = row["stash"][s] = slots["stash"][s].take()
+                arrive_b.append((s, m_fwd)) if s == S - 1 else arrive_f.append((s + 1, m_fwd))
+                forwarded[s] += 1
+        for s, m in arrive_f:
+            inbox_f[s][m] = row["arrive_forward"][s] = slots["forward"][s].take()
+        for s, m in arrive_b:
+            inbox_b[s][m] = row["arrive_backward"][s] = slots["backward"][s].take()
+        for k in names:
+            rows[k].append(row[k])
+        if len(rows["op"]) > 6 * (M + S):
+            raise AssertionError(f"schedule {name} does not finish")
+    table = {k: np.asarray(v, np.int32) for k, v in rows.items()}
+    for k in ("microbatch", "stash", "read", "middle"):  # gathers index with these: never -1
+        table[k] = np.maximum(table[k], 0)
     return Schedule(
         name=name,
         stages=S,
         microbatches=M,
-        op=op,
-        microbatch=np.maximum(tables["mb"], 0),
-        stash=np.maximum(tables["stash"], 0),
-        read=np.maximum(tables["read"], 0),
-        arrive_forward=tables["af"],
-        arrive_backward=tables["ab"],
+        split_backward=split_backward,
+        **table,
         stash_slots=max(x.size for x in slots["stash"]),
         forward_slots=max(1, max(x.size for x in slots["forward"])),
         backward_slots=max(x.size for x in slots["backward"]),
+        middle_slots=max(1, max(x.size for x in slots["middle"])),
     )
+
+
+def timeline(schedule: Schedule) -> str:
+    """The timetable as text, one line per stage and one column per tick: the micro-batch
+    number where a stage runs a forward, `b` / `B` for the backward's two halves (`B` alone when
+    it is one tick), `.` where the stage idles."""
+    lines = []
+    for s in range(schedule.stages):
+        cells = []
+        for op, m in zip(schedule.op[:, s], schedule.microbatch[:, s], strict=True):
+            mark = {IDLE: ".", FORWARD: str(m % 10), BACKWARD_HIGH: "B", BACKWARD_LOW: "b"}[op]
+            cells.append(mark)
+        lines.append(f"stage {s}  " + "".join(cells))
+    return "\n".join(lines)

@@ -19,6 +19,8 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?")
 
 
 def _group_size(rest: str) -> int:
+    if "source_target_pairs=" in rest:  # a collective-permute: device to device
+        return 2
     if match := _EXPLICIT_GROUPS.search(rest):
         return len(match.group(1).split(","))
     if match := _IOTA_GROUPS.search(rest):

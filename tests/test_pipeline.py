@@ -13,6 +13,13 @@ import jddp
 from jddp import hlo
 from jddp.pipeline import engine
 from jddp.pipeline.options import PipelineOptions
+from jddp.pipeline.schedule import (
+    BACKWARD_HIGH,
+    FORWARD,
+    SCHEDULES,
+    bubble_fraction,
+    make_schedule,
+)
 from tests.reference import SmallNet, make_batches, per_example_ce
 from tests.tiny_gpt import check_against_reference, gpt_trainer, run, token_batches
 
@@ -40,7 +47,7 @@ CASES += [
     ("data:2,stage:2", "1f1b", 4),
     ("stage:2,fsdp:2", "1f1b", 4),
     ("data:2,stage:4", "gpipe", 8),
-    ("stage:2,fsdp:2,tensor:2", "1f1b", 4),
+    ("stage:2,fsdp:2,tensor:2", "1f1b", 4),  # with sequence parallelism inside the stages
 ]
 
 
@@ -48,8 +55,29 @@ CASES += [
 def test_pipeline_matches_one_device(mesh, schedule, microbatches):
     """20 steps, AdamW, clipping, 2 accumulation steps of M micro-batches each: every loss, the
     parameters and the optimizer state equal the single-device loop's."""
-    trainer = pipeline_trainer(mesh, schedule, microbatches)
+    trainer = pipeline_trainer(mesh, schedule, microbatches, sp="tensor" in mesh)
     check_against_reference(trainer, token_batches(size=BATCH), layers=LAYERS)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["2 layers per stage", "1 layer per stage"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_timetables_idle_as_the_bubble_formula_says_and_1f1b_holds_s_minus_s(name, split):
+    """Every timetable runs each micro-batch's forward and backward once per stage, idles
+    (S - 1) / (M + S - 1) of the time (a backward costing two forwards), and 1F1B never keeps
+    more than S - s micro-batches on stage s (its stash); with one layer per stage 1F1B's
+    lockstep ticks wait for the longer backward."""
+    for stages, microbatches in ((2, 2), (2, 8), (4, 4), (4, 16), (8, 32)):
+        schedule = make_schedule(name, stages, microbatches, split)
+        for op in (FORWARD, BACKWARD_HIGH):
+            assert ((schedule.op == op).sum(axis=0) == microbatches).all()
+        formula = bubble_fraction(stages, microbatches)
+        bubble = schedule.bubble(layers_per_stage=2 if split else 1)
+        if split or name == "gpipe":
+            assert bubble == pytest.approx(formula)
+        else:
+            assert bubble >= formula
+        stash = stages if name == "1f1b" else microbatches
+        assert schedule.stash_slots == stash
 
 
 def test_bubbles_never_reach_a_result(monkeypatch):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp.core import Task, cast_floats
-from jddp.errors import ConfigError, ShapeError
+from jddp.errors import ShapeError
 from jddp.pipeline import layers
 from jddp.pipeline.schedule import (
     BACKWARD_HIGH,
@@ -132,11 +132,6 @@ class Pipeline:
     def grads(self, params, model_state, batch, rng):
         """Mean gradient and metrics over `batch`, with `grad_accum_steps` pipelines of the
         schedule's micro-batches each (same signature and result as `Task.local_grads`)."""
-        if model_state:
-            raise ConfigError(
-                "pipeline parallelism does not take models with mutable state (BatchNorm "
-                "statistics); remove the stage axis from parallel.mesh"
-            )
         steps, micro = self.task.grad_accum_steps, self.schedule.microbatches
         size = batch[self.task.input_key].shape[0]
         if size % (steps * micro):

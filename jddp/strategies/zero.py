@@ -105,6 +105,11 @@ class ZeroStrategy:
         """The state's layout and the jitted steps for states shaped like `abstract_state`."""
         stack = self.task.stack
         if self.device_mesh.stage_axis:
+            if jax.tree.leaves(abstract_state.model_state):
+                raise ConfigError(
+                    "pipeline parallelism does not take models with mutable state (BatchNorm "
+                    "statistics); remove the stage axis from parallel.mesh"
+                )
             self.pipeline = self.pipeline_options.engine(self.task, self.device_mesh)
         full = param_specs(
             abstract_state.params,

@@ -11,20 +11,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.loss_scale import DynamicLossScale
 from jddp.modules import ModelInputs, as_functional
 from jddp.pipeline.layers import finding_stacks
 from jddp.state import TrainState
+from jddp.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 
 Batch = Mapping[str, jax.Array]
-# (model outputs, batch) -> one value per example, shape (batch,), or a pair (weighted sums,
-# weights) per example. Losses and metrics alike: the core takes (weighted) means for training and
-# masked sums for evaluation, so padding never biases a metric.
-PerExampleFn = Callable[[Any, Batch], jax.Array | tuple[jax.Array, jax.Array]]
-
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -41,23 +36,6 @@ def cast_floats(tree, dtype):
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree.map(cast, tree)
-
-
-class Totals(struct.PyTreeNode):
-    """Loss and metrics of a batch, in a form that averages exactly across micro-batches and
-    devices: `sums[name]`, the mean over examples of the (weighted) values, and for weighted
-    names `weights[name]`, the mean weight. Any average of several `Totals` gives the weighted
-    mean of all their examples as `sums / weights`, however unevenly the weight is spread."""
-
-    sums: dict
-    weights: dict
-
-    def means(self) -> dict[str, jax.Array]:
-        """Each name's (weighted) mean."""
-        return {
-            name: total / self.weights[name] if name in self.weights else total
-            for name, total in self.sums.items()
-        }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,10 +122,16 @@ class Task:
         )
 
     # -------------------------------------------------------------------------- forward
-    def _call_args(self, batch) -> tuple[tuple, dict]:
-        if not isinstance(batch, Mapping):  # the one input array itself
-            return (batch,), {}
-        return self.inputs.call_args(batch)
+    def _call_args(self, inputs) -> tuple[tuple, dict]:
+        """The model's call arguments from a batch, or from its one input array itself."""
+        if not isinstance(inputs, Mapping):
+            if len(self.inputs.entries) != 1:
+                raise ShapeError(
+                    f"the model takes the batch entries {list(self.inputs.entries)}: pass a "
+                    "batch holding them, not one array"
+                )
+            inputs = {self.inputs.entries[0]: inputs}
+        return self.inputs.call_args(inputs)
 
     def batch_rows(self, batch: Batch) -> int:
         """How many examples `batch` holds (the first model input's leading size)."""
@@ -171,33 +155,10 @@ class Task:
         return {entry: batch[entry] for entry in self.inputs.entries}
 
     def weighted_values(self, outputs, batch: Batch) -> dict[str, tuple[jax.Array, Any]]:
-        """`loss` and every metric per example as (values, weights), float32, shape (batch,):
-        a function's values times `batch[weight_key]` with those weights, or the (weighted sums,
-        weights) pair a function returned; weights None where unweighted."""
-        rows = self.batch_rows(batch)
-        given = jnp.asarray(batch[self.weight_key], jnp.float32) if self.weight_key else None
-        results = {}
-        for name, fn in {"loss": self.loss_fn, **self.metrics}.items():
-            value, weight = fn(outputs, batch), None
-            if isinstance(value, tuple):  # (weighted sums, weights)
-                if len(value) != 2:
-                    raise ShapeError(
-                        f"{name} must give per-example values or a (weighted sums, weights) "
-                        f"pair, got a tuple of {len(value)}"
-                    )
-                value, weight = value
-            elif given is not None:
-                value, weight = value * given, given
-            parts = {name: value} | ({f"{name}'s weights": weight} if weight is not None else {})
-            for what, part in parts.items():
-                if jnp.shape(part) != (rows,):
-                    raise ShapeError(
-                        f"{what} must give one value per example, shape ({rows},), got shape "
-                        f"{jnp.shape(part)}; return per-example values, not their mean"
-                    )
-            as_float = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-            results[name] = (as_float(value), None if weight is None else as_float(weight))
-        return results
+        """`loss` and every metric per example as (weighted values, weights or None), see
+        jddp/weighted.py."""
+        fns = {"loss": self.loss_fn, **self.metrics}
+        return weighted_values(fns, outputs, batch, self.batch_rows(batch), self.weight_key)
 
     def per_example(self, outputs, batch: Batch) -> dict[str, jax.Array]:
         """`loss` and every metric, one unweighted value per example (what the pipeline engine
@@ -212,22 +173,13 @@ class Task:
             values[name] = value
         return values
 
-    def totals(self, outputs, batch: Batch) -> Totals:
-        """Loss and metrics of `batch` as `Totals`."""
-        sums, weights = {}, {}
-        for name, (value, weight) in self.weighted_values(outputs, batch).items():
-            sums[name] = jnp.mean(value)
-            if weight is not None:
-                weights[name] = jnp.mean(weight)
-        return Totals(sums, weights)
-
     # ------------------------------------------------------------------------- gradients
     def _micro_grads(self, params, model_state, batch, rng, params_fn, scale):
         def scaled_loss(params):
             outputs, new_model_state = self.forward(
                 params_fn(params), model_state, batch, train=True, rng=rng
             )
-            totals = self.totals(outputs, batch)
+            totals = Totals.of(self.weighted_values(outputs, batch))
             loss = totals.sums["loss"]
             return (loss if scale is None else loss * scale), (totals, new_model_state)
 
@@ -344,12 +296,7 @@ class Task:
         """Over the examples whose `mask` is 1: `sums` of loss and each metric (weighted),
         their `weights` (1 per example where unweighted), and the `count` of examples."""
         outputs, _ = self.forward(params, model_state, batch, train=False)
-        mask = batch["mask"].astype(jnp.float32)
-        sums, weights = {}, {}
-        for name, (value, weight) in self.weighted_values(outputs, batch).items():
-            sums[name] = jnp.sum(value * mask)
-            weights[name] = jnp.sum(mask if weight is None else weight * mask)
-        return {"sums": sums, "weights": weights, "count": jnp.sum(mask)}
+        return masked_sums(self.weighted_values(outputs, batch), batch["mask"])
 
 
 def check_divisible(global_batch_size: int, num_devices: int, grad_accum_steps: int) -> int:

@@ -26,13 +26,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.core import Task, Totals, check_rows_divide, init_compiler_options
+from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.errors import ConfigError
 from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
 from jddp.sharding.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
 from jddp.state import TrainState
 from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
+from jddp.weighted import Totals
 
 # stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
 STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}

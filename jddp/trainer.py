@@ -221,9 +221,10 @@ class Trainer:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a global batch (host arrays, or already placed by `place_batch`).
 
-        Returns the new state and device-side scalar metrics (`loss`, each metric, and
-        `grad_norm`, the global norm of the averaged gradient before clipping, if logged);
-        reading them waits for the step, so read them only when you log.
+        Returns the new state and device-side scalar metrics (`loss`, each metric, `grad_norm`,
+        the global norm of the averaged gradient before clipping, if logged, `regularizer` with a
+        regularizer, `loss_scale` under float16); reading them waits for the step, so read them
+        only when you log.
         """
         _check_state(state, "step")
         if not isinstance(batch, PlacedBatch):

@@ -28,5 +28,9 @@ class CheckpointError(JddpError):
     """A checkpoint cannot be read or written, or does not fit the model."""
 
 
+class UsageError(JddpError):
+    """The library was called out of order or with the wrong kind of argument."""
+
+
 class TrainingHalted(JddpError):
     """Training stopped on purpose (non-finite loss or gradients under nan_policy=halt)."""

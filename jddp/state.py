@@ -16,7 +16,9 @@ class TrainState(struct.PyTreeNode):
 
     `model_state` holds non-trained collections such as `batch_stats` (empty dict if none);
     `rng` is raw PRNG key data: the key for step `s` is `fold_in(rng, s)`;
-    `nonfinite_steps` counts the steps whose loss or gradients were not finite.
+    `nonfinite_steps` counts the steps whose loss or gradients were not finite;
+    `loss_scale` is float16 training's dynamic loss scale (`{"scale", "good_steps"}`, see
+    jddp/loss_scale.py), an empty dict otherwise.
     """
 
     step: jax.Array
@@ -25,9 +27,10 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     rng: jax.Array
     nonfinite_steps: jax.Array
+    loss_scale: Any = struct.field(default_factory=dict)
 
     @classmethod
-    def create(cls, params, opt_state, model_state, rng) -> "TrainState":
+    def create(cls, params, opt_state, model_state, rng, loss_scale=None) -> "TrainState":
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -35,6 +38,7 @@ class TrainState(struct.PyTreeNode):
             model_state=model_state,
             rng=rng,
             nonfinite_steps=jnp.zeros((), jnp.int32),
+            loss_scale={} if loss_scale is None else loss_scale,
         )
 
     def step_key(self) -> jax.Array:

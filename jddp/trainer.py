@@ -13,10 +13,12 @@ from flax import linen as nn
 
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
-from jddp.errors import ConfigError, ShapeError
+from jddp.errors import ConfigError, ShapeError, UsageError
+from jddp.loss_scale import DynamicLossScale
 from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
+from jddp.sharding.rules import path_str
 from jddp.state import TrainState, arranged_like
 from jddp.strategies import device_mesh_for, make_strategy
 
@@ -43,10 +45,16 @@ class InFlightBound:
 class Trainer:
     """Trains `model` on global batches under a data-parallel strategy.
 
-    `loss_fn(outputs, batch)` and each of `metrics` return one value per example. Batches are
-    dicts of arrays whose first axis is the *global* batch (this process's rows of it when
-    several processes train together); the trainer splits them across devices and
-    `grad_accum_steps` micro-batches, so results do not depend on the device count.
+    `loss_fn(outputs, batch)` and each of `metrics` return one value per example, or a pair
+    (weighted sums, weights) per example; `weight_key` names a batch entry of per-example weights
+    for those that return plain values. Each is then the weighted mean over the whole global
+    batch, sum(w * l) / sum(w). `regularizer(params)` is added to the training loss (an L2
+    penalty). Batches are dicts of arrays whose first axis is the *global* batch (this process's
+    rows of it when several processes train together); the trainer splits them across devices
+    and `grad_accum_steps` micro-batches, so results do not depend on the device count.
+    `input_key` names the model's input entry, or a tuple of entries (positional inputs) or a
+    dict of call argument -> entry (keyword inputs). `compute_dtype="float16"` scales the loss
+    dynamically (`loss_scaling`, see jddp/loss_scale.py).
 
     `strategy`: `ddp` (pmap over every device) or `zero1`, `zero2`, `zero3` (= `fsdp`),
     `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
@@ -73,9 +81,12 @@ class Trainer:
         pipeline: PipelineOptions | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: str = "float32",
-        input_key: str = "image",
+        input_key: str | Sequence[str] | Mapping[str, str] = "image",
         log_grad_norm: bool = True,
         skip_nonfinite: bool = False,
+        regularizer=None,
+        weight_key: str | None = None,
+        loss_scaling: DynamicLossScale | None = None,
     ):
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
@@ -92,8 +103,17 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            regularizer=regularizer,
+            weight_key=weight_key,
+            loss_scaling=loss_scaling,
             axis_aliases={"batch": batch_axes} if self.device_mesh else {},
         )
+        if self.device_mesh and self.device_mesh.stage_axis:
+            if weight_key or self.task.loss_scaling:
+                raise ConfigError(
+                    "pipeline parallelism (a stage axis) takes neither weight_key nor float16 "
+                    "loss scaling yet; use bfloat16 and unweighted losses, or no stage axis"
+                )
         self.strategy = make_strategy(
             strategy,
             self.task,
@@ -128,16 +148,33 @@ class Trainer:
         with _axis_names_checked():
             return self.strategy.init_state(seed, self._sample_input(sample_batch))
 
-    def _sample_input(self, sample_batch) -> np.ndarray:
-        return np.asarray(self._model_input(sample_batch))[:1]
+    def _sample_input(self, sample_batch) -> dict[str, np.ndarray]:
+        """The model's inputs for one example of `sample_batch`."""
+        self._check_entries(sample_batch)
+        return {k: np.asarray(v)[:1] for k, v in self.task.model_inputs(sample_batch).items()}
 
-    def _model_input(self, batch):
-        if self.task.input_key not in batch:
-            raise ShapeError(
-                f"batch has no {self.task.input_key!r} entry (keys: {sorted(batch)}); "
-                "pass input_key= to name the model input"
-            )
-        return batch[self.task.input_key]
+    def _check_entries(self, batch) -> int:
+        """The number of rows of `batch`; a ShapeError names an entry the model needs that is
+        missing, or one whose leading size differs (host-side shapes only)."""
+        weight_key = self.task.weight_key
+        needed = self.task.inputs.entries + ((weight_key,) if weight_key else ())
+        for entry in needed:
+            if entry not in batch:
+                option = "weight_key" if entry == weight_key else "input_key"
+                raise ShapeError(
+                    f"batch has no {entry!r} entry (keys: {sorted(batch)}); pass {option}= to "
+                    "name the entry it is in"
+                )
+        first = needed[0]
+        rows = _leading_size(batch[first])
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            size = _leading_size(leaf)
+            if size != rows:
+                raise ShapeError(
+                    f"batch entry {path_str(path)!r} has leading size {size} but {first!r} has "
+                    f"{rows}; every entry needs one row per example"
+                )
+        return rows
 
     def abstract_state(self, sample_batch) -> TrainState:
         """The state's shapes, dtypes and shardings, without computing it: a restore target.
@@ -145,7 +182,7 @@ class Trainer:
         Computed once per model input shape; the strategy lays the state out and builds its
         step programs then."""
         sample_input = self._sample_input(sample_batch)
-        key = (sample_input.shape, sample_input.dtype)
+        key = tuple((k, x.shape, x.dtype) for k, x in sample_input.items())
         if self._abstract_for != key:
             with _axis_names_checked():
                 shapes = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
@@ -190,7 +227,7 @@ class Trainer:
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        global_rows = len(self._model_input(batch)) * jax.process_count()  # equal rows each
+        global_rows = self._check_entries(batch) * jax.process_count()  # equal rows each
         check_divisible(
             global_rows, self.batch_shards * self.microbatches, self.task.grad_accum_steps
         )
@@ -199,10 +236,12 @@ class Trainer:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a global batch (host arrays, or already placed by `place_batch`).
 
-        Returns the new state and device-side scalar metrics (`loss`, each metric, and
-        `grad_norm`, the global norm of the averaged gradient before clipping, if logged);
-        reading them waits for the step, so read them only when you log.
+        Returns the new state and device-side scalar metrics (`loss`, each metric, `grad_norm`,
+        the global norm of the averaged gradient before clipping, if logged, `regularizer` with a
+        regularizer, `loss_scale` under float16); reading them waits for the step, so read them
+        only when you log.
         """
+        _check_state(state, "step")
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         with _axis_names_checked():
@@ -216,10 +255,17 @@ class Trainer:
         Batches may be ragged; each is padded (and masked) to the size of the first, rounded up to
         a multiple of the device count, so one compiled program serves the whole pass.
         """
+        _check_state(state, "evaluate")
         sums, padded_size = [], None
         for batch in batches:
+            size = self._check_entries(batch)
+            if "mask" in batch and np.shape(batch["mask"]) != (size,):
+                raise ShapeError(
+                    f"batch entry 'mask' has shape {np.shape(batch['mask'])}, but in evaluation "
+                    f"it is jddp's padding mask, one value per example ({size},); give an "
+                    "attention mask another name, such as 'attention_mask'"
+                )
             if padded_size is None:
-                size = len(self._model_input(batch))
                 padded_size = -(-size // self.batch_shards) * self.batch_shards
             placed = self.strategy.place_batch(pad_batch(batch, padded_size))
             with _axis_names_checked():
@@ -230,8 +276,9 @@ class Trainer:
         totals = jax.tree.map(
             lambda *xs: float(np.sum(xs, dtype=np.float64)), *jax.device_get(sums)
         )
-        count = totals.pop("count")
-        return {name: value / count for name, value in totals.items()} | {"count": count}
+        weights = totals["weights"]
+        means = {name: total / weights[name] for name, total in totals["sums"].items()}
+        return means | {"count": totals["count"]}
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
         """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
@@ -251,6 +298,20 @@ class Trainer:
     def host_state(self, state: TrainState) -> TrainState:
         """The state as ordinary numpy arrays on the host, whatever the strategy."""
         return self.strategy.host_state(state)
+
+
+def _leading_size(x) -> int | None:
+    shape = np.shape(x)
+    return shape[0] if shape else None
+
+
+def _check_state(state, what: str) -> None:
+    """A UsageError unless `state` is a TrainState (a `step` before `init` passes None)."""
+    if not isinstance(state, TrainState):
+        raise UsageError(
+            f"Trainer.{what} got {type(state).__name__}, not a TrainState; call state = "
+            f"trainer.init(seed, sample_batch) first and pass the state it returns"
+        )
 
 
 @contextlib.contextmanager

@@ -40,6 +40,17 @@ def train_steps(trainer, state, batches):
     return state, losses
 
 
+def train_from(trainer, params, batches):
+    """`trainer` trained on `batches` from the given initial `params` (host arrays, e.g. a
+    reference's own initialization); returns the state and each step's metrics as floats."""
+    state = trainer.replace_state(trainer.init(seed=0, sample_batch=batches[0]), params=params)
+    history = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        history.append({name: float(value) for name, value in metrics.items()})
+    return state, history
+
+
 def save_and_restore(writer, state, reader, sample_batch, directory: str, step: int = 10):
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
     `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns

@@ -133,7 +133,7 @@ class Pipeline:
         """Mean gradient and metrics over `batch`, with `grad_accum_steps` pipelines of the
         schedule's micro-batches each (same signature and result as `Task.local_grads`)."""
         steps, micro = self.task.grad_accum_steps, self.schedule.microbatches
-        size = batch[self.task.input_key].shape[0]
+        size = self.task.batch_rows(batch)
         if size % (steps * micro):
             raise ShapeError(
                 f"a replica's batch of {size} examples does not split into grad_accum_steps x "

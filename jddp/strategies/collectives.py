@@ -41,6 +41,8 @@ def fused_pmean(tree, axes):
 
     Averaging model state (BatchNorm statistics) too keeps replicas identical even when a
     BatchNorm computed per-device statistics; synchronized statistics already agree."""
+    if lax.axis_size(axes) == 1:  # one device: XLA would still copy every buffer through it
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     if jax.process_count() == 1:

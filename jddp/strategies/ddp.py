@@ -57,7 +57,7 @@ class DDP:
         # Each replica draws its own dropout masks: its examples differ from its neighbours'.
         rng = jax.random.fold_in(state.step_key(), lax.axis_index(AXIS))
         grads, metrics, model_state = self.task.local_grads(
-            state.params, state.model_state, batch, rng
+            state.params, state.model_state, batch, rng, loss_scale=state.loss_scale
         )
         grads, metrics, model_state = fused_pmean((grads, metrics, model_state), AXIS)
         return self.task.apply_gradients(state, grads, model_state, metrics)

@@ -33,6 +33,7 @@ from jddp.sharding.mesh import DeviceMesh
 from jddp.sharding.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
 from jddp.state import TrainState
 from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
+from jddp.weighted import Totals
 
 # stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
 STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}
@@ -127,6 +128,7 @@ class ZeroStrategy:
             model_state=jax.tree.map(lambda _: P(), abstract_state.model_state),
             rng=P(),
             nonfinite_steps=P(),
+            loss_scale=jax.tree.map(lambda _: P(), abstract_state.loss_scale),
         )
         self._grad_specs = full if self.shard_grads else whole_over_fsdp
         self._state_shardings = jax.tree.map(
@@ -231,25 +233,26 @@ class ZeroStrategy:
     def _pmean(self, tree):
         return fused_pmean(tree, self.batch_axes) if self.batch_axes else tree
 
-    def _per_device_grads(self, params, model_state, step_key, batch):
+    def _per_device_grads(self, params, model_state, step_key, batch, loss_scale):
         index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
         rng = jax.random.fold_in(step_key, index)  # the same on every stage and tensor rank
         if self.pipeline:  # parameters gathered once per step, not per micro-batch
             params = self._gather_params(params) if self.shard_params else params
             grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)
+            metrics = Totals(metrics, {})  # unweighted means
         else:
             params_fn = self._gather_params if self.shard_params else None
             grads, metrics, model_state = self.task.local_grads(
-                params, model_state, batch, rng, params_fn
+                params, model_state, batch, rng, params_fn, loss_scale
             )
         return self._reduce_grads(grads), self._pmean(metrics), self._pmean(model_state)
 
     def _train(self, state: TrainState, batch):
         grads, metrics, model_state = self._per_device(
             self._per_device_grads,
-            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes)),
+            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes), P()),
             out_specs=(self._manual_grads, P(), self._specs.model_state),
-        )(state.params, state.model_state, state.step_key(), batch)
+        )(state.params, state.model_state, state.step_key(), batch, state.loss_scale)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
     def _eval(self, state: TrainState, batch):

@@ -185,7 +185,6 @@ def test_pipelines_that_cannot_work_are_one_line_config_errors(build, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-
 def test_float16_loss_scaling_under_a_pipeline_is_a_one_line_config_error():
     with pytest.raises(jddp.ConfigError, match="float16") as info:
         gpt_trainer("zero1", "stage:2", compute_dtype="float16")

@@ -61,6 +61,9 @@ class Task:
     grad_accum_steps: int = 1
     log_grad_norm: bool = True
     skip_nonfinite: bool = False
+    # (params, key) -> the strategy's gradient-communication state (PowerSGD's), like the
+    # optimizer's; None: an empty dict.
+    init_comm_state: Callable[[Any, jax.Array], Any] | None = None
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -79,11 +82,15 @@ class Task:
         params, model_state = self._module.init(
             {"params": params_key, "dropout": dropout_key}, sample_input
         )
+        comm_state = None
+        if self.init_comm_state is not None:
+            comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
         return TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
             model_state=model_state,
             rng=jax.random.key_data(step_key),
+            comm_state=comm_state,
         )
 
     # -------------------------------------------------------------------------- forward
@@ -163,8 +170,9 @@ class Task:
         return mean(grad_sum), mean(metric_sum), model_state
 
     # ---------------------------------------------------------------------------- update
-    def apply_gradients(self, state: TrainState, grads, model_state, metrics):
-        """The optimizer update with already-averaged gradients.
+    def apply_gradients(self, state: TrainState, grads, model_state, metrics, comm_state=None):
+        """The optimizer update with already-averaged gradients (and the strategy's next
+        `comm_state`, kept or dropped with the update; None: unchanged).
 
         Counts a step whose loss (or gradient norm, when computed) is not finite in
         `nonfinite_steps`; with `skip_nonfinite` such a step leaves parameters, optimizer state and
@@ -173,7 +181,8 @@ class Task:
         gradients, shared with clipping when the optimizer clips.
         """
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        updated = (optax.apply_updates(state.params, updates), opt_state, model_state)
+        comm_state = state.comm_state if comm_state is None else comm_state
+        updated = (optax.apply_updates(state.params, updates), opt_state, model_state, comm_state)
         finite = jnp.isfinite(metrics["loss"])
         if self.log_grad_norm or self.skip_nonfinite:
             grad_norm = optax.global_norm(grads)
@@ -181,15 +190,16 @@ class Task:
             if self.log_grad_norm:
                 metrics = {**metrics, "grad_norm": grad_norm}
         if self.skip_nonfinite:
-            kept = (state.params, state.opt_state, state.model_state)
+            kept = (state.params, state.opt_state, state.model_state, state.comm_state)
             updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
-        params, opt_state, model_state = updated
+        params, opt_state, model_state, comm_state = updated
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
             model_state=model_state,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+            comm_state=comm_state,
         )
         return new_state, metrics
 

@@ -3,7 +3,20 @@
 import math
 import re
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
+DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "u16": 2,
+    "s16": 2,
+    "f64": 8,
+    "s64": 8,
+    "u8": 1,
+    "s8": 1,
+    "pred": 1,
+}
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _OP = re.compile(
     r"= (?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) (?P<kind>" + "|".join(KINDS) + r")\("
@@ -14,6 +27,11 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+    r"false_computation=%?([\w.\-]+)"
+)
 
 
 def _group_size(rest: str) -> int:
@@ -54,4 +72,36 @@ def ring_bytes(ops, min_bytes: int = 5) -> int:
     for kind, sizes, group in ops:
         big = sum(b for b in sizes if b >= min_bytes)
         total += {"all-reduce": 2 * big, "reduce-scatter": big * group}.get(kind, big)
+    return total
+
+
+def _computations(hlo_text: str) -> dict[str, str]:
+    """{name: body} of every computation in an HLO module's text."""
+    bodies, name = {}, None
+    for line in hlo_text.splitlines():
+        if match := _COMPUTATION.match(line):
+            name = match.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    return {name: "\n".join(lines) for name, lines in bodies.items()}
+
+
+def step_ring_bytes(hlo_text: str, min_bytes: int = 5) -> int:
+    """`ring_bytes` of one run of a compiled step: a conditional's branches count as its
+    cheapest one (in a jddp step, the only conditional holding collectives is PowerSGD's
+    warm-up, whose expensive branch is the uncompressed float32 reduction of the first steps)."""
+    bodies = _computations(hlo_text)
+    conditionals = []
+    for match in _BRANCHES.finditer(hlo_text):
+        names = match.group(1).split(",") if match.group(1) else match.group(2, 3)
+        conditionals.append([name.strip().lstrip("%") for name in names])
+    in_branches = {name for names in conditionals for name in names}
+    total = sum(
+        ring_bytes(collectives(body), min_bytes)
+        for name, body in bodies.items()
+        if name not in in_branches
+    )
+    for names in conditionals:
+        total += min(ring_bytes(collectives(bodies[name]), min_bytes) for name in names)
     return total

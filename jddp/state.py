@@ -12,7 +12,9 @@ class TrainState(struct.PyTreeNode):
 
     `model_state` holds non-trained collections such as `batch_stats` (empty dict if none);
     `rng` is raw PRNG key data: the key for step `s` is `fold_in(rng, s)`;
-    `nonfinite_steps` counts the steps whose loss or gradients were not finite.
+    `nonfinite_steps` counts the steps whose loss or gradients were not finite;
+    `comm_state` is the gradient communication's own state (PowerSGD's error feedback and
+    warm-started factors, see jddp/strategies/compression.py), an empty dict without compression.
     """
 
     step: jax.Array
@@ -21,9 +23,10 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     rng: jax.Array
     nonfinite_steps: jax.Array
+    comm_state: Any = struct.field(default_factory=dict)
 
     @classmethod
-    def create(cls, params, opt_state, model_state, rng) -> "TrainState":
+    def create(cls, params, opt_state, model_state, rng, comm_state=None) -> "TrainState":
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -31,6 +34,7 @@ class TrainState(struct.PyTreeNode):
             model_state=model_state,
             rng=rng,
             nonfinite_steps=jnp.zeros((), jnp.int32),
+            comm_state={} if comm_state is None else comm_state,
         )
 
     def step_key(self) -> jax.Array:

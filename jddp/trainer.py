@@ -9,12 +9,14 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from jddp import hlo
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ShapeError
 from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.state import TrainState
 from jddp.strategies import make_strategy
+from jddp.strategies.compression import GradComm
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
@@ -47,6 +49,9 @@ class Trainer:
     `hybrid` (a `jax.sharding.Mesh` over all devices: `mesh` like `"replica:2,shard:-1"`,
     partition `rules` as `(regex, spec)` pairs, tensors under `min_shard_size` elements
     replicated); see `jddp/strategies/zero.py` and `jddp/sharding/rules.py`.
+    `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
+    ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
+    `jddp/strategies/compression.py`.
     """
 
     def __init__(
@@ -66,7 +71,12 @@ class Trainer:
         input_key: str = "image",
         log_grad_norm: bool = True,
         skip_nonfinite: bool = False,
+        grad_comm_dtype: str = "float32",
+        grad_compression: str = "none",
+        powersgd_rank: int = 4,
+        powersgd_start_step: int = 0,
     ):
+        grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
         self.task = Task(
             model=model,
             loss_fn=loss_fn,
@@ -77,9 +87,16 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
         )
         self.strategy = make_strategy(
-            strategy, self.task, devices, mesh=mesh, rules=rules, min_shard_size=min_shard_size
+            strategy,
+            self.task,
+            devices,
+            mesh=mesh,
+            rules=rules,
+            min_shard_size=min_shard_size,
+            grad_comm=grad_comm,
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
 
@@ -166,14 +183,24 @@ class Trainer:
         return {name: value / count for name, value in totals.items()} | {"count": count}
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
-        """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
+        """Bytes per device: the state's shards, the compiled step's peak (XLA's analysis), and
+        what its collectives move per step (`jddp.hlo.ring_bytes`; with a PowerSGD warm-up, the
+        compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         compiled = self.strategy.lower_train_step(state, batch.arrays).compile()
         return {
             "state_bytes_per_device": state_bytes_per_device(state),
             "peak_bytes_per_device": peak_bytes(compiled),
+            "comm_bytes_per_step": hlo.step_ring_bytes(compiled.as_text()),
         }
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        """`state` with what differs between devices made the same (PowerSGD's per-device
+        errors become their mean, the only part of them later steps depend on): what a
+        checkpoint holds. Continue from it, and a run resumed from that checkpoint repeats this
+        one bit for bit."""
+        return self.strategy.consolidate(state)
 
     def global_state(self, state: TrainState) -> TrainState:
         """`state` as global arrays spanning every process: what orbax saves."""

@@ -16,6 +16,7 @@ import jax
 from jddp.core import Task
 from jddp.errors import ConfigError
 from jddp.sharding.mesh import parse_mesh_spec
+from jddp.strategies.compression import GradComm
 from jddp.strategies.ddp import DDP
 from jddp.strategies.zero import ZeroStrategy, default_mesh_spec
 
@@ -58,17 +59,27 @@ def make_strategy(
     mesh: str | None = None,
     rules: Sequence[tuple[str, str]] = (),
     min_shard_size: int | None = None,
+    grad_comm: GradComm | None = None,
 ):
-    """The strategy `name`; `mesh`, `rules` and `min_shard_size` configure the sharded ones."""
+    """The strategy `name`; `mesh`, `rules` and `min_shard_size` configure the sharded ones,
+    `grad_comm` how gradients cross devices (jddp/strategies/compression.py)."""
     _check_name(name)
+    grad_comm = grad_comm or GradComm()
+    if grad_comm.powersgd and name != "ddp":
+        # ZeRO-2/3 shard gradients away, while PowerSGD needs each device's whole gradient and a
+        # whole error matrix per device; zero1 could run it but is left out for now.
+        raise ConfigError(
+            f"parallel.grad_compression=powersgd runs under ddp only, not {name}; use "
+            "parallel.strategy=ddp, or grad_comm_dtype=bfloat16 to halve the bytes under ZeRO"
+        )
     if name == "ddp":
         if mesh or rules:
             raise ConfigError(
                 "parallel.mesh and parallel.rules do not apply to ddp (every device holds a "
                 "full replica); use zero1, zero2, zero3 or hybrid, or leave them empty"
             )
-        return DDP(task, devices)
-    options = {"mesh": mesh, "rules": rules}
+        return DDP(task, devices, grad_comm)
+    options = {"mesh": mesh, "rules": rules, "grad_comm": grad_comm}
     if min_shard_size is not None:
         options["min_shard_size"] = min_shard_size
     return STRATEGIES[name](task, devices, **options)

@@ -27,7 +27,8 @@ from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.sharding.mesh import build_mesh
 from jddp.sharding.rules import mirror_specs, param_specs, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.collectives import fused_pmean, gather, scatter_sum, spec_axes
+from jddp.strategies.collectives import fused_pmean, spec_axes
+from jddp.strategies.compression import GradComm
 
 # stage -> (parameters sharded, gradients sharded)
 STAGES = {
@@ -56,9 +57,11 @@ class ZeroStrategy:
         mesh: str | None = None,
         rules: Sequence[tuple[str, str]] = (),
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        grad_comm: GradComm | None = None,
     ):
         self.name = stage
         self.task = task
+        self.grad_comm = grad_comm or GradComm()
         self.mesh = build_mesh(mesh or default_mesh_spec(stage), devices or jax.devices())
         self.data_axes = tuple(self.mesh.axis_names)
         self.shard_axes = self.data_axes[-1:] if stage == "hybrid" else self.data_axes
@@ -89,6 +92,7 @@ class ZeroStrategy:
             model_state=jax.tree.map(lambda _: P(), state.model_state),
             rng=P(),
             nonfinite_steps=P(),
+            comm_state=jax.tree.map(lambda _: P(), state.comm_state),
         )
 
     def state_shardings(self, state: TrainState):
@@ -145,7 +149,7 @@ class ZeroStrategy:
 
     # ------------------------------------------------------------ per-device programs
     def _gather_params(self, params):
-        return jax.tree.map(gather, params, self._specs.params)
+        return jax.tree.map(self.grad_comm.gather, params, self._specs.params)
 
     def _reduce_grads(self, grads):
         """Per-device gradients to the mean over all devices, laid out as `_grad_specs`."""
@@ -153,9 +157,9 @@ class ZeroStrategy:
 
         def reduce(grad, spec):
             if not self.shard_params:  # zero3 got the reduce-scatter from AD of the gather
-                grad = scatter_sum(grad, spec)
+                grad = self.grad_comm.scatter_sum(grad, spec)
             rest = tuple(a for a in self.data_axes if a not in spec_axes(spec))
-            return (lax.psum(grad, rest) if rest else grad) / count
+            return (self.grad_comm.psum(grad, rest) if rest else grad) / count
 
         return jax.tree.map(reduce, grads, self._grad_specs)
 
@@ -227,6 +231,9 @@ class ZeroStrategy:
 
     def global_state(self, state: TrainState) -> TrainState:
         return state  # jit's outputs already span every process's devices
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        return state  # no per-device state: PowerSGD runs under ddp only
 
     def host_state(self, state: TrainState) -> TrainState:
         """The whole state as host numpy arrays (gathered from the shards)."""

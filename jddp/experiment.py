@@ -37,6 +37,7 @@ from jddp.profiling import StepProfiler
 from jddp.progress import Progress
 from jddp.throughput import Throughput
 from jddp.trainer import Trainer
+from jddp.watchdog import HangWatchdog
 
 
 def prepare_workdir(workdir: str, *, resumable: bool) -> None:
@@ -82,6 +83,10 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",
         input_key=dataset.input_key,
+        grad_comm_dtype=config.parallel.grad_comm_dtype,
+        grad_compression=config.parallel.grad_compression,
+        powersgd_rank=config.parallel.powersgd_rank,
+        powersgd_start_step=config.parallel.powersgd_start_step,
     )
 
 
@@ -173,9 +178,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start_step < config.num_train_steps:
         memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
         logging.info(
-            "per device: state (parameters + optimizer state) %s, compiled step peak %s",
+            "per device: state (parameters + optimizer state) %s, compiled step peak %s, "
+            "collectives %s per step",
             format_bytes(memory["state_bytes_per_device"]),
             format_bytes(memory["peak_bytes_per_device"]),
+            format_bytes(memory["comm_bytes_per_step"]),
         )
 
     # ----------------------------------------------------------------------------- loop
@@ -185,6 +192,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     profiler = StepProfiler(
         os.path.join(workdir, "profile"), config.profile_start_step, config.profile_num_steps
     )
+    watchdog = HangWatchdog.start(config.hang_timeout_s, workdir)
     eval_metrics: dict[str, float] = {}
     preempted_at = None
     last_log_step, last_log_time = start_step, time.perf_counter()
@@ -192,6 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for step in range(start_step + 1, config.num_train_steps + 1):
             with profiler.step(step):
                 state, metrics = trainer.step(state, next(placed))
+            watchdog.dispatched(step, metrics["loss"])
             profiler.after(step, metrics["loss"])
             if step == start_step + 1:  # compilation: time the steady state from here
                 metrics["loss"].block_until_ready()
@@ -207,7 +216,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 since = last_log_time if step > start_step + 1 else start_time
                 record.update(throughput.rates(step - last_log_step, now - since))
                 if evaluate:
-                    eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
+                    with watchdog.paused(f"evaluation at step {step}"):
+                        eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
                 writer.write(step, record | memory)
                 memory = {}
@@ -217,7 +227,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
                 _nonfinite_steps(state, config, step)  # never save a state holding NaN
                 meta = resume.checkpoint_meta(config, trainer, step, placed.get_state())
-                checkpoints.save(step, trainer.global_state(state), meta, force=True)
+                with watchdog.paused(f"checkpoint save at step {step}"):
+                    state = trainer.consolidate(state)  # continue from what is saved
+                    checkpoints.save(step, trainer.global_state(state), meta, force=True)
             if preempted:
                 preempted_at = step
                 logging.warning(
@@ -227,6 +239,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 )
                 break
     finally:
+        watchdog.close()
         batches.close()
         profiler.stop()
         preemption.close()

@@ -170,13 +170,12 @@ class DDP:
         return state.replace(comm_state={**state.comm_state, "error": errors})
 
     def _error_shapes(self, state: TrainState) -> TrainState:
-        """`state` as `_spread_errors` would make it, without computing it (for lowering)."""
+        """`state` as `_spread_errors` would make it, as shapes (for lowering without data)."""
         if not self.grad_comm.powersgd or self._device_errors(state):
             return state
-        stacked = (self.num_devices,)
+        local = (self._local_count,)  # pmap lowers abstract inputs as this process's part
         errors = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(stacked + x.shape, x.dtype, sharding=self._per_device),
-            state.comm_state["error"],
+            lambda x: jax.ShapeDtypeStruct(local + x.shape, x.dtype), state.comm_state["error"]
         )
         return self._with_errors(state, errors)
 
@@ -191,7 +190,11 @@ class DDP:
         return self._eval_step(state.replace(comm_state={}), batch)  # no per-device errors
 
     def lower_train_step(self, state, batch):
-        return self._train_step.lower(*self._split_errors(self._error_shapes(state)), batch)
+        """The step lowered for `state` and `batch`: arrays, or ShapeDtypeStructs (pmap takes
+        no mix of the two across processes)."""
+        abstract = not isinstance(jax.tree.leaves(state)[0], jax.Array)
+        state = self._error_shapes(state) if abstract else self._spread_errors(state)
+        return self._train_step.lower(*self._split_errors(state), batch)
 
     def state_shardings(self, state: TrainState):
         return jax.tree.map(lambda _: self._replicated, state)

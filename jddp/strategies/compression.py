@@ -38,7 +38,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError
-from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
+from jddp.strategies.collectives import (
+    concatenated,
+    fused_pmean,
+    gather,
+    scatter_sum,
+    split_into,
+    transfer_groups,
+)
 
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
 GRAD_COMPRESSIONS = ("none", "powersgd")
@@ -287,7 +294,7 @@ def psum_bf16(x, axes):
 
 def pmean_bf16(tree, axes):
     """`lax.pmean` of every float leaf of `tree` with bfloat16 on the wire. Across processes the
-    leaves go as one flat buffer (gloo pays per buffer, as in `fused_pmean`)."""
+    leaves go in the buffers of `collectives.transfer_groups` (gloo pays per buffer)."""
     leaves, treedef = jax.tree.flatten(tree)
     floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     count = _group_size(axes)
@@ -295,10 +302,7 @@ def pmean_bf16(tree, axes):
         for i in floats:
             leaves[i] = psum_bf16(leaves[i], axes) / count
         return jax.tree.unflatten(treedef, leaves)
-    flat = psum_bf16(jnp.concatenate([leaves[i].ravel() for i in floats]), axes) / count
-    start = 0
-    for i in floats:
-        size = leaves[i].size
-        leaves[i] = flat[start : start + size].reshape(leaves[i].shape).astype(leaves[i].dtype)
-        start += size
+    for group in transfer_groups([leaves[i] for i in floats]):
+        indices = [floats[g] for g in group]
+        split_into(leaves, indices, psum_bf16(concatenated(leaves, indices), axes) / count)
     return jax.tree.unflatten(treedef, leaves)

@@ -55,6 +55,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 500
     c.max_to_keep = 3
     c.nan_policy = "halt"  # halt: stop, keep the last good checkpoint | skip: drop that update
+    # Seconds without a finished training step (after the first) before every process writes
+    # its threads' stacks to WORKDIR/hang-<process>.txt and the job exits; 0 = off.
+    c.hang_timeout_s = 0.0
     c.init_from = ""  # a workdir or checkpoint/export dir whose parameters start this run
     c.init_from_optimizer = False  # ... and its optimizer state too
     c.allow_config_change = False  # resume checkpoints written by another model config
@@ -79,6 +82,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.pipeline.microbatches = 0
     c.parallel.pipeline.schedule = "1f1b"
     c.parallel.pipeline.repeats = 1
+    # How gradients cross devices (jddp/strategies/compression.py): float32 | bfloat16 on the
+    # wire; grad_compression none | powersgd (ddp only): rank-r factors with error feedback,
+    # uncompressed for the first powersgd_start_step steps.
+    c.parallel.grad_comm_dtype = "float32"
+    c.parallel.grad_compression = "none"
+    c.parallel.powersgd_rank = 4
+    c.parallel.powersgd_start_step = 0
     return c
 
 
@@ -103,6 +113,7 @@ _NON_NEGATIVE = (
     "peak_flops_per_device",
     "profile_start_step",
     "profile_num_steps",
+    "hang_timeout_s",
 )
 # Real-valued keys with a bounded range: (low, high, whether high itself is allowed).
 _RANGES = {

@@ -72,6 +72,9 @@ class Task:
     loss_scaling: DynamicLossScale | None = None  # None: DynamicLossScale() for float16
     # Axis names the model uses -> the strategy's axes they mean ({"batch": ("data", "fsdp")}).
     axis_aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # (params, key) -> the strategy's gradient-communication state (PowerSGD's), like the
+    # optimizer's; None: an empty dict.
+    init_comm_state: Callable[[Any, jax.Array], Any] | None = None
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -113,12 +116,16 @@ class Task:
         if len(stacks) > 1:
             raise ConfigError("a model may hold one jddp.pipeline.Pipelined stack, not several")
         object.__setattr__(self, "stack", stacks[0] if stacks else None)
+        comm_state = None
+        if self.init_comm_state is not None:
+            comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
         return TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
             model_state=model_state,
             rng=jax.random.key_data(step_key),
             loss_scale=self.loss_scaling.init() if self.loss_scaling else None,
+            comm_state=comm_state,
         )
 
     # -------------------------------------------------------------------------- forward
@@ -235,8 +242,11 @@ class Task:
         return mean(grad_sum), mean(totals_sum), model_state
 
     # ---------------------------------------------------------------------------- update
-    def apply_gradients(self, state: TrainState, grads, model_state, totals: Totals):
-        """The optimizer update with gradients and `Totals` already averaged over devices.
+    def apply_gradients(
+        self, state: TrainState, grads, model_state, totals: Totals, comm_state=None
+    ):
+        """The optimizer update with gradients and `Totals` already averaged over devices (and
+        the strategy's next `comm_state`, kept or dropped with the update; None: unchanged).
 
         Divides the gradient by the mean loss weight and the loss scale, adds the regularizer's.
         Counts a step whose loss (or gradient norm, when computed) is not finite in
@@ -254,7 +264,8 @@ class Task:
             grads = jax.tree.map(jnp.add, grads, penalty_grads)
             metrics["regularizer"] = penalty
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        updated = (optax.apply_updates(state.params, updates), opt_state, model_state)
+        comm_state = state.comm_state if comm_state is None else comm_state
+        updated = (optax.apply_updates(state.params, updates), opt_state, model_state, comm_state)
         finite = finite_loss = jnp.isfinite(metrics["loss"])
         if self.log_grad_norm or self.skip_nonfinite or self.loss_scaling:
             grad_norm = optax.global_norm(grads)
@@ -267,9 +278,9 @@ class Task:
             counted = ~finite_loss | (~finite & self.loss_scaling.at_minimum(loss_scale))
             loss_scale = self.loss_scaling.update(loss_scale, finite)
         if self.skip_nonfinite or self.loss_scaling:
-            kept = (state.params, state.opt_state, state.model_state)
+            kept = (state.params, state.opt_state, state.model_state, state.comm_state)
             updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
-        params, opt_state, model_state = updated
+        params, opt_state, model_state, comm_state = updated
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -277,6 +288,7 @@ class Task:
             model_state=model_state,
             nonfinite_steps=state.nonfinite_steps + counted.astype(jnp.int32),
             loss_scale=loss_scale,
+            comm_state=comm_state,
         )
         return new_state, metrics
 

@@ -40,6 +40,7 @@ from jddp.progress import Progress
 from jddp.sharding.rules import fit_preset
 from jddp.throughput import Throughput
 from jddp.trainer import Trainer
+from jddp.watchdog import HangWatchdog
 
 
 def check_workdir(workdir: str, *, resumable: bool) -> None:
@@ -141,6 +142,10 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",
         input_key=dataset.input_key,
+        grad_comm_dtype=config.parallel.grad_comm_dtype,
+        grad_compression=config.parallel.grad_compression,
+        powersgd_rank=config.parallel.powersgd_rank,
+        powersgd_start_step=config.parallel.powersgd_start_step,
     )
 
 
@@ -243,9 +248,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start_step < config.num_train_steps:
         memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
         logging.info(
-            "per device: state (parameters + optimizer state) %s, compiled step peak %s",
+            "per device: state (parameters + optimizer state) %s, compiled step peak %s, "
+            "collectives %s per step",
             format_bytes(memory["state_bytes_per_device"]),
             format_bytes(memory["peak_bytes_per_device"]),
+            format_bytes(memory["comm_bytes_per_step"]),
         )
         pipeline = trainer.strategy.pipeline if trainer.device_mesh else None
         if pipeline:
@@ -265,6 +272,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     profiler = StepProfiler(
         os.path.join(workdir, "profile"), config.profile_start_step, config.profile_num_steps
     )
+    watchdog = HangWatchdog.start(config.hang_timeout_s, workdir)
     eval_metrics: dict[str, float] = {}
     changes = {"config_changes": start.config_changes} if start.config_changes else {}
     preempted_at = None
@@ -273,6 +281,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for step in range(start_step + 1, config.num_train_steps + 1):
             with profiler.step(step):
                 state, metrics = trainer.step(state, next(placed))
+            watchdog.dispatched(step, metrics["loss"])
             profiler.after(step, metrics["loss"])
             if step == start_step + 1:  # compilation: time the steady state from here
                 metrics["loss"].block_until_ready()
@@ -288,7 +297,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 since = last_log_time if step > start_step + 1 else start_time
                 record.update(throughput.rates(step - last_log_step, now - since))
                 if evaluate:
-                    eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
+                    with watchdog.paused(f"evaluation at step {step}"):
+                        eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
                 writer.write(step, record | memory | changes)
                 memory = changes = {}
@@ -300,7 +310,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
                 _nonfinite_steps(state, config, step)  # never save a state holding NaN
                 meta = resume.checkpoint_meta(config, trainer, step, placed.get_state())
-                checkpoints.save(step, trainer.global_state(state), meta, force=True)
+                with watchdog.paused(f"checkpoint save at step {step}"):
+                    state = trainer.consolidate(state)  # continue from what is saved
+                    checkpoints.save(step, trainer.global_state(state), meta, force=True)
             if preempted:
                 preempted_at = step
                 logging.warning(
@@ -310,6 +322,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 )
                 break
     finally:
+        watchdog.close()
         batches.close()
         profiler.stop()
         preemption.close()

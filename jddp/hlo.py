@@ -5,7 +5,20 @@ import re
 
 import numpy as np
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
+DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "u16": 2,
+    "s16": 2,
+    "f64": 8,
+    "s64": 8,
+    "u8": 1,
+    "s8": 1,
+    "pred": 1,
+}
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _OP = re.compile(
     r"= (?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) (?P<kind>" + "|".join(KINDS) + r")\("
@@ -16,6 +29,10 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?")
+_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+    r"false_computation=%?([\w.\-]+)"
+)
 
 
 def _group_size(rest: str) -> int:
@@ -62,7 +79,7 @@ def ring_bytes(ops, min_bytes: int = 5) -> int:
 
 
 # ---------------------------------------------------------- which devices, which computation
-_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) \(", re.MULTILINE)
+_HEADER = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) \(", re.MULTILINE)
 _CALLS = re.compile(
     r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
     r"|branch_computations=\{([^}]*)\}"
@@ -120,3 +137,23 @@ def collectives_with_groups(hlo_text: str) -> list[tuple[str, int, list | None]]
         )
         found.append((match.group("kind"), size, device_groups(match.group("rest"))))
     return found
+
+
+def step_ring_bytes(hlo_text: str, min_bytes: int = 5) -> int:
+    """`ring_bytes` of one run of a compiled step: a conditional's branches count as its
+    cheapest one (in a jddp step, the only conditional holding collectives is PowerSGD's
+    warm-up, whose expensive branch is the uncompressed float32 reduction of the first steps)."""
+    bodies = computations(hlo_text)
+    conditionals = []
+    for match in _BRANCHES.finditer(hlo_text):
+        names = match.group(1).split(",") if match.group(1) else match.group(2, 3)
+        conditionals.append([name.strip().lstrip("%") for name in names])
+    in_branches = {name for names in conditionals for name in names}
+    total = sum(
+        ring_bytes(collectives(body), min_bytes)
+        for name, body in bodies.items()
+        if name not in in_branches
+    )
+    for names in conditionals:
+        total += min(ring_bytes(collectives(bodies[name]), min_bytes) for name in names)
+    return total

@@ -19,6 +19,8 @@ class TrainState(struct.PyTreeNode):
     `nonfinite_steps` counts the steps whose loss or gradients were not finite;
     `loss_scale` is float16 training's dynamic loss scale (`{"scale", "good_steps"}`, see
     jddp/loss_scale.py), an empty dict otherwise.
+    `comm_state` is the gradient communication's own state (PowerSGD's error feedback and
+    warm-started factors, see jddp/strategies/compression.py), an empty dict without compression.
     """
 
     step: jax.Array
@@ -28,9 +30,12 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array
     nonfinite_steps: jax.Array
     loss_scale: Any = struct.field(default_factory=dict)
+    comm_state: Any = struct.field(default_factory=dict)
 
     @classmethod
-    def create(cls, params, opt_state, model_state, rng, loss_scale=None) -> "TrainState":
+    def create(
+        cls, params, opt_state, model_state, rng, loss_scale=None, comm_state=None
+    ) -> "TrainState":
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -39,6 +44,7 @@ class TrainState(struct.PyTreeNode):
             rng=rng,
             nonfinite_steps=jnp.zeros((), jnp.int32),
             loss_scale={} if loss_scale is None else loss_scale,
+            comm_state={} if comm_state is None else comm_state,
         )
 
     def step_key(self) -> jax.Array:

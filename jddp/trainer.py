@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from jddp import hlo
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError, UsageError
@@ -21,6 +22,7 @@ from jddp.sharding.mesh import DeviceMesh
 from jddp.sharding.rules import path_str
 from jddp.state import TrainState, arranged_like
 from jddp.strategies import device_mesh_for, make_strategy
+from jddp.strategies.compression import GradComm
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
@@ -64,6 +66,9 @@ class Trainer:
     `jddp.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer reducing
     over the axis `"batch"` (a pmap-era
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
+    `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
+    ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
+    `jddp/strategies/compression.py`.
     """
 
     def __init__(
@@ -87,7 +92,12 @@ class Trainer:
         regularizer=None,
         weight_key: str | None = None,
         loss_scaling: DynamicLossScale | None = None,
+        grad_comm_dtype: str = "float32",
+        grad_compression: str = "none",
+        powersgd_rank: int = 4,
+        powersgd_start_step: int = 0,
     ):
+        grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
             mesh if isinstance(mesh, DeviceMesh) else device_mesh_for(strategy, mesh, devices)
@@ -107,6 +117,7 @@ class Trainer:
             weight_key=weight_key,
             loss_scaling=loss_scaling,
             axis_aliases={"batch": batch_axes} if self.device_mesh else {},
+            init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
         )
         if self.device_mesh and self.device_mesh.stage_axis:
             if weight_key or self.task.loss_scaling:
@@ -122,6 +133,7 @@ class Trainer:
             rules=rules,
             min_shard_size=min_shard_size,
             pipeline=pipeline,
+            grad_comm=grad_comm,
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
         self._abstract_for = None  # (input shape, dtype) the strategy was prepared for
@@ -281,7 +293,9 @@ class Trainer:
         return means | {"count": totals["count"]}
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
-        """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
+        """Bytes per device: the state's shards, the compiled step's peak (XLA's analysis), and
+        what its collectives move per step (`jddp.hlo.ring_bytes`; with a PowerSGD warm-up, the
+        compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         with _axis_names_checked():
@@ -289,7 +303,15 @@ class Trainer:
         return {
             "state_bytes_per_device": state_bytes_per_device(state),
             "peak_bytes_per_device": peak_bytes(compiled),
+            "comm_bytes_per_step": hlo.step_ring_bytes(compiled.as_text()),
         }
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        """`state` with what differs between devices made the same (PowerSGD's per-device
+        errors become their mean, the only part of them later steps depend on): what a
+        checkpoint holds. Continue from it, and a run resumed from that checkpoint repeats this
+        one bit for bit."""
+        return self.strategy.consolidate(state)
 
     def global_state(self, state: TrainState) -> TrainState:
         """`state` as global arrays spanning every process: what orbax saves."""

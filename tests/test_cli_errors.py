@@ -61,6 +61,15 @@ MISTAKES = [
         ["model 'cnn' cannot take the 'image' of digits", "8x8 images"],
     ),
     (["--config.data.seq_len=0"], ["data.seq_len", ">= 1"]),
+    (
+        ["--config.parallel.grad_comm_dtype=float16"],
+        ["parallel.grad_comm_dtype", "float16", "bfloat16"],
+    ),
+    (
+        ["--config.parallel.grad_compression=powersgd", "--config.parallel.strategy=zero3"],
+        ["powersgd", "ddp only", "zero3"],
+    ),
+    (["--config.hang_timeout_s=-1"], ["hang_timeout_s", ">= 0"]),
 ]
 
 

@@ -32,7 +32,8 @@ from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
 from jddp.sharding.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
+from jddp.strategies.collectives import fused_pmean, gather
+from jddp.strategies.compression import GradComm
 from jddp.weighted import Totals
 
 # stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
@@ -76,6 +77,7 @@ class ZeroStrategy:
         rules=(),
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         pipeline: PipelineOptions | None = None,
+        grad_comm: GradComm | None = None,
     ):
         check_mesh_for(name, mesh)
         self.name = name
@@ -85,6 +87,7 @@ class ZeroStrategy:
         self.batch_axes = mesh.batch_axes
         self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
         self.rules = validate_rules(rules, mesh)
+        self.grad_comm = grad_comm or GradComm()
         self.min_shard_size = min_shard_size
         self.pipeline_options = pipeline or PipelineOptions()
         # Axes the per-device program splits by hand: the batch axes, and the pipeline stages.
@@ -129,6 +132,7 @@ class ZeroStrategy:
             rng=P(),
             nonfinite_steps=P(),
             loss_scale=jax.tree.map(lambda _: P(), abstract_state.loss_scale),
+            comm_state=jax.tree.map(lambda _: P(), abstract_state.comm_state),
         )
         self._grad_specs = full if self.shard_grads else whole_over_fsdp
         self._state_shardings = jax.tree.map(
@@ -193,7 +197,8 @@ class ZeroStrategy:
 
     def _gather_params(self, params, over_stages: bool = False):
         """Parameters whole over fsdp (and with `over_stages`, every stage's layers)."""
-        on_shards = self._on_tensor_shards(gather)
+        # Training gathers with the gradient communication's reduce-scatter as its derivative.
+        on_shards = self._on_tensor_shards(gather if over_stages else self.grad_comm.gather)
         specs = self._manual_params if over_stages else self._fsdp_params
         return jax.tree.map(on_shards, params, specs, self._tensor_specs)
 
@@ -223,9 +228,10 @@ class ZeroStrategy:
         def reduce(grad, spec):
             # zero3 got the reduce-scatter from AD of the gather (the pipeline gathers first)
             if not self.shard_params or self.pipeline:
-                grad = scatter_sum(grad, spec)
+                grad = self.grad_comm.scatter_sum(grad, spec)
             rest = tuple(a for a in self.batch_axes if a not in spec_axes(spec))
-            return (lax.psum(grad, rest) if rest else grad) / self.device_mesh.batch_shards
+            summed = self.grad_comm.psum(grad, rest) if rest else grad
+            return summed / self.device_mesh.batch_shards
 
         on_shards = self._on_tensor_shards(reduce)
         return jax.tree.map(on_shards, grads, self._fsdp_grads, self._tensor_specs)
@@ -296,6 +302,9 @@ class ZeroStrategy:
 
     def global_state(self, state: TrainState) -> TrainState:
         return state  # jit's outputs already span every process's devices
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        return state  # no per-device state: PowerSGD runs under ddp only
 
     def host_state(self, state: TrainState) -> TrainState:
         """The whole state as host numpy arrays (gathered from the shards)."""

@@ -74,7 +74,7 @@ BF16_CASES = [
     ("zero1", None, 1),
     ("zero2", None, 1),
     ("zero3", None, 1),
-    ("hybrid", "replica:2,shard:4", 2),
+    ("hybrid", "data:2,fsdp:4", 2),
 ]
 
 

@@ -28,6 +28,7 @@ RESUME_MAY_CHANGE = (
     "profile_start_step",
     "profile_num_steps",
     "peak_flops_per_device",
+    "hang_timeout_s",
     "init_from",  # used only by a fresh start
     "init_from_optimizer",
     "allow_config_change",

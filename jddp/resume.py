@@ -129,6 +129,7 @@ def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> d
             f"with ({os.path.join(workdir, 'config.json')}), pass a new --workdir, or pass "
             "--config.allow_config_change=true to continue with these changes"
         )
+    _check_comm_state(meta, saved_shapes, config, abstract_state, directory)
     mismatch = checkpoint.first_mismatch(
         _layer_by_layer(abstract_state),
         layouts.per_layer_shapes(saved_shapes),
@@ -139,6 +140,26 @@ def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> d
             f"{mismatch}; these checkpoints belong to another model: pass a new --workdir"
         )
     return changes
+
+
+def _check_comm_state(meta, saved_shapes, config, abstract_state, directory) -> None:
+    """Refuses a checkpoint whose gradient-communication state (PowerSGD's) is not the one this
+    run keeps: its error feedback and factors belong to the compression it was saved with."""
+    ours = {
+        path: shape
+        for path, shape in checkpoint.shapes_by_path(abstract_state).items()
+        if path.startswith("comm_state/")
+    }
+    if ours == {p: s for p, s in saved_shapes.items() if p.startswith("comm_state/")}:
+        return
+    keys = ("grad_compression", "powersgd_rank")
+    saved = meta.get("config", {}).get("parallel", {})
+    shown = ", ".join(f"{k}={saved.get(k, 'none')!r} -> {config.parallel[k]!r}" for k in keys)
+    raise WorkdirError(
+        f"the checkpoints in {directory} hold the gradient compression state of another setting "
+        f"(parallel.{shown}); resume with the setting they were saved with, or pass a new "
+        "--workdir"
+    )
 
 
 def _check_init_from(config, abstract_state) -> None:

@@ -5,6 +5,7 @@ uninterrupted run logs and ends with bitwise the same parameters."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from jddp.weights import load_params
-from tests.helpers import REPO
+from tests.helpers import REPO, snapshot
 
 FLAGS = [
     "--config.num_train_steps=50",
@@ -174,3 +175,18 @@ def test_sigkill_with_powersgd_then_rerun_reproduces_the_run_bit_for_bit(
     process.wait()
     assert finish(start(workdir, "final.log", *POWERSGD)) == 0
     assert_same_run(workdir, uninterrupted_powersgd)
+
+
+def test_resuming_powersgd_checkpoints_without_powersgd_is_refused_in_one_line(
+    tmp_path, uninterrupted_powersgd
+):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_powersgd, workdir)
+    before = snapshot(workdir)
+    process = start(workdir, "plain.log")
+    assert finish(process) == 2
+    lines = open(os.path.join(tmp_path, "plain.log")).read().strip().splitlines()
+    assert "Traceback" not in "".join(lines)
+    assert "gradient compression state" in lines[-1], lines[-3:]
+    assert "grad_compression='powersgd' -> 'none'" in lines[-1], lines[-1]
+    assert snapshot(workdir) == before

@@ -11,12 +11,14 @@ Kubernetes Indexed Job or on every TPU VM worker, or pass the three process flag
 
 import datetime
 import os
+import sys
 
 from absl import app, flags, logging
 
 from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
-CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "configs", "digits_mlp.py"))
+_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
 _WORKDIR = flags.DEFINE_string(
     "workdir",
     None,
@@ -47,24 +49,32 @@ def main(argv: list[str]) -> None:
     # Imported here so that --help and flag errors answer without loading JAX.
     import jax
 
-    from jddp import runtime
+    from jddp import runtime, supervise
     from jddp.errors import JddpError
     from jddp.experiment import train_and_evaluate
 
     workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
     quiet_library_logs()
+    processes = {
+        "coordinator_address": _COORDINATOR.value,
+        "num_processes": _NUM_PROCESSES.value,
+        "process_id": _PROCESS_ID.value,
+    }
     try:
-        runtime.initialize(
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            heartbeat_timeout_seconds=_HEARTBEAT.value,
-        )
+        launch = runtime.detect(**processes)
+        if launch.source not in ("single", "jddp-launch") and not supervise.is_supervised():
+            # A lost peer aborts a process in JAX's own words: a watcher says it in one line.
+            command = [sys.executable, *sys.orig_argv[1:]]
+            sys.exit(supervise.supervise(command, launch.num_processes))
+        runtime.initialize(**processes, heartbeat_timeout_seconds=_HEARTBEAT.value)
         if jax.process_index() > 0:  # one voice in the log: process 0's
             logging.set_verbosity(logging.WARNING)
         summary = train_and_evaluate(CONFIG.value, workdir)
     except JddpError as e:
         fail(str(e))
+    except jax.errors.JaxRuntimeError as e:
+        supervise.await_lost_peer_verdict(e, _HEARTBEAT.value)
+        raise
     if jax.process_index() > 0:
         return
     if summary.get("preempted"):

@@ -19,8 +19,10 @@ from jddp.errors import (
     JddpError,
     ShapeError,
     TrainingHalted,
+    UsageError,
     WorkdirError,
 )
+from jddp.loss_scale import DynamicLossScale
 from jddp.sharding.mesh import DeviceMesh
 from jddp.state import TrainState
 from jddp.strategies import STRATEGIES, batch_axis_name, device_mesh_for
@@ -34,6 +36,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DeviceMesh",
+    "DynamicLossScale",
     "JddpError",
     "PlacedBatch",
     "ShapeError",
@@ -41,6 +44,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingHalted",
+    "UsageError",
     "WorkdirError",
     "batch_axis_name",
     "default_config",

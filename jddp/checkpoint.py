@@ -6,8 +6,11 @@ A checkpoint directory `WORKDIR/checkpoints/STEP/` holds two items: `state` (the
 and `meta` (JSON: the resolved config, strategy, mesh, device and process counts, jddp version,
 and the data iterator's state). The state is saved as global arrays, so restoring into another
 strategy or device count is restoring into other shardings: orbax reshards on load.
+
+Weights to start a run from, found in these and in other programs' checkpoints: jddp/weights.py.
 """
 
+import contextlib
 import datetime
 import json
 import logging as std_logging
@@ -22,13 +25,22 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jddp.errors import CheckpointError
+from jddp.fs import is_damage, write_failure
+from jddp.memory import format_bytes
+from jddp.quiet import drop_unraisable, library_warnings_muted
+from jddp.sharding.rules import path_str
 
 STATE, META = "state", "meta"
 
 
 class Checkpoints:
     """The checkpoints of one workdir: `save` every `every` steps (and when JAX reports a
-    preemption across processes), keeping the newest `max_to_keep`."""
+    preemption across processes), keeping the newest `max_to_keep`.
+
+    A save that fails to write (a full disk, a write error) raises CheckpointError, in one line
+    naming the directory and the bytes it needs, from the call that finds out: `save`, `check`
+    (cheap: call it every step) or `wait`. The checkpoints written before it stay as they were.
+    """
 
     def __init__(self, directory: str, *, every: int, max_to_keep: int):
         self.directory = os.path.abspath(directory)
@@ -54,6 +66,9 @@ class Checkpoints:
                 META: ocp.JsonCheckpointHandler(),
             },
         )
+        self._saving = None  # (step, bytes) of the save in flight
+        self._failed = False
+        _mute_reported_write_failures()
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -64,81 +79,141 @@ class Checkpoints:
 
     def save(self, step: int, state, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Starts an asynchronous save if `step` is due (or `force`); returns whether it did."""
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
-            ),
-            force=force,
-        )
+        needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        with self._write_failures(step, needed):  # orbax first waits for the previous save
+            started = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+                ),
+                force=force,
+            )
+        if started:
+            self._saving = (step, needed)
+        return started
 
-    def restore_latest(self, abstract_state, check=None):
+    def check(self) -> None:
+        """Raises the failure of a save that has finished, if it failed; never waits."""
+        if self._saving is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until every started save has committed (or one has failed: raised once)."""
+        if self._failed:
+            return
+        with self._write_failures():
+            self._manager.wait_until_finished()
+        self._saving = None
+
+    def close(self) -> None:
+        if self._failed:  # orbax would raise the reported failure again: just let go
+            return
+        self._manager.close()
+
+    @contextlib.contextmanager
+    def _write_failures(self, step: int | None = None, needed: int = 0):
+        """Turns a failed write (of the save in flight, else of `step`) into one line."""
+        try:
+            yield
+        except Exception as e:
+            reason = write_failure(e)
+            if reason is None:
+                raise
+            self._failed = True
+            if self._saving is not None:
+                step, needed = self._saving
+            free = shutil.disk_usage(self.directory).free
+            saved = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+            kept = f"newest: step {saved[-1]}" if saved else "there are none yet"
+            raise CheckpointError(
+                f"could not save the checkpoint of step {step} in {self.directory}: {reason} "
+                f"(it needs about {format_bytes(needed)}, {format_bytes(free)} are free there); "
+                f"training stopped, the checkpoints already saved are intact ({kept}); free "
+                "space or move the workdir, then run the same command to resume"
+            ) from None
+
+    def restore_latest(self, abstract_state, check=None, layout=None):
         """(step, state, meta) of the newest checkpoint that restores, or None if there is none.
 
         `abstract_state` carries the target shardings (ShapeDtypeStructs or arrays). Before the
         state is read, `check(meta, saved_shapes)` may refuse the checkpoint by raising (a
-        different model is not damage). A checkpoint that cannot be read is named in a warning
-        and moved to `checkpoints_damaged/` beside the checkpoints (never deleted); the one
-        before it is tried next.
+        different model is not damage). `layout(abstract_state, saved_shapes)` may give another
+        tree to restore into and a function from it to `abstract_state`'s layout. A checkpoint
+        whose files are damaged (truncated, missing, unparsable) is named in a warning and moved
+        to `checkpoints_damaged/` beside the checkpoints (never deleted); the one before it is
+        tried next. Any other failure to read
+        (memory, permissions, a flaky file system), or damage to every checkpoint, is a
+        CheckpointError that leaves the checkpoints where they are.
         """
-        for step in sorted(self.steps(), reverse=True):
+        _drop_closed_loop_reports()
+        steps = sorted(self.steps(), reverse=True)
+        for step in steps:
             try:
                 meta = self._manager.restore(
                     step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
                 )[META]
                 saved_shapes = shapes_by_path(self._manager.item_metadata(step)[STATE].tree)
-            except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
-                self._report_damage(step, e)
+            except Exception as e:
+                self._set_aside(step, e)
                 continue
             if check is not None:
                 check(meta, saved_shapes)
+            target, convert = (
+                layout(abstract_state, saved_shapes) if layout else (abstract_state, None)
+            )
             try:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
                         **{
-                            STATE: ocp.args.StandardRestore(abstract_state),
+                            STATE: ocp.args.StandardRestore(target),
                             META: ocp.args.JsonRestore(),
                         }
                     ),
                 )
-            except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
-                self._report_damage(step, e)
+            except Exception as e:
+                self._set_aside(step, e)
                 continue
-            return step, restored[STATE], meta
+            state = convert(restored[STATE]) if convert else restored[STATE]
+            return step, state, meta
+        if steps:
+            raise CheckpointError(
+                f"every checkpoint in {self.directory} is damaged (moved to "
+                f"{self._damaged_dir()}); nothing was started and the workdir's logs are as they "
+                "were; pass a new --workdir to train afresh"
+            )
         return None
 
-    def _report_damage(self, step: int, error: Exception) -> None:
+    def _damaged_dir(self) -> str:
+        return os.path.join(os.path.dirname(self.directory), "checkpoints_damaged")
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Moves a damaged checkpoint aside; any other failure to read it is raised as is."""
         source = os.path.join(self.directory, str(step))
+        summary = f"{type(error).__name__}: {_first_line(error)}"
+        if not is_damage(error):
+            raise CheckpointError(
+                f"could not read checkpoint {source} ({summary}), which is not damage to its "
+                "files: nothing was moved or started; fix the cause and run the same command again"
+            ) from None
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        target = os.path.join(
-            os.path.dirname(self.directory), "checkpoints_damaged", f"{step}-{stamp}"
-        )
+        target = os.path.join(self._damaged_dir(), f"{step}-{stamp}")
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.move(source, target)
         self._manager.reload()
-        message = str(error).splitlines()[0][:200] if str(error) else ""
         logging.warning(
-            "checkpoint %s is damaged (%s: %s); moved it to %s and trying the one before",
+            "checkpoint %s is damaged (%s); moved it to %s and trying the one before",
             source,
-            type(error).__name__,
-            message,
+            summary,
             target,
         )
-
-    def wait(self) -> None:
-        """Blocks until every started save has committed."""
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.close()
 
 
 def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     """{"params/hidden_0/kernel": (64, 256), ...} for any tree of arrays or array metadata."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+        path_str(path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
 
@@ -158,55 +233,38 @@ def first_mismatch(expected: dict, actual: dict, source: str) -> str | None:
     return None
 
 
+def numbered(folder: str, prefix: str = "") -> list[str]:
+    """The subfolders (or files) `PREFIX<number>` of `folder`, highest number first."""
+    if not os.path.isdir(folder):
+        return []
+    numbers = [n[len(prefix) :] for n in os.listdir(folder) if n.startswith(prefix)]
+    found = sorted((int(n) for n in numbers if n.isdigit()), reverse=True)
+    return [os.path.join(folder, f"{prefix}{n}") for n in found]
+
+
 def peek_latest(directory: str):
     """(meta, shapes by path) of the newest readable checkpoint under `directory`, or None.
 
     Reads metadata files only, changes nothing, and takes no part in orbax's cross-process
     barriers (processes may call it while the directory changes under them); damaged
     checkpoints are skipped here and reported by `Checkpoints.restore_latest`."""
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
-    for step in sorted(steps, reverse=True):
-        folder = os.path.join(directory, str(step))
+    for folder in numbered(directory):
         try:
             with open(os.path.join(folder, META, "metadata")) as f:
                 meta = json.load(f)
-            return meta, shapes_by_path(_saved_tree(os.path.join(folder, STATE)))
-        except Exception:  # noqa: BLE001, S112 - unreadable or uncommitted: skip it here
+            return meta, shapes_by_path(saved_tree(os.path.join(folder, STATE)))
+        except Exception:  # unreadable or uncommitted: skip it here
             continue
     return None
 
 
-class _MuteOrbaxWarnings(std_logging.Filter):
-    def filter(self, record) -> bool:
-        return "/orbax/" not in record.pathname or record.levelno >= std_logging.ERROR
-
-
-def _saved_tree(directory: str):
+def saved_tree(directory: str):
     """The array metadata tree of one saved item. Orbax warns when an item is read outside its
     step directory's manager (no step-level `_CHECKPOINT_METADATA` beside it); for a read-only
     peek that is expected, so its warnings are muted here."""
-    mute, absl_logger = _MuteOrbaxWarnings(), std_logging.getLogger("absl")
-    absl_logger.addFilter(mute)
-    try:
+    _drop_closed_loop_reports()  # a damaged item fails here first
+    with library_warnings_muted("orbax"):
         return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
-    finally:
-        absl_logger.removeFilter(mute)
-
-
-def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Shapes of the parameters `load_params(path)` would load, read from metadata only."""
-    path = os.path.abspath(path)
-    for candidate in _state_dirs(path):
-        shapes = shapes_by_path(_saved_tree(candidate))
-        if candidate.endswith(STATE):
-            return {k[len("params/") :]: v for k, v in shapes.items() if k.startswith("params/")}
-        return shapes
-    raise CheckpointError(
-        f"init_from {path!r} holds no parameters; point it at a workdir, a "
-        "workdir/checkpoints/STEP directory or a workdir/export directory"
-    )
 
 
 # ------------------------------------------------------------------------------- export
@@ -217,39 +275,34 @@ def export_params(directory: str, params) -> None:
         checkpointer.save(os.path.abspath(directory), host, force=True)
 
 
-def _state_dirs(path: str) -> list[str]:
-    """Directories under `path` that may hold a saved tree, most specific first."""
-    checkpoints = os.path.join(path, "checkpoints")
-    candidates = [os.path.join(path, "export")]
-    if os.path.isdir(checkpoints):
-        steps = sorted((int(s) for s in os.listdir(checkpoints) if s.isdigit()), reverse=True)
-        candidates += [os.path.join(checkpoints, str(step), STATE) for step in steps]
-    candidates += [os.path.join(path, STATE), path]
-    return [c for c in candidates if os.path.exists(os.path.join(c, "_METADATA"))]
+def _first_line(error: Exception, limit: int = 200) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
-def load_params(path: str):
-    """Parameters as host numpy arrays from an export dir, a `checkpoints/STEP` dir, or a
-    workdir (its export, else its newest checkpoint)."""
-    path = os.path.abspath(path)
-    for candidate in _state_dirs(path):
-        tree = ocp.StandardCheckpointer().restore(candidate)
-        is_state = candidate.endswith(STATE)
-        return jax.tree.map(np.asarray, tree["params"] if is_state else tree)
-    raise CheckpointError(
-        f"init_from {path!r} holds no parameters; point it at a workdir, a "
-        "workdir/checkpoints/STEP directory or a workdir/export directory"
-    )
+class _ReportedWriteFailures(std_logging.Filter):
+    def filter(self, record) -> bool:
+        if "/orbax/" not in record.pathname or record.levelno < std_logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        failed_write = error is not None and write_failure(error) is not None
+        return not (failed_write or "os_error_code=" in record.getMessage())
 
 
-def load_state(path: str, abstract_state):
-    """A whole TrainState from a workdir (newest checkpoint) or `checkpoints/STEP` dir, restored
-    into `abstract_state`'s shardings."""
-    path = os.path.abspath(path)
-    for candidate in _state_dirs(path):
-        if candidate.endswith(STATE):
-            return ocp.StandardCheckpointer().restore(candidate, abstract_state)
-    raise CheckpointError(
-        f"init_from {path!r} holds no optimizer state (an export has parameters only); point it "
-        "at a workdir or workdir/checkpoints/STEP, or set init_from_optimizer=false"
-    )
+def _mute_reported_write_failures() -> None:
+    """orbax logs a failed write, traceback and all, from each thread it passes through; the
+    CheckpointError that `Checkpoints` raises says it once, in one line."""
+    absl_logger = std_logging.getLogger("absl")
+    if not any(isinstance(f, _ReportedWriteFailures) for f in absl_logger.filters):
+        absl_logger.addFilter(_ReportedWriteFailures())
+
+
+def _drop_closed_loop_reports() -> None:
+    """After a failed read, tensorstore finishes the reads still in flight and hands each result
+    to the event loop orbax has already closed; each hand-off ends in a `RuntimeError: Event loop
+    is closed` printed through `sys.unraisablehook`. Those (and only those) are dropped."""
+
+    def is_closed_loop(unraisable) -> bool:
+        error = unraisable.exc_value
+        return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+    drop_unraisable("closed event loop", is_closed_loop)

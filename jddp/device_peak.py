@@ -36,19 +36,28 @@ BF16_PEAK_FLOPS = (
 MATMUL_SIZE = 2048
 
 
+def matmul_timer(device: jax.Device, dtype_name: str = "float32", count: int = 1):
+    """A compiled, warmed-up `MATMUL_SIZE`^3 matmul on `device`: calling the result times `count`
+    of them and returns seconds per matmul (the rate is 2 MATMUL_SIZE^3 / that)."""
+    a = jax.device_put(jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype_name), device)
+    matmul = jax.jit(jnp.dot)
+    matmul(a, a).block_until_ready()
+
+    def seconds_per_matmul() -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            matmul(a, a).block_until_ready()
+        return (time.perf_counter() - start) / count
+
+    return seconds_per_matmul
+
+
 @functools.cache
 def measured_matmul_rate(device: jax.Device, dtype_name: str = "float32") -> float:
     """FLOP/s of a `MATMUL_SIZE`^3 matmul through XLA on `device`: the best of 3 after a warmup
     (about a second on a CPU)."""
-    a = jax.device_put(jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype_name), device)
-    matmul = jax.jit(jnp.dot)
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_SIZE**3 / best
+    timer = matmul_timer(device, dtype_name)
+    return 2 * MATMUL_SIZE**3 / min(timer() for _ in range(3))
 
 
 def table_peak(device: jax.Device, dtype_name: str) -> float | None:

@@ -25,7 +25,11 @@ class WorkdirError(JddpError):
 
 
 class CheckpointError(JddpError):
-    """A checkpoint to start from is missing or does not fit the model."""
+    """A checkpoint cannot be read or written, or does not fit the model."""
+
+
+class UsageError(JddpError):
+    """The library was called out of order or with the wrong kind of argument."""
 
 
 class TrainingHalted(JddpError):

@@ -28,32 +28,79 @@ from jddp import (
 from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
 from jddp.core import check_divisible
-from jddp.errors import TrainingHalted, WorkdirError
+from jddp.errors import ConfigError, TrainingHalted, WorkdirError
+from jddp.fs import directory_problem
 from jddp.memory import format_bytes
 from jddp.metrics_writer import MetricsWriter
 from jddp.model_fit import check_model_fits
+from jddp.pipeline.options import PipelineOptions
 from jddp.preemption import PreemptionWatch
 from jddp.profiling import StepProfiler
 from jddp.progress import Progress
 from jddp.sharding.rules import fit_preset
 from jddp.throughput import Throughput
 from jddp.trainer import Trainer
+from jddp.watchdog import HangWatchdog
 
 
-def prepare_workdir(workdir: str, *, resumable: bool) -> None:
-    """Creates `workdir`. Refuses a file, and a directory that holds a run this one cannot
-    continue (one without checkpoints, or when checkpointing is off)."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise WorkdirError(f"workdir {workdir!r} is a file; pass a directory path to --workdir")
-    has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints"))
-    if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and not (
-        resumable and has_checkpoints
-    ):
+def check_workdir(workdir: str, *, resumable: bool) -> None:
+    """Refuses, without writing: a path that cannot be a writable directory, and a directory
+    holding a run this one cannot continue (one without checkpoints, or when checkpointing is
+    off, or whose checkpoints were all damaged and set aside)."""
+    problem = directory_problem(workdir, write=True)
+    if problem:
+        raise WorkdirError(
+            f"workdir {workdir!r} {problem}; pass a directory you can write to as --workdir"
+        )
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        return
+    if not (resumable and os.path.isdir(checkpoints)):
         raise WorkdirError(
             f"workdir {workdir!r} already holds a run without checkpoints to resume "
             "(metrics.jsonl); pass a new --workdir"
         )
-    os.makedirs(workdir, exist_ok=True)
+    damaged = os.path.join(workdir, "checkpoints_damaged")
+    if os.path.isdir(damaged) and not any(name.isdigit() for name in os.listdir(checkpoints)):
+        raise WorkdirError(
+            f"workdir {workdir!r} holds a run whose checkpoints were all damaged (set aside in "
+            f"{damaged}); pass a new --workdir to train afresh"
+        )
+
+
+def prepare_workdir(workdir: str) -> None:
+    """Creates `workdir` (checked by `check_workdir`, so this fails only on a race)."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise WorkdirError(f"workdir {workdir!r} cannot be created: {e.strerror}") from None
+
+
+def write_config(workdir: str, config) -> None:
+    """`config.json`, unless it already holds this config (a resume leaves it untouched)."""
+    path, text = (
+        os.path.join(workdir, "config.json"),
+        config.to_json_best_effort(indent=2, sort_keys=True) + "\n",
+    )
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def check_eval_batch_size(eval_batch_size: int, slices: int) -> None:
+    """A ConfigError unless eval batches split evenly into `slices` (one per device, except that
+    the devices of a tensor group or of the stages share one)."""
+    if eval_batch_size % slices:
+        below = eval_batch_size // slices * slices
+        nearest = " or ".join(str(n) for n in (below, below + slices) if n > 0)
+        raise ConfigError(
+            f"eval_batch_size={eval_batch_size} is not divisible by the {slices} devices that "
+            f"split each batch; use a multiple of {slices}, e.g. {nearest} (0: "
+            "global_batch_size)"
+        )
 
 
 def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Trainer:
@@ -74,6 +121,7 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         tensor_axis=tensor_axis,
         tensor_size=device_mesh.size("tensor") if device_mesh else 1,
         sequence_parallel=config.parallel.sequence_parallel,
+        pipelined=bool(device_mesh and device_mesh.stage_axis),
         **config.model_args,
     )
     rules = tuple(config.parallel.rules) if strategy != "ddp" else ()
@@ -88,11 +136,16 @@ def build_trainer(config, dataset, schedule, *, strategy=None, mesh=None) -> Tra
         mesh=device_mesh,
         rules=rules,
         min_shard_size=config.parallel.min_shard_size,
+        pipeline=PipelineOptions(**config.parallel.pipeline),
         grad_accum_steps=config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",
         input_key=dataset.input_key,
+        grad_comm_dtype=config.parallel.grad_comm_dtype,
+        grad_compression=config.parallel.grad_compression,
+        powersgd_rank=config.parallel.powersgd_rank,
+        powersgd_start_step=config.parallel.powersgd_start_step,
     )
 
 
@@ -102,6 +155,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
+    check_workdir(workdir, resumable=config.checkpoint_every > 0)
     dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
     schedule = optim.learning_rate_schedule(config)
     trainer = build_trainer(config, dataset, schedule)
@@ -109,33 +163,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     num_devices, batch_shards = trainer.num_devices, trainer.batch_shards
     check_divisible(config.global_batch_size, batch_shards, config.grad_accum_steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
-    check_divisible(eval_batch_size, batch_shards, 1)
+    check_eval_batch_size(eval_batch_size, batch_shards)
 
     # ------------------------------------------- data (a missing or bad dataset leaves no workdir)
     data_options = data.DataOptions.from_config(config.data)
     splits = data.open_dataset(dataset, data_options)
     sample_batch = splits.sample_batch()
     check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
-    trainer.check_layout(sample_batch)
-    resume.check_before_start(workdir, config, trainer, sample_batch)
-    runtime.barrier("checks done")  # no process writes before every process has looked
-
-    # -------------------------------------------------------------------------- workdir
-    prepare_workdir(workdir, resumable=config.checkpoint_every > 0)
-    is_writer = jax.process_index() == 0
-    logging.info("workdir: %s", os.path.abspath(workdir))
-    if is_writer:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    checkpoints = None
-    if config.checkpoint_every > 0:
-        checkpoints = Checkpoints(
-            os.path.join(workdir, "checkpoints"),
-            every=config.checkpoint_every,
-            max_to_keep=config.max_to_keep,
-        )
-
-    # ------------------------------------------------------------------- input pipeline
+    trainer.check_layout(sample_batch, config.global_batch_size)
     # Each process reads only its rows of every global batch (see jddp/data/pipeline.py).
     processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     batches = data.train_batches(
@@ -147,7 +182,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         workers=data_options.workers,
         **processes,
     )
+    start = resume.check_before_start(workdir, config, trainer, sample_batch, batches)
+    runtime.barrier("checks done")  # no process writes before every process has looked
+
+    # ------------------------------- workdir, and the state: resumed, init_from, or fresh
+    prepare_workdir(workdir)
+    is_writer = jax.process_index() == 0
+    logging.info("workdir: %s", os.path.abspath(workdir))
+    checkpoints = None
+    if config.checkpoint_every > 0:
+        checkpoints = Checkpoints(
+            os.path.join(workdir, "checkpoints"),
+            every=config.checkpoint_every,
+            max_to_keep=config.max_to_keep,
+        )
+    # A resume that fails (every checkpoint damaged, or not readable now) stops here: the only
+    # writes so far set damaged checkpoints aside.
+    try:
+        start_step, state, data_state = resume.restore_or_start(
+            trainer, config, checkpoints, sample_batch
+        )
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.close()
+        raise
+    finished = _finished_summary(workdir, config, start_step)
+    if finished is not None:
+        if checkpoints is not None:
+            checkpoints.close()
+        return finished
+    if is_writer:
+        write_config(workdir, config)
     placed = data.prefetch_to_device(batches, trainer.place_batch, data_options.device_prefetch)
+    if data_state is not None:  # the saved order goes on, or (a change allowed) this config's
+        resumed = data_state if start.data_order_continues else {**batches.get_state()}
+        placed.set_state({**resumed, "step": data_state["step"]})
 
     def eval_pass():
         return data.eval_batches(
@@ -158,12 +227,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             **processes,
         )
 
-    # ------------------------------------------------ state: resumed, init_from, or fresh
-    start_step, state, data_state = resume.restore_or_start(
-        trainer, config, checkpoints, sample_batch
-    )
-    if data_state is not None:
-        placed.set_state(data_state)
     runtime.check_same_everywhere(
         "config, seed and initial parameters", [config.to_json_best_effort(), _checksum(state)]
     )
@@ -185,10 +248,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start_step < config.num_train_steps:
         memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
         logging.info(
-            "per device: state (parameters + optimizer state) %s, compiled step peak %s",
+            "per device: state (parameters + optimizer state) %s, compiled step peak %s, "
+            "collectives %s per step",
             format_bytes(memory["state_bytes_per_device"]),
             format_bytes(memory["peak_bytes_per_device"]),
+            format_bytes(memory["comm_bytes_per_step"]),
         )
+        pipeline = trainer.strategy.pipeline if trainer.device_mesh else None
+        if pipeline:
+            memory |= pipeline.describe()
+            logging.info(
+                "pipeline: %s over %d stages, %d micro-batches, bubble (S-1)/(M+S-1) = %.1f%%",
+                pipeline.schedule.name,
+                pipeline.schedule.stages,
+                pipeline.schedule.microbatches,
+                100 * memory["pipeline_bubble"],
+            )
 
     # ----------------------------------------------------------------------------- loop
     writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)
@@ -197,13 +272,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     profiler = StepProfiler(
         os.path.join(workdir, "profile"), config.profile_start_step, config.profile_num_steps
     )
+    watchdog = HangWatchdog.start(config.hang_timeout_s, workdir)
     eval_metrics: dict[str, float] = {}
+    changes = {"config_changes": start.config_changes} if start.config_changes else {}
     preempted_at = None
     last_log_step, last_log_time = start_step, time.perf_counter()
     try:
         for step in range(start_step + 1, config.num_train_steps + 1):
             with profiler.step(step):
                 state, metrics = trainer.step(state, next(placed))
+            watchdog.dispatched(step, metrics["loss"])
             profiler.after(step, metrics["loss"])
             if step == start_step + 1:  # compilation: time the steady state from here
                 metrics["loss"].block_until_ready()
@@ -219,17 +297,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 since = last_log_time if step > start_step + 1 else start_time
                 record.update(throughput.rates(step - last_log_step, now - since))
                 if evaluate:
-                    eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
+                    with watchdog.paused(f"evaluation at step {step}"):
+                        eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
                     record.update({f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"})
-                writer.write(step, record | memory)
-                memory = {}
+                writer.write(step, record | memory | changes)
+                memory = changes = {}
                 progress.update(step, record["loss"], record)
                 last_log_step, last_log_time = step, time.perf_counter()
             preempted = preemption.reached(step)
+            if checkpoints is not None:
+                checkpoints.check()  # a save that failed to write stops the run here
             if checkpoints is not None and (checkpoints.due(step) or preempted or is_last):
                 _nonfinite_steps(state, config, step)  # never save a state holding NaN
                 meta = resume.checkpoint_meta(config, trainer, step, placed.get_state())
-                checkpoints.save(step, trainer.global_state(state), meta, force=True)
+                with watchdog.paused(f"checkpoint save at step {step}"):
+                    state = trainer.consolidate(state)  # continue from what is saved
+                    checkpoints.save(step, trainer.global_state(state), meta, force=True)
             if preempted:
                 preempted_at = step
                 logging.warning(
@@ -239,6 +322,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 )
                 break
     finally:
+        watchdog.close()
         batches.close()
         profiler.stop()
         preemption.close()
@@ -255,7 +339,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             "step": preempted_at,
             "wall_time_sec": time.perf_counter() - start_time,
         }
-    if not eval_metrics:  # resumed a run that had already finished
+    if not eval_metrics:  # resumed at the last step, before its export
         eval_metrics = _evaluate(trainer, state, eval_pass(), objective)
     checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
     summary = {f"eval_{k}": v for k, v in eval_metrics.items() if k != "count"}
@@ -263,6 +347,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if is_writer:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
+    return summary
+
+
+def _finished_summary(workdir: str, config, start_step: int) -> dict | None:
+    """The saved summary of a run that already reached `num_train_steps` and was exported
+    (running it again changes nothing), else None."""
+    path = os.path.join(workdir, "summary.json")
+    exported = os.path.isdir(os.path.join(workdir, "export"))
+    if start_step < config.num_train_steps or not (exported and os.path.exists(path)):
+        return None
+    logging.info("%s already finished at step %d; nothing to do", workdir, start_step)
+    with open(path) as f:
+        summary = json.load(f)
+    summary.pop("step", None)
     return summary
 
 

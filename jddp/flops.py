@@ -79,11 +79,11 @@ def xla_forward_flops(model, sample_input) -> float | None:
     Compiles the forward pass once."""
     functional = as_functional(model)
     params, model_state = jax.eval_shape(
-        lambda inputs: functional.init({"params": jax.random.key(0)}, inputs), sample_input
+        lambda inputs: functional.init({"params": jax.random.key(0)}, (inputs,), {}), sample_input
     )
 
     def forward(params, model_state, inputs):
-        return functional.apply(params, model_state, inputs, train=False)[0]
+        return functional.apply(params, model_state, (inputs,), {}, train=False)[0]
 
     compiled = jax.jit(forward).lower(params, model_state, sample_input).compile()
     return xla_flops(compiled)

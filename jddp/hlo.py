@@ -8,7 +8,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1}
+DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "u16": 2,
+    "s16": 2,
+    "f64": 8,
+    "s64": 8,
+    "u8": 1,
+    "s8": 1,
+    "pred": 1,
+}
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _OP = re.compile(
     r"= (?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) (?P<kind>" + "|".join(KINDS) + r")\("
@@ -26,6 +39,14 @@ _MESH_GROUPS = re.compile(
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", re.MULTILINE)
 _WHILE = re.compile(r" while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)\"")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_CALLS = re.compile(
+    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
+_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+    r"false_computation=%?([\w.\-]+)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +134,11 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     return found
 
 
-def collectives(hlo_text: str) -> list[tuple[str, list[int], int]]:
-    """(kind, [bytes of each result array], devices per group) for every collective op."""
-    ops = collective_ops(hlo_text)
-    return [(op.kind, list(op.sizes), op.group_size or _device_count(hlo_text)) for op in ops]
+def collectives(hlo_text: str, devices: int | None = None) -> list[tuple[str, list[int], int]]:
+    """(kind, [bytes of each result array], devices per group) for every collective op; a
+    group of every device counts `devices` (default: the module's partition count)."""
+    devices = devices or _device_count(hlo_text)
+    return [(op.kind, list(op.sizes), op.group_size or devices) for op in collective_ops(hlo_text)]
 
 
 def _device_count(hlo_text: str) -> int:
@@ -173,3 +195,53 @@ def ring_bytes(ops, min_bytes: int = 5) -> int:
         big = sum(b for b in sizes if b >= min_bytes)
         total += {"all-reduce": 2 * big, "reduce-scatter": big * group}.get(kind, big)
     return total
+
+
+def step_ring_bytes(hlo_text: str, min_bytes: int = 5) -> int:
+    """`ring_bytes` of one run of a compiled step: a conditional's branches count as its
+    cheapest one (in a jddp step, the only conditional holding collectives is PowerSGD's
+    warm-up, whose expensive branch is the uncompressed float32 reduction of the first steps)."""
+    bodies, devices = computations(hlo_text), _device_count(hlo_text)
+    conditionals = []
+    for match in _BRANCHES.finditer(hlo_text):
+        names = match.group(1).split(",") if match.group(1) else match.group(2, 3)
+        conditionals.append([name.strip().lstrip("%") for name in names])
+    in_branches = {name for names in conditionals for name in names}
+    total = sum(
+        ring_bytes(collectives(body, devices), min_bytes)
+        for name, body in bodies.items()
+        if name not in in_branches
+    )
+    for names in conditionals:
+        total += min(ring_bytes(collectives(bodies[n], devices), min_bytes) for n in names)
+    return total
+
+
+# ---------------------------------------------------------- which devices, which computation
+def computations(hlo_text: str) -> dict[str, str]:
+    """{computation name: its text} of an HLO module."""
+    headers = list(_COMPUTATION.finditer(hlo_text))
+    ends = [h.start() for h in headers[1:]] + [len(hlo_text)]
+    return {h.group(1): hlo_text[h.start() : end] for h, end in zip(headers, ends, strict=True)}
+
+
+def reachable(comps: dict[str, str], roots) -> set[str]:
+    """The computations `roots` call, directly or not, and the roots themselves."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for direct, branches in _CALLS.findall(comps[name]):
+            todo += [direct] if direct else re.findall(r"%([\w.\-]+)", branches)
+    return seen
+
+
+def collectives_with_groups(hlo_text: str) -> list[tuple[str, int, list | None]]:
+    """(kind, bytes of the results, device groups as a list; None: every device) for every
+    collective op (a collective-permute's groups are its (source, target) pairs)."""
+    return [
+        (op.kind, sum(op.sizes), None if op.groups is None else list(op.groups))
+        for op in collective_ops(hlo_text)
+    ]

@@ -8,7 +8,9 @@
 `--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives each
 its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is. Output
 lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child. When a child
-fails, the others are stopped and the launcher exits with the failed child's code.
+fails, the others are stopped and the launcher exits with the failed child's code; if the child
+said why in an `error: ...` line, that line is the launcher's last. The launcher's own mistakes
+(a bad flag, a command that does not exist) are one `error:` line and exit code 2.
 """
 
 import argparse
@@ -54,8 +56,19 @@ def child_env(rank: int, args, port: int) -> dict[str, str]:
     return env
 
 
-def _relay(rank: int, stream, lock: threading.Lock) -> None:
+USAGE_EXIT_CODE = 2
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT_CODE)
+
+
+def _relay(rank: int, stream, lock: threading.Lock, last_errors: dict) -> None:
+    """Copies a child's output lines, prefixed with its rank; remembers its last `error:` line."""
     for line in iter(stream.readline, ""):
+        if line.startswith("error: "):
+            last_errors[rank] = line.rstrip("\n")
         with lock:
             sys.stdout.write(f"[{rank}] {line}")
             sys.stdout.flush()
@@ -70,43 +83,56 @@ def _describe(code: int) -> str:
 def run(args) -> int:
     port = free_port()
     lock = threading.Lock()
-    children = []
+    children, relays, last_errors = [], [], {}
     for rank in range(args.nproc):
-        child = subprocess.Popen(
-            args.command,
-            env=child_env(rank, args, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+        try:
+            child = subprocess.Popen(
+                args.command,
+                env=child_env(rank, args, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError as e:  # the command does not exist or cannot be run
+            _stop(children)
+            _fail(f"cannot run {args.command[0]!r}: {e.strerror}; check the command after --")
+        relay = threading.Thread(
+            target=_relay, args=(rank, child.stdout, lock, last_errors), daemon=True
         )
-        threading.Thread(target=_relay, args=(rank, child.stdout, lock), daemon=True).start()
+        relay.start()
         children.append(child)
+        relays.append(relay)
 
     def forward(signum, _frame):
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-
-    while True:
-        codes = [child.poll() for child in children]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            print(
-                f"[launcher] process {rank} of {args.nproc} failed ({_describe(code)}); "
-                "stopping the others",
-                file=sys.stderr,
-                flush=True,
-            )
-            _stop(children)
-            return code if code > 0 else 128 - code
-        if all(code == 0 for code in codes):
-            return 0
-        time.sleep(0.1)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(
+                    f"[launcher] process {rank} of {args.nproc} failed ({_describe(code)}); "
+                    "stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(children)
+                relays[rank].join(timeout=GRACE_SEC)  # its last lines are read
+                if rank in last_errors:
+                    print(last_errors[rank], file=sys.stderr, flush=True)
+                return code if code > 0 else 128 - code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stop(children) -> None:
@@ -123,8 +149,13 @@ def _stop(children) -> None:
             child.wait()
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage too: one line is the contract
+        _fail(f"{message}; see jddp-launch --help")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jddp-launch", description="Start N processes of one JAX job on this machine."
     )
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
@@ -148,8 +179,10 @@ def main(argv=None) -> int:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the command to run after --, e.g. -- python -m experiments.train")
-    if args.nproc < 1:
-        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    for name in ("nproc", "devices_per_proc", "gpus_per_proc"):
+        lowest = 1 if name == "nproc" else 0
+        if getattr(args, name) < lowest:
+            parser.error(f"--{name} must be at least {lowest}, got {getattr(args, name)}")
     return run(args)
 
 

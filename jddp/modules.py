@@ -1,16 +1,19 @@
 """One functional interface over Flax Linen and Flax NNX modules, so the core treats them alike.
 
 `as_functional(model)` gives an object with
-  `init(rngs, sample_input) -> (params, model_state)` and
-  `apply(params, model_state, inputs, *, train, rng) -> (outputs, model_state)`,
+  `init(rngs, args, kwargs) -> (params, model_state)` and
+  `apply(params, model_state, args, kwargs, *, train, rng) -> (outputs, model_state)`,
 where `params` and `model_state` are plain nested dicts of arrays (the same paths for both kinds:
 `{"dense": {"kernel": ...}}`), so optimizers, sharding rules and checkpoints never see which kind
-of module is training.
+of module is training. `args` / `kwargs` are the model's own inputs (`ModelInputs` picks them from
+a batch); a `__call__` that takes `train` gets it, one that takes `deterministic` gets `not train`
+(dropout on in training, off in eval), and an NNX `__call__` that takes `rngs` gets an `nnx.Rngs`.
 
 `axis_aliases` binds the axis names a module's layers reduce over to the strategy's: a pmap-era
 `nn.BatchNorm(axis_name="batch")` synchronizes over a mesh's `data` and `fsdp` axes unchanged.
 """
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -22,8 +25,65 @@ from flax import nnx
 from jddp.errors import ConfigError
 
 
-def _takes_train_flag(module) -> bool:
-    return "train" in inspect.signature(type(module).__call__).parameters
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    """The batch entries a model's `__call__` gets, from `input_key`: `"image"` (one positional
+    input), `("tokens", "segments")` (positional inputs in this order) or `{"inputs": "tokens",
+    "mask": "attention_mask"}` (call argument -> batch entry, passed by keyword)."""
+
+    positional: tuple[str, ...]
+    keywords: tuple[tuple[str, str], ...]  # (call argument, batch entry)
+    input_key: Any
+
+    @classmethod
+    def parse(cls, input_key) -> "ModelInputs":
+        if isinstance(input_key, str):
+            return cls((input_key,), (), input_key)
+        names = list(input_key.items()) if isinstance(input_key, Mapping) else input_key
+        if isinstance(input_key, Mapping) and names and all(_is_names(pair) for pair in names):
+            return cls((), tuple(names), input_key)
+        if isinstance(input_key, tuple | list) and names and _is_names(names):
+            return cls(tuple(input_key), (), input_key)
+        raise ConfigError(
+            f"input_key must name the batch entry the model takes ('image'), a tuple of entries "
+            f"for positional inputs, or a dict of call argument -> entry; got {input_key!r}"
+        )
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The batch entries the model reads, positional ones first."""
+        return self.positional + tuple(entry for _, entry in self.keywords)
+
+    def call_args(self, batch) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of the model's `__call__` from `batch`."""
+        args = tuple(batch[entry] for entry in self.positional)
+        return args, {argument: batch[entry] for argument, entry in self.keywords}
+
+    def check_fits(self, module) -> None:
+        """A ConfigError now, rather than a TypeError in the first step, if `module`'s
+        `__call__` cannot take these arguments."""
+        signature = inspect.signature(type(module).__call__)
+        try:
+            signature.bind_partial(module, *self.positional, **dict(self.keywords))
+        except TypeError as e:
+            raise ConfigError(
+                f"input_key={self.input_key!r} does not fit {type(module).__name__}.__call__"
+                f"{signature} ({e}); name its inputs, e.g. input_key={{'inputs': 'tokens'}}"
+            ) from None
+
+
+def _is_names(values) -> bool:
+    return all(isinstance(v, str) for v in values)
+
+
+def _call_parameters(module) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(type(module).__call__).parameters
+
+
+def _mode_arguments(parameters, train: bool) -> dict:
+    """`train=` and `deterministic=` for a `__call__` that takes them."""
+    mode = {"train": train, "deterministic": not train}
+    return {name: value for name, value in mode.items() if name in parameters}
 
 
 def _bound_axis_name(name, aliases: Mapping[str, Any]):
@@ -42,13 +102,12 @@ def _bound_axis_name(name, aliases: Mapping[str, Any]):
 class LinenModule:
     """A Linen module: parameters in `params`, mutable collections (`batch_stats`, ...) as state.
 
-    `train=True/False` is passed to `__call__` if it takes `train`; stochastic layers draw from
-    the `dropout` RNG stream.
+    Stochastic layers draw from the `dropout` RNG stream.
     """
 
     def __init__(self, module: nn.Module, axis_aliases: Mapping[str, Any]):
         self.module = module
-        self._takes_train = _takes_train_flag(module)
+        self._parameters = _call_parameters(module)
         self._aliases = dict(axis_aliases)
 
     def _bind_axis_names(self, next_fun, args, kwargs, context):
@@ -62,27 +121,24 @@ class LinenModule:
                 object.__setattr__(module, "axis_name", bound)
         return next_fun(*args, **kwargs)
 
-    def _mode(self, train: bool) -> dict:
-        return {"train": train} if self._takes_train else {}
-
-    def init(self, rngs: dict[str, jax.Array], sample_input) -> tuple[Any, dict]:
-        variables = dict(self.module.init(rngs, sample_input, **self._mode(False)))
+    def init(self, rngs: dict[str, jax.Array], args, kwargs) -> tuple[Any, dict]:
+        mode = _mode_arguments(self._parameters, False)
+        variables = dict(self.module.init(rngs, *args, **kwargs, **mode))
         return variables.pop("params"), variables
 
-    def apply(self, params, model_state, inputs, *, train: bool, rng=None):
+    def apply(self, params, model_state, args, kwargs, *, train: bool, rng=None):
         if self._aliases:
             with nn.intercept_methods(self._bind_axis_names):
-                return self._apply(params, model_state, inputs, train=train, rng=rng)
-        return self._apply(params, model_state, inputs, train=train, rng=rng)
+                return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
+        return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
 
-    def _apply(self, params, model_state, inputs, *, train: bool, rng):
+    def _apply(self, params, model_state, args, kwargs, *, train: bool, rng):
         variables = {"params": params, **model_state}
-        rngs = {"dropout": rng} if rng is not None else None
+        options = {"rngs": {"dropout": rng} if rng is not None else None}
+        options.update(kwargs, **_mode_arguments(self._parameters, train))
         if train and model_state:
-            return self.module.apply(
-                variables, inputs, rngs=rngs, mutable=list(model_state), **self._mode(True)
-            )
-        return self.module.apply(variables, inputs, rngs=rngs, **self._mode(train)), model_state
+            return self.module.apply(variables, *args, mutable=list(model_state), **options)
+        return self.module.apply(variables, *args, **options), model_state
 
 
 def _mode_view(module: nnx.Module, train: bool) -> nnx.Module:
@@ -120,12 +176,14 @@ class NnxModule:
     seed drives the RNG streams (dropout) only. `nnx.BatchStat` variables become
     `model_state["batch_stats"]`, any other non-parameter variables `model_state["variables"]`.
     Train and eval mode are set the NNX way (`deterministic` / `use_running_average`, as
-    `module.train()` / `module.eval()` do), and `train=` is passed if `__call__` takes it. Every
-    RNG stream of the module is reseeded from the step's key on each training step.
+    `module.train()` / `module.eval()` do), as well as by `train=` / `deterministic=` where
+    `__call__` takes them. Every RNG stream of the module is reseeded from the step's key on each
+    training step; a `__call__` that takes `rngs` (the Flax NNX MNIST example's
+    `model(x, rngs=rngs)`) gets an `nnx.Rngs` drawn from it too.
     """
 
     def __init__(self, module: nnx.Module, axis_aliases: Mapping[str, Any]):
-        self._takes_train = _takes_train_flag(module)
+        self._parameters = _call_parameters(module)
         if axis_aliases:  # on a copy: the user's module keeps its own axis names
             module = nnx.clone(module)
             for _, node in nnx.iter_graph(module):
@@ -143,11 +201,11 @@ class NnxModule:
         streams = (node for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngStream))
         self._rng_tags = sorted({stream.key.tag for stream in streams})
 
-    def init(self, rngs, sample_input) -> tuple[dict, dict]:
-        del rngs, sample_input  # the instance is already initialized
+    def init(self, rngs, args, kwargs) -> tuple[dict, dict]:
+        del rngs, args, kwargs  # the instance is already initialized
         return self._params.pure, {name: codec.pure for name, codec in self._state.items()}
 
-    def apply(self, params, model_state, inputs, *, train: bool, rng=None):
+    def apply(self, params, model_state, args, kwargs, *, train: bool, rng=None):
         states = [self._params.to_state(params)]
         states += [self._state[name].to_state(model_state[name]) for name in self._state]
         # Fresh Variable objects, so reseeding below cannot write into the captured originals.
@@ -156,7 +214,10 @@ class NnxModule:
         if rng is not None and self._rng_tags:
             keys = {tag: jax.random.fold_in(rng, i) for i, tag in enumerate(self._rng_tags)}
             nnx.reseed(module, **keys)
-        outputs = module(inputs, **({"train": train} if self._takes_train else {}))
+        options = dict(kwargs, **_mode_arguments(self._parameters, train))
+        if "rngs" in self._parameters:  # eval is deterministic: any fixed key will do
+            options["rngs"] = nnx.Rngs(rng if rng is not None else jax.random.key(0))
+        outputs = module(*args, **options)
         if not train:
             return outputs, model_state
         _, _, batch_stats, _, other = _partition(module)

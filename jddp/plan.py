@@ -22,11 +22,8 @@ from absl import app, flags
 
 from jddp.cli import ConfigFlag, fail, quiet_library_logs
 
-CONFIG = ConfigFlag(
-    os.path.join(
-        os.path.dirname(os.path.dirname(__file__)), "experiments", "configs", "digits_mlp.py"
-    )
-)
+# The library's own defaults (jddp/config.py is a config file too): jddp never reads experiments/.
+CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "config.py"))
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices to plan for.")
 _DEVICES_PER_HOST = flags.DEFINE_integer(
     "devices_per_host",

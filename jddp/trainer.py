@@ -11,17 +11,23 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from jddp import hlo
 from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
-from jddp.errors import ConfigError, ShapeError
+from jddp.errors import ConfigError, ShapeError, UsageError
+from jddp.loss_scale import DynamicLossScale
 from jddp.memory import peak_bytes, state_bytes_per_device
+from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
-from jddp.state import TrainState
+from jddp.sharding.rules import path_str
+from jddp.state import TrainState, arranged_like
 from jddp.strategies import device_mesh_for, make_strategy
+from jddp.strategies.compression import GradComm
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
-# across processes (shared NOTES); a small bound costs nothing, since the host runs ahead anyway.
+# across processes (2 processes of 2 CPU devices, after ~40 steps); a small bound costs nothing,
+# since the host runs ahead anyway.
 MAX_STEPS_IN_FLIGHT = 4
 
 
@@ -41,17 +47,28 @@ class InFlightBound:
 class Trainer:
     """Trains `model` on global batches under a data-parallel strategy.
 
-    `loss_fn(outputs, batch)` and each of `metrics` return one value per example. Batches are
-    dicts of arrays whose first axis is the *global* batch (this process's rows of it when
-    several processes train together); the trainer splits them across devices and
-    `grad_accum_steps` micro-batches, so results do not depend on the device count.
+    `loss_fn(outputs, batch)` and each of `metrics` return one value per example, or a pair
+    (weighted sums, weights) per example; `weight_key` names a batch entry of per-example weights
+    for those that return plain values. Each is then the weighted mean over the whole global
+    batch, sum(w * l) / sum(w). `regularizer(params)` is added to the training loss (an L2
+    penalty). Batches are dicts of arrays whose first axis is the *global* batch (this process's
+    rows of it when several processes train together); the trainer splits them across devices
+    and `grad_accum_steps` micro-batches, so results do not depend on the device count.
+    `input_key` names the model's input entry, or a tuple of entries (positional inputs) or a
+    dict of call argument -> entry (keyword inputs). `compute_dtype="float16"` scales the loss
+    dynamically (`loss_scaling`, see jddp/loss_scale.py).
 
     `strategy`: `ddp` (pmap over every device) or `zero1`, `zero2`, `zero3` (= `fsdp`),
     `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
     or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
     `min_shard_size` elements replicated); see `jddp/strategies/zero.py` and
-    `jddp/sharding/rules.py`. A layer reducing over the axis `"batch"` (a pmap-era
+    `jddp/sharding/rules.py`. A mesh with a `stage` axis pipelines the model's
+    `jddp.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer reducing
+    over the axis `"batch"` (a pmap-era
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
+    `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
+    ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
+    `jddp/strategies/compression.py`.
     """
 
     def __init__(
@@ -66,12 +83,21 @@ class Trainer:
         mesh: str | DeviceMesh | None = None,
         rules: Sequence[tuple[str, str]] = (),
         min_shard_size: int | None = None,
+        pipeline: PipelineOptions | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: str = "float32",
-        input_key: str = "image",
+        input_key: str | Sequence[str] | Mapping[str, str] = "image",
         log_grad_norm: bool = True,
         skip_nonfinite: bool = False,
+        regularizer=None,
+        weight_key: str | None = None,
+        loss_scaling: DynamicLossScale | None = None,
+        grad_comm_dtype: str = "float32",
+        grad_compression: str = "none",
+        powersgd_rank: int = 4,
+        powersgd_start_step: int = 0,
     ):
+        grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
             mesh if isinstance(mesh, DeviceMesh) else device_mesh_for(strategy, mesh, devices)
@@ -87,8 +113,18 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             log_grad_norm=log_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            regularizer=regularizer,
+            weight_key=weight_key,
+            loss_scaling=loss_scaling,
             axis_aliases={"batch": batch_axes} if self.device_mesh else {},
+            init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
         )
+        if self.device_mesh and self.device_mesh.stage_axis:
+            if weight_key or self.task.loss_scaling:
+                raise ConfigError(
+                    "pipeline parallelism (a stage axis) takes neither weight_key nor float16 "
+                    "loss scaling yet; use bfloat16 and unweighted losses, or no stage axis"
+                )
         self.strategy = make_strategy(
             strategy,
             self.task,
@@ -96,6 +132,8 @@ class Trainer:
             devices,
             rules=rules,
             min_shard_size=min_shard_size,
+            pipeline=pipeline,
+            grad_comm=grad_comm,
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
         self._abstract_for = None  # (input shape, dtype) the strategy was prepared for
@@ -103,6 +141,13 @@ class Trainer:
     @property
     def num_devices(self) -> int:
         return self.strategy.num_devices
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipeline (1 without a stage axis); known once the state is laid
+        out (`abstract_state`, `init`)."""
+        pipeline = getattr(self.strategy, "pipeline", None)
+        return pipeline.schedule.microbatches if pipeline else 1
 
     @property
     def batch_shards(self) -> int:
@@ -115,16 +160,33 @@ class Trainer:
         with _axis_names_checked():
             return self.strategy.init_state(seed, self._sample_input(sample_batch))
 
-    def _sample_input(self, sample_batch) -> np.ndarray:
-        return np.asarray(self._model_input(sample_batch))[:1]
+    def _sample_input(self, sample_batch) -> dict[str, np.ndarray]:
+        """The model's inputs for one example of `sample_batch`."""
+        self._check_entries(sample_batch)
+        return {k: np.asarray(v)[:1] for k, v in self.task.model_inputs(sample_batch).items()}
 
-    def _model_input(self, batch):
-        if self.task.input_key not in batch:
-            raise ShapeError(
-                f"batch has no {self.task.input_key!r} entry (keys: {sorted(batch)}); "
-                "pass input_key= to name the model input"
-            )
-        return batch[self.task.input_key]
+    def _check_entries(self, batch) -> int:
+        """The number of rows of `batch`; a ShapeError names an entry the model needs that is
+        missing, or one whose leading size differs (host-side shapes only)."""
+        weight_key = self.task.weight_key
+        needed = self.task.inputs.entries + ((weight_key,) if weight_key else ())
+        for entry in needed:
+            if entry not in batch:
+                option = "weight_key" if entry == weight_key else "input_key"
+                raise ShapeError(
+                    f"batch has no {entry!r} entry (keys: {sorted(batch)}); pass {option}= to "
+                    "name the entry it is in"
+                )
+        first = needed[0]
+        rows = _leading_size(batch[first])
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            size = _leading_size(leaf)
+            if size != rows:
+                raise ShapeError(
+                    f"batch entry {path_str(path)!r} has leading size {size} but {first!r} has "
+                    f"{rows}; every entry needs one row per example"
+                )
+        return rows
 
     def abstract_state(self, sample_batch) -> TrainState:
         """The state's shapes, dtypes and shardings, without computing it: a restore target.
@@ -132,7 +194,7 @@ class Trainer:
         Computed once per model input shape; the strategy lays the state out and builds its
         step programs then."""
         sample_input = self._sample_input(sample_batch)
-        key = (sample_input.shape, sample_input.dtype)
+        key = tuple((k, x.shape, x.dtype) for k, x in sample_input.items())
         if self._abstract_for != key:
             with _axis_names_checked():
                 shapes = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
@@ -145,33 +207,53 @@ class Trainer:
             self._abstract_for = key
         return self._abstract
 
-    def replace_params(self, state: TrainState, params) -> TrainState:
-        """`state` with `params` (host arrays shaped like its own) placed as its own are."""
-        placed = jax.tree.map(
-            lambda x, host: jax.make_array_from_callback(x.shape, x.sharding, lambda i: host[i]),
-            state.params,
-            params,
-        )
-        return state.replace(params=placed)
+    def replace_state(
+        self, state: TrainState, *, params=None, model_state=None, opt_state=None
+    ) -> TrainState:
+        """`state` with any of `params`, `model_state` (`{"batch_stats": ...}`) and `opt_state`
+        replaced by host arrays of the same paths and shapes, placed as `state`'s own: how a run
+        starts from weights it already has. A ShapeError names the first path that differs."""
+        given = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        placed = {}
+        for name, host in given.items():
+            if host is None:
+                continue
+            ours = getattr(state, name)
+            placed[name] = jax.tree.map(
+                lambda x, h: jax.make_array_from_callback(x.shape, x.sharding, lambda i: h[i]),
+                ours,
+                arranged_like(ours, host, name),
+            )
+        return state.replace(**placed)
 
-    def check_layout(self, sample_batch) -> None:
-        """Raises ConfigError now, before any work, if the partition rules do not fit the model
-        (computed from shapes alone: nothing is initialized)."""
+    def check_layout(self, sample_batch, global_batch_size: int | None = None) -> None:
+        """Raises ConfigError now, before any work, if the partition rules or the pipeline do
+        not fit the model, or `global_batch_size` does not split into batch slices x
+        micro-batches x accumulation steps (computed from shapes alone: nothing is
+        initialized)."""
         self.abstract_state(sample_batch)
+        if global_batch_size is not None:
+            parts, accum = self.batch_shards * self.microbatches, self.task.grad_accum_steps
+            if self.microbatches > 1:
+                check_divisible(global_batch_size, parts, accum, "batch slices x micro-batches")
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        global_rows = len(self._model_input(batch)) * jax.process_count()  # equal rows each
-        check_divisible(global_rows, self.batch_shards, self.task.grad_accum_steps)
+        global_rows = self._check_entries(batch) * jax.process_count()  # equal rows each
+        check_divisible(
+            global_rows, self.batch_shards * self.microbatches, self.task.grad_accum_steps
+        )
         return PlacedBatch(self.strategy.place_batch(batch))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a global batch (host arrays, or already placed by `place_batch`).
 
-        Returns the new state and device-side scalar metrics (`loss`, each metric, and
-        `grad_norm`, the global norm of the averaged gradient before clipping, if logged);
-        reading them waits for the step, so read them only when you log.
+        Returns the new state and device-side scalar metrics (`loss`, each metric, `grad_norm`,
+        the global norm of the averaged gradient before clipping, if logged, `regularizer` with a
+        regularizer, `loss_scale` under float16); reading them waits for the step, so read them
+        only when you log.
         """
+        _check_state(state, "step")
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         with _axis_names_checked():
@@ -185,10 +267,17 @@ class Trainer:
         Batches may be ragged; each is padded (and masked) to the size of the first, rounded up to
         a multiple of the device count, so one compiled program serves the whole pass.
         """
+        _check_state(state, "evaluate")
         sums, padded_size = [], None
         for batch in batches:
+            size = self._check_entries(batch)
+            if "mask" in batch and np.shape(batch["mask"]) != (size,):
+                raise ShapeError(
+                    f"batch entry 'mask' has shape {np.shape(batch['mask'])}, but in evaluation "
+                    f"it is jddp's padding mask, one value per example ({size},); give an "
+                    "attention mask another name, such as 'attention_mask'"
+                )
             if padded_size is None:
-                size = len(self._model_input(batch))
                 padded_size = -(-size // self.batch_shards) * self.batch_shards
             placed = self.strategy.place_batch(pad_batch(batch, padded_size))
             with _axis_names_checked():
@@ -199,11 +288,14 @@ class Trainer:
         totals = jax.tree.map(
             lambda *xs: float(np.sum(xs, dtype=np.float64)), *jax.device_get(sums)
         )
-        count = totals.pop("count")
-        return {name: value / count for name, value in totals.items()} | {"count": count}
+        weights = totals["weights"]
+        means = {name: total / weights[name] for name, total in totals["sums"].items()}
+        return means | {"count": totals["count"]}
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
-        """Bytes per device: the state's shards, and the compiled step's peak (XLA's analysis)."""
+        """Bytes per device: the state's shards, the compiled step's peak (XLA's analysis), and
+        what its collectives move per step (`jddp.hlo.ring_bytes`; with a PowerSGD warm-up, the
+        compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         with _axis_names_checked():
@@ -211,7 +303,15 @@ class Trainer:
         return {
             "state_bytes_per_device": state_bytes_per_device(state),
             "peak_bytes_per_device": peak_bytes(compiled),
+            "comm_bytes_per_step": hlo.step_ring_bytes(compiled.as_text()),
         }
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        """`state` with what differs between devices made the same (PowerSGD's per-device
+        errors become their mean, the only part of them later steps depend on): what a
+        checkpoint holds. Continue from it, and a run resumed from that checkpoint repeats this
+        one bit for bit."""
+        return self.strategy.consolidate(state)
 
     def global_state(self, state: TrainState) -> TrainState:
         """`state` as global arrays spanning every process: what orbax saves."""
@@ -220,6 +320,20 @@ class Trainer:
     def host_state(self, state: TrainState) -> TrainState:
         """The state as ordinary numpy arrays on the host, whatever the strategy."""
         return self.strategy.host_state(state)
+
+
+def _leading_size(x) -> int | None:
+    shape = np.shape(x)
+    return shape[0] if shape else None
+
+
+def _check_state(state, what: str) -> None:
+    """A UsageError unless `state` is a TrainState (a `step` before `init` passes None)."""
+    if not isinstance(state, TrainState):
+        raise UsageError(
+            f"Trainer.{what} got {type(state).__name__}, not a TrainState; call state = "
+            f"trainer.init(seed, sample_batch) first and pass the state it returns"
+        )
 
 
 @contextlib.contextmanager

@@ -1,22 +1,33 @@
 """Shared by tests: running the CLI in a real subprocess; training steps with their losses."""
 
+import contextlib
+import hashlib
 import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args: str, cwd=REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m experiments.train ARGS` in `cwd`, with this process's environment (8 simulated
-    devices, the test TFDS data dir); killed after `timeout` seconds."""
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This process's environment (8 simulated devices, the test TFDS data dir) with the checkout
+    on PYTHONPATH: `experiments` is not installed, so a child run elsewhere finds it there."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_cli(*args: str, cwd=REPO, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
+    """`python -m experiments.train ARGS` in `cwd`, in `checkout_env()` (plus `env`); killed after
+    `timeout` seconds."""
     return subprocess.run(
         [sys.executable, "-m", "experiments.train", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=os.environ.copy(),
+        env=checkout_env(**(env or {})),
     )
 
 
@@ -29,10 +40,23 @@ def train_steps(trainer, state, batches):
     return state, losses
 
 
+def train_from(trainer, params, batches):
+    """`trainer` trained on `batches` from the given initial `params` (host arrays, e.g. a
+    reference's own initialization); returns the state and each step's metrics as floats."""
+    state = trainer.replace_state(trainer.init(seed=0, sample_batch=batches[0]), params=params)
+    history = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        history.append({name: float(value) for name, value in metrics.items()})
+    return state, history
+
+
 def save_and_restore(writer, state, reader, sample_batch, directory: str, step: int = 10):
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
-    `reader`'s layout (orbax reshards on load); returns (step, state, meta)."""
+    `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns
+    (step, state, meta)."""
     from jddp.checkpoint import Checkpoints
+    from jddp.resume import restore_layout
 
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)
@@ -40,6 +64,55 @@ def save_and_restore(writer, state, reader, sample_batch, directory: str, step: 
     checkpoints.close()
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     try:
-        return checkpoints.restore_latest(reader.abstract_state(sample_batch))
+        return checkpoints.restore_latest(
+            reader.abstract_state(sample_batch), layout=restore_layout
+        )
     finally:
         checkpoints.close()
+
+
+def snapshot(root) -> dict[str, str]:
+    """{path relative to `root`: sha256 of the file, or "dir"} for everything under `root`: equal
+    snapshots mean nothing was written, created, removed or moved."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(folder, name), root)] = "dir"
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+@contextlib.contextmanager
+def read_only_dir(path):
+    """`path` made a directory nobody may write to: a read-only tmpfs where this process may
+    mount one (root), else a directory without write permission."""
+    os.makedirs(path)
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        if os.geteuid() == 0:  # root writes through permissions
+            pytest.skip("root, but no tmpfs mount allowed: no read-only directory to test with")
+        os.chmod(path, 0o555)
+    try:
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", "--lazy", str(path)], check=True)
+        else:
+            os.chmod(path, 0o755)
+
+
+def assert_one_line(error, *words) -> None:
+    """`error` (a pytest.raises result) is one line holding each of `words`."""
+    message = str(error.value)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, (word, message)

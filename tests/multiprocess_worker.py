@@ -1,7 +1,9 @@
 """One process of a multi-process test job (started by jddp-launch from test_multiprocess.py):
 trains the reference SmallNet on this process's rows of the shared global batches and, in
-process 0, writes the losses and the initial and final parameters to ARGV[2] (.npz)."""
+process 0, writes the losses and the initial and final parameters to ARGV[2] (.npz).
+ARGV[3], optional: more `jddp.Trainer` options as JSON (e.g. gradient compression)."""
 
+import json
 import sys
 
 from jddp import runtime
@@ -28,12 +30,14 @@ def flat(tree) -> dict[str, np.ndarray]:
     return dict(zip(paths, (np.asarray(x) for x in jax.tree.leaves(tree)), strict=True))
 
 
-def main(strategy: str, out: str) -> None:
-    """`strategy` is a name, or `NAME@MESH` for TensorNet with its tensor rules on MESH."""
+def main(strategy: str, out: str, more_options: str = "{}") -> None:
+    """`strategy` is a name, or `NAME@MESH` for TensorNet with its tensor rules on MESH;
+    `more_options` Trainer keywords as JSON."""
     strategy, _, mesh = strategy.partition("@")
     options = {"min_shard_size": 1} if strategy != "ddp" else {}
     if mesh:
         options |= {"mesh": mesh, "rules": TENSOR_RULES}
+    options.update(json.loads(more_options))
     trainer = jddp.Trainer(
         TensorNet() if mesh else SmallNet(),
         per_example_ce,
@@ -66,4 +70,4 @@ def main(strategy: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -13,10 +13,10 @@ import pytest
 import jddp
 from experiments.configs import digits_mlp
 from jddp import data
-from jddp.checkpoint import load_params
 from jddp.errors import TrainingHalted
 from jddp.experiment import train_and_evaluate
-from tests.helpers import run_cli, save_and_restore
+from jddp.weights import load_params
+from tests.helpers import run_cli, save_and_restore, snapshot
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -221,9 +221,9 @@ def test_init_from_nothing_or_another_model_is_refused_in_one_line(tmp_path):
 def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
     workdir = tmp_path / "run"
     assert run_cli(f"--workdir={workdir}", *FAST).returncode == 0
-    before = {p: os.path.getmtime(p) for p in glob.glob(str(workdir / "**"), recursive=True)}
+    before = snapshot(workdir)
     result = run_cli(f"--workdir={workdir}", "--config=experiments/configs/digits_cnn.py", *FAST)
-    assert_one_line_error(result, "another model", "model: 'mlp'", "'cnn'", "allow_config_change")
+    assert_one_line_error(result, "another config", "model: 'mlp' -> 'cnn'", "allow_config_change")
     overridden = run_cli(
         f"--workdir={workdir}",
         "--config=experiments/configs/digits_cnn.py",
@@ -231,5 +231,4 @@ def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
         *FAST,
     )
     assert_one_line_error(overridden, "shape", "another model")  # it cannot fit, says why
-    after = {p: os.path.getmtime(p) for p in before if not p.endswith("config.json")}
-    assert after == {p: t for p, t in before.items() if not p.endswith("config.json")}
+    assert snapshot(workdir) == before

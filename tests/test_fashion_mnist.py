@@ -1,11 +1,14 @@
 """The real Fashion-MNIST, prepared offline from Debian's `dataset-fashion-mnist` files: the
-`fashion_mnist_cnn` experiment reaches 90% test accuracy, and eval counts each test image once.
+`fashion_mnist_cnn` experiment reaches 90% test accuracy, eval counts each test image once, and
+compressed gradients (bfloat16, PowerSGD) reach float32's test accuracy at the same steps.
 
 `.ci/run` installs the package where the files are missing and apt-get exists; elsewhere these
 tests skip and say why.
 """
 
+import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from experiments.configs import fashion_mnist_cnn
 from jddp import data
 from jddp.data.mnist import FashionMnist
 from jddp.experiment import train_and_evaluate
+from tests.test_multiprocess import launch
 
 FILES = os.path.join(FashionMnist.DEBIAN_DIR, "train-images-idx3-ubyte.gz")
 pytestmark = pytest.mark.skipif(
@@ -48,3 +52,56 @@ def test_fashion_mnist_cnn_reaches_90_percent(fashion_mnist, tmp_path):
     summary = train_and_evaluate(fashion_mnist_cnn.get_config(), str(tmp_path / "run"))
     # 700 steps of 128 (1.5 epochs) on 8 simulated devices reached 0.909 here.
     assert summary["eval_accuracy"] >= 0.90
+
+
+# Compressed gradients against float32, at the same steps. A shortened run (150 steps of 700,
+# about 30 s each here) keeps CI small; the full runs are in experiments/bench/
+# compression_accuracy.py and the README's "Communication" section.
+SHORT_STEPS = 150
+BFLOAT16 = {"grad_comm_dtype": "bfloat16"}
+# PowerSGD as PyTorch advises: uncompressed for the first ~10% of the steps.
+POWERSGD = {"grad_compression": "powersgd", "powersgd_rank": 4, "powersgd_start_step": 15}
+
+
+def short_config(**parallel):
+    config = fashion_mnist_cnn.get_config()
+    config.num_train_steps = config.eval_every = SHORT_STEPS
+    config.warmup_steps, config.log_every, config.checkpoint_every = 15, 50, 0
+    config.parallel.update(parallel)
+    return config
+
+
+def short_run_flags(workdir, **parallel) -> list[str]:
+    """`short_config(**parallel)` as command-line flags."""
+    config = short_config(**parallel)
+    keys = ["num_train_steps", "eval_every", "warmup_steps", "log_every", "checkpoint_every"]
+    flags = [f"--config.{key}={config[key]}" for key in keys]
+    flags += [f"--config.parallel.{key}={value}" for key, value in parallel.items()]
+    return ["--config=experiments/configs/fashion_mnist_cnn.py", f"--workdir={workdir}", *flags]
+
+
+@pytest.fixture(scope="module")
+def float32_accuracy(fashion_mnist, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("float32") / "run"
+    return train_and_evaluate(short_config(), str(workdir))["eval_accuracy"]
+
+
+@pytest.mark.parametrize(
+    "parallel,points", [(BFLOAT16, 0.3), (POWERSGD, 0.5)], ids=["bfloat16", "powersgd"]
+)
+def test_compressed_gradients_reach_float32_accuracy_on_8_devices(
+    float32_accuracy, tmp_path, parallel, points
+):
+    summary = train_and_evaluate(short_config(**parallel), str(tmp_path / "run"))
+    assert summary["eval_accuracy"] >= float32_accuracy - points / 100, float32_accuracy
+
+
+def test_bfloat16_gradients_reach_float32_accuracy_on_2_processes(fashion_mnist, tmp_path):
+    accuracy = {}
+    for name, parallel in (("float32", {}), ("bfloat16", BFLOAT16)):
+        workdir = tmp_path / name
+        command = [sys.executable, "-m", "experiments.train", *short_run_flags(workdir, **parallel)]
+        code, output = launch(2, 1, *command)
+        assert code == 0, output
+        accuracy[name] = json.loads((workdir / "summary.json").read_text())["eval_accuracy"]
+    assert accuracy["bfloat16"] >= accuracy["float32"] - 0.003, accuracy

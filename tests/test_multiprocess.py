@@ -4,6 +4,7 @@ a lost peer that stops the job, and the environments of SLURM, Open MPI and Kube
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,10 +16,12 @@ import pytest
 
 import jddp
 import jddp.launch
+import jddp.supervise
 from experiments.configs import digits_mlp
 from jddp import data, optim
-from jddp.checkpoint import Checkpoints, load_params
+from jddp.checkpoint import Checkpoints
 from jddp.experiment import build_trainer
+from jddp.weights import load_params
 from tests.helpers import REPO
 from tests.reference import (
     SmallNet,
@@ -225,7 +228,10 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # survivor gone too
 
 
-def test_without_a_launcher_the_survivor_exits_on_the_heartbeat_timeout(tmp_path):
+@pytest.mark.parametrize("lost", [1, 0], ids=["process 1", "process 0 (the coordinator)"])
+def test_without_a_launcher_the_survivor_ends_in_one_line_naming_the_lost_process(tmp_path, lost):
+    """Each process started by hand; one dies with its host (its whole session is SIGKILLed):
+    the other ends, within the heartbeat timeout, in one line naming it, not in JAX's abort."""
     port = jddp.launch.free_port()
     workdir = str(tmp_path / "run")
     processes = [
@@ -246,15 +252,23 @@ def test_without_a_launcher_the_survivor_exits_on_the_heartbeat_timeout(tmp_path
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+            start_new_session=True,
         )
         for rank in range(2)
     ]
+    survivor = processes[1 - lost]
     try:
-        assert wait_for(lambda: logged_step(workdir) >= 20, time.monotonic() + 180)
-        processes[1].kill()
-        output, _ = processes[0].communicate(timeout=60)
+        assert wait_for(lambda: logged_step(workdir) >= 10, time.monotonic() + 180)
+        os.killpg(processes[lost].pid, signal.SIGKILL)
+        output, _ = survivor.communicate(timeout=60)
     finally:
         for process in processes:
-            process.kill()
-    assert processes[0].returncode != 0
-    assert "stopped sending heartbeats" in output and "\n1\n" in output  # names task 1
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert survivor.returncode == jddp.supervise.LOST_PEER_EXIT_CODE, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: lost process {lost} of 2"), output
+    assert "run the same command again" in last and "resumes from the newest checkpoint" in last
+    for abort in ("Fatal Python error", "Check failure stack trace", "Traceback"):
+        assert abort not in output, output
+    assert not re.search(r"^F\d{4} ", output, re.MULTILINE), output  # JAX's fatal log line

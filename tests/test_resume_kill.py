@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jddp.checkpoint import load_params
+from jddp.weights import load_params
 from tests.helpers import REPO
 
 FLAGS = [
@@ -35,15 +35,16 @@ TIMING_KEYS = {
     "mfu",
     "state_bytes_per_device",
     "peak_bytes_per_device",
+    "comm_bytes_per_step",
 }
 DEADLINE_SEC = 240  # hard limit for any one process; it is SIGKILLed past it
 
 
-def start(workdir, log_name):
+def start(workdir, log_name, *more_flags):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     return subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *FLAGS],
+        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *FLAGS, *more_flags],
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -145,3 +146,31 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path, 
     assert "Traceback" not in output
     assert finish(start(workdir, "resume.log")) == 0
     assert_same_run(workdir, uninterrupted)
+
+
+# PowerSGD's per-device error feedback: a checkpoint holds its mean, and the run that wrote it
+# continues from that mean too (Trainer.consolidate), so a resumed run repeats it exactly.
+POWERSGD = [
+    "--config.parallel.grad_compression=powersgd",
+    "--config.parallel.powersgd_rank=2",
+    "--config.parallel.powersgd_start_step=5",
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_powersgd(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("uninterrupted_powersgd") / "run")
+    assert finish(start(workdir, "uninterrupted.log", *POWERSGD)) == 0
+    return workdir
+
+
+def test_sigkill_with_powersgd_then_rerun_reproduces_the_run_bit_for_bit(
+    tmp_path, uninterrupted_powersgd
+):
+    workdir = str(tmp_path / "run")
+    process = start(workdir, "kill.log", *POWERSGD)
+    assert wait_until(process, lambda: logged_steps(workdir) >= 15)
+    process.kill()
+    process.wait()
+    assert finish(start(workdir, "final.log", *POWERSGD)) == 0
+    assert_same_run(workdir, uninterrupted_powersgd)

@@ -10,8 +10,8 @@ import pytest
 
 import jddp
 from experiments.configs import shakespeare_gpt_tiny
-from jddp.checkpoint import load_params
 from jddp.experiment import train_and_evaluate
+from jddp.weights import load_params
 from tests.helpers import save_and_restore
 from tests.reference import (
     TENSOR_RULES,

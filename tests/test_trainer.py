@@ -9,6 +9,7 @@ import pytest
 
 import jddp
 from jddp import losses
+from tests.helpers import assert_one_line
 
 
 class Net(nn.Module):
@@ -130,3 +131,29 @@ def test_unknown_strategy_and_missing_input_are_typed_errors():
     trainer = make_trainer(input_key="pixels")
     with pytest.raises(jddp.ShapeError, match=r"no 'pixels' entry \(keys: \['image', 'label'\]\)"):
         trainer.init(seed=0, sample_batch=random_data(8))
+
+
+def test_library_misuse_is_a_one_line_typed_error():
+    trainer = make_trainer()
+    batch = random_data(16)
+    with pytest.raises(jddp.UsageError) as error:
+        trainer.step(None, batch)  # before init
+    assert_one_line(error, "Trainer.step got NoneType, not a TrainState", "trainer.init(")
+    with pytest.raises(jddp.UsageError) as error:
+        trainer.evaluate({"params": {}}, [batch])
+    assert_one_line(error, "Trainer.evaluate got dict")
+    ragged = {**batch, "label": batch["label"][:12]}
+    with pytest.raises(jddp.ShapeError) as error:
+        trainer.place_batch(ragged)
+    assert_one_line(error, "batch entry 'label' has leading size 12", "'image' has 16")
+    with pytest.raises(jddp.ShapeError) as error:
+        trainer.init(seed=0, sample_batch={**batch, "weight": np.float32(1.0)})
+    assert_one_line(error, "batch entry 'weight' has leading size None")
+    with pytest.raises(jddp.ConfigError) as error:
+        jddp.Trainer(
+            Net(),
+            losses.softmax_cross_entropy,
+            optax.sgd(0.1),
+            metrics={"regularizer": losses.accuracy},
+        )
+    assert_one_line(error, "'regularizer' is reserved")

@@ -27,27 +27,27 @@ def adamw():
     )
 
 
-def token_batches(seed=0, steps=STEPS):
+def token_batches(seed=0, steps=STEPS, size=BATCH):
     rng = np.random.default_rng(seed)
     # Targets follow the inputs (a shifted copy with noise), so the model has something to learn.
     out = []
     for _ in range(steps):
-        inputs = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
-        targets = np.where(rng.random((BATCH, SEQ)) < 0.7, (inputs + 1) % VOCAB, inputs)
+        inputs = rng.integers(0, VOCAB, (size, SEQ)).astype(np.int32)
+        targets = np.where(rng.random((size, SEQ)) < 0.7, (inputs + 1) % VOCAB, inputs)
         out.append({"inputs": inputs, "targets": targets.astype(np.int32)})
     return out
 
 
-def tiny_gpt(positions="learned", tie=True, **mesh_fields):
+def tiny_gpt(positions="learned", tie=True, layers=LAYERS, **fields):
     return GPT(
         VOCAB,
-        num_layers=LAYERS,
+        num_layers=layers,
         num_heads=HEADS,
         embed_dim=WIDTH,
         max_seq_len=SEQ,
         positions=positions,
         tie_embeddings=tie,
-        **mesh_fields,
+        **fields,
     )
 
 
@@ -56,11 +56,14 @@ def mesh_devices(mesh: str):
     return jax.devices()[: int(np.prod([int(e.split(":")[1]) for e in mesh.split(",")]))]
 
 
-def gpt_trainer(strategy, mesh, sp=False, positions="learned", tie=True, **kwargs):
-    """A Trainer of the tiny GPT on `mesh` (Megatron's rules), or under ddp on every device."""
+def gpt_trainer(
+    strategy, mesh, sp=False, positions="learned", tie=True, layers=LAYERS, scan=False, **kwargs
+):
+    """A Trainer of the tiny GPT on `mesh` (Megatron's rules; a stage axis stacks the layers),
+    or under ddp on every device."""
     if strategy == "ddp":
         layout = {}
-        model = tiny_gpt(positions, tie)
+        model = tiny_gpt(positions, tie, layers, scan_layers=scan)
     else:
         device_mesh = device_mesh_for(strategy, mesh, mesh_devices(mesh))
         layout = {
@@ -68,7 +71,14 @@ def gpt_trainer(strategy, mesh, sp=False, positions="learned", tie=True, **kwarg
             "rules": fit_preset(TENSOR_PARALLEL_RULES, device_mesh),
             "min_shard_size": 1,
         }
-        model = tiny_gpt(positions, tie, tensor_axis=device_mesh.tensor_axis, sequence_parallel=sp)
+        model = tiny_gpt(
+            positions,
+            tie,
+            layers,
+            tensor_axis=device_mesh.tensor_axis,
+            sequence_parallel=sp,
+            scan_layers=scan or device_mesh.stage_axis is not None,
+        )
     return jddp.Trainer(
         model,
         LM.loss_fn,
@@ -84,20 +94,23 @@ def gpt_trainer(strategy, mesh, sp=False, positions="learned", tie=True, **kwarg
 _REFERENCES = {}
 
 
-def reference_from(positions, tie, initial):
+def reference_from(positions, tie, initial, layers=LAYERS, batches=None):
     """The plain single-device loop from `initial` (params, model_state, losses, opt_state),
     computed once per model variant: every layout must start from the same parameters, so
-    later callers check that theirs are bit-identical to the first caller's."""
-    key = (positions, tie)
+    later callers check that theirs are bit-identical to the first caller's. Stacked layers
+    (`blocks/`) run as one scan, per-layer ones one by one."""
+    stacked = "blocks" in initial
+    batches = batches or token_batches()
+    key = (positions, tie, layers, stacked, len(batches[0]["inputs"]))
     if key not in _REFERENCES:
-        model = tiny_gpt(positions, tie)
+        model = tiny_gpt(positions, tie, layers, scan_layers=stacked)
 
         def loss_fn(params, model_state, batch):
             logits = model.apply({"params": params}, batch["inputs"])
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
             return ce.mean(), model_state
 
-        result = plain_training(loss_fn, initial, {}, adamw(), token_batches(), True)
+        result = plain_training(loss_fn, initial, {}, adamw(), batches, True)
         _REFERENCES[key] = (initial, result)
     first_initial, result = _REFERENCES[key]
     jax.tree.map(np.testing.assert_array_equal, initial, first_initial)  # sharded init = plain
@@ -113,26 +126,37 @@ CASES = [(mesh, "zero3") for mesh in UNSTAGED] + [
 VARIANTS = [("learned", True), ("rotary", False), ("rotary", True), ("learned", False)]
 
 
-def train_and_compare(mesh, strategy, sp, **kwargs):
-    """20 steps of AdamW with clipping and 2 accumulation steps on `mesh`; every loss, the
-    parameters and the optimizer state are checked against the single-device loop. Returns the
-    trainer and its final state."""
-    positions, tie = VARIANTS[(CASES.index((mesh, strategy)) + sp) % len(VARIANTS)]
-    trainer = gpt_trainer(strategy, mesh, sp, positions, tie, grad_accum_steps=2, **kwargs)
-    batches = token_batches()
+def run(trainer, batches):
+    """(initial parameters on the host, final state, each step's loss) of training on
+    `batches` from seed 0."""
     state = trainer.init(seed=0, sample_batch=batches[0])
     initial = trainer.host_state(state).params
     losses = []
     for batch in batches:
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
-    params, _, expected_losses, opt_state = reference_from(positions, tie, initial)
+    return initial, state, losses
+
+
+def check_against_reference(trainer, batches, positions="learned", tie=True, layers=LAYERS):
+    """Trains on `batches`; every loss, the parameters and the optimizer state must equal the
+    single-device loop's. Returns the final state."""
+    initial, state, losses = run(trainer, batches)
+    params, _, expected, opt_state = reference_from(positions, tie, initial, layers, batches)
     final = trainer.host_state(state)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(final.params, params)
     assert_trees_close(final.opt_state, opt_state)
-    assert expected_losses[-1] < 0.8 * expected_losses[0]  # it learned something
-    return trainer, state
+    assert expected[-1] < 0.8 * expected[0]  # it learned something
+    return state
+
+
+def train_and_compare(mesh, strategy, sp, **kwargs):
+    """20 steps of AdamW with clipping and 2 accumulation steps on `mesh`, checked against the
+    single-device loop. Returns the trainer and its final state."""
+    positions, tie = VARIANTS[(CASES.index((mesh, strategy)) + sp) % len(VARIANTS)]
+    trainer = gpt_trainer(strategy, mesh, sp, positions, tie, grad_accum_steps=2, **kwargs)
+    return trainer, check_against_reference(trainer, token_batches(), positions, tie)
 
 
 def assert_copies_identical(tree):

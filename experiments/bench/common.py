@@ -1,7 +1,6 @@
 """What every benchmark shares: interleaved timing with medians, the machine's matmul yardstick,
 FLOP counts, and writing a table to stdout and JSON."""
 
-import collections
 import json
 import os
 import statistics
@@ -9,11 +8,11 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-MATMUL_SIZE = 2048
-IN_FLIGHT = 4  # steps dispatched ahead, as jddp's Trainer allows (unbounded deadlocks XLA:CPU)
+from jddp import device_peak
+from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
+
+MATMUL_SIZE = device_peak.MATMUL_SIZE
 
 
 def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) -> dict:
@@ -29,15 +28,13 @@ def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) 
 
 
 def timed_steps(step, state, batch, steps: int):
-    """Runs `state, loss = step(state, batch)` `steps` times with at most IN_FLIGHT steps
-    outstanding; returns (state, seconds)."""
-    in_flight = collections.deque()
+    """Runs `state, loss = step(state, batch)` `steps` times with at most as many steps
+    outstanding as jddp's Trainer allows; returns (state, seconds)."""
+    in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
     start = time.perf_counter()
     for _ in range(steps):
         state, loss = step(state, batch)
-        in_flight.append(loss)
-        if len(in_flight) > IN_FLIGHT:
-            in_flight.popleft().block_until_ready()
+        in_flight.add(loss)
     jax.block_until_ready(state)
     return state, time.perf_counter() - start
 
@@ -69,23 +66,10 @@ def paired_ratio(timings: dict, numerator: str, denominator: str) -> float:
     return statistics.median(d / n for n, d in pairs)
 
 
-def matmul_window(device=None, size: int = MATMUL_SIZE, count: int = 3) -> Callable[[], float]:
-    """A timed window of `count` f32 `size`^3 matmuls through XLA on `device`, compiled and
-    warmed up. It returns seconds per matmul; the machine's rate is 2 size^3 / that."""
-    device = device or jax.devices()[0]
-    a = jax.device_put(
-        np.random.default_rng(0).normal(size=(size, size)).astype(np.float32), device
-    )
-    matmul = jax.jit(jnp.dot)
-    matmul(a, a).block_until_ready()
-
-    def window() -> float:
-        start = time.perf_counter()
-        for _ in range(count):
-            matmul(a, a).block_until_ready()
-        return (time.perf_counter() - start) / count
-
-    return window
+def matmul_window(device=None, count: int = 3) -> Callable[[], float]:
+    """A timed window of `count` f32 `MATMUL_SIZE`^3 matmuls through XLA on `device`, compiled and
+    warmed up. It returns seconds per matmul; the machine's rate is 2 MATMUL_SIZE^3 / that."""
+    return device_peak.matmul_timer(device or jax.devices()[0], "float32", count)
 
 
 def dense_train_flops(layer_sizes: list[int], batch: int) -> dict[str, int]:

@@ -150,7 +150,7 @@ def measure(attention: str, batch_size: int, small: bool, device, peak: float) -
         window(2)
         row["compile_and_warmup_sec"] = time.perf_counter() - compile_start
         step_sec = statistics.median(window(3 if small else 10) for _ in range(3))
-    except Exception as error:  # noqa: BLE001 - report the variant as failed, go on
+    except Exception as error:  # report the variant as failed, go on
         print(f"{attention}/{batch_size} failed: {type(error).__name__}: {error}"[:400])
         return {**row, "step_ms": "failed"}
     tokens = batch_size * (128 if small else 1024)

@@ -71,7 +71,8 @@ def jddp_worker(steps: int) -> float:
     return time.perf_counter() - start
 
 
-def torch_worker(steps: int) -> float:
+def torch_join() -> tuple[int, int]:
+    """This process pinned to its core, 1 PyTorch thread, in the gloo group: (rank, world)."""
     rank = pin_to_own_core()
     import torch
     import torch.distributed as dist
@@ -82,13 +83,28 @@ def torch_worker(steps: int) -> float:
     dist.init_process_group(
         "gloo", init_method=f"tcp://{host}:{int(port)}", rank=rank, world_size=world
     )
+    return rank, world
+
+
+def torch_mlp(layer_sizes: list[int]):
+    """Linear + ReLU layers of `layer_sizes` (the last without ReLU), seeded with 0."""
+    import torch
+
     torch.manual_seed(0)
     layers = []
-    for i, (fan_in, fan_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:], strict=True)):
+    for i, (fan_in, fan_out) in enumerate(zip(layer_sizes[:-1], layer_sizes[1:], strict=True)):
         layers.append(torch.nn.Linear(fan_in, fan_out))
-        if i < len(LAYERS) - 2:
+        if i < len(layer_sizes) - 2:
             layers.append(torch.nn.ReLU())
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    return torch.nn.Sequential(*layers)
+
+
+def torch_worker(steps: int) -> float:
+    rank, world = torch_join()
+    import torch
+    import torch.distributed as dist
+
+    model = torch.nn.parallel.DistributedDataParallel(torch_mlp(LAYERS))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = synthetic_batch(rank, world)
     x, y = torch.from_numpy(batch["image"]), torch.from_numpy(batch["label"])
@@ -114,7 +130,9 @@ def torch_worker(steps: int) -> float:
 
 
 # --------------------------------------------------------------------------- parent
-def launch(framework: str, steps: int) -> float:
+def launch(worker_args: list[str], module: str = "experiments.bench.multiprocess") -> str:
+    """`python -m MODULE WORKER_ARGS` as 2 processes of 1 device under jddp-launch; returns
+    what process 0 printed after `RESULT `."""
     command = [
         sys.executable,
         "-m",
@@ -124,15 +142,14 @@ def launch(framework: str, steps: int) -> float:
         "--",
         sys.executable,
         "-m",
-        "experiments.bench.multiprocess",
-        f"--worker={framework}",
-        f"--steps={steps}",
+        module,
+        *worker_args,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in result.stdout.splitlines():
         if line.startswith("[0] RESULT "):
-            return float(line.split()[-1])
-    raise RuntimeError(f"{framework} run failed:\n{result.stdout[-3000:]}")
+            return line[len("[0] RESULT ") :]
+    raise RuntimeError(f"{module} {worker_args} failed:\n{result.stdout[-3000:]}")
 
 
 def main():
@@ -152,7 +169,8 @@ def main():
     times = {"jddp": [], "torch": []}
     for round_index in range(args.repeats):
         for framework in ("jddp", "torch") if round_index % 2 == 0 else ("torch", "jddp"):
-            times[framework].append(launch(framework, args.steps))
+            seconds = launch([f"--worker={framework}", f"--steps={args.steps}"])
+            times[framework].append(float(seconds))
     rate = {f: GLOBAL_BATCH * args.steps / statistics.median(t) for f, t in times.items()}
     paired = statistics.median(t / j for j, t in zip(times["jddp"], times["torch"], strict=True))
     rows = [

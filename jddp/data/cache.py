@@ -50,12 +50,16 @@ class ArraySource:
         return {name: np.asarray(array[index]) for name, array in self._arrays.items()}
 
 
+def is_decoded(folder: str) -> bool:
+    return os.path.exists(os.path.join(folder, _DONE))
+
+
 def decoded_split(source, folder: str, features, chunk_size: int = 2048) -> ArraySource:
     """`source` (a TFDS data source) decoded into `folder` on first use, then memory-mapped.
 
     The caller holds the dataset's lock; files are written to a temporary folder and renamed.
     """
-    if not os.path.exists(os.path.join(folder, _DONE)):
+    if not is_decoded(folder):
         partial = folder + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)

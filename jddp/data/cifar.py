@@ -20,11 +20,11 @@ class _CifarBinaryBuilder(LocalFilesBuilder):
     """Reads `_cifar_info` (TFDS's description of the archive) with Python's tarfile."""
 
     @property
-    def SOURCE_FILES(self):  # noqa: N802 - the LocalFilesBuilder attribute
+    def SOURCE_FILES(self):  # the LocalFilesBuilder attribute
         return {"archive": self._cifar_info.url.rsplit("/", 1)[-1]}
 
     @property
-    def SOURCE_URLS(self):  # noqa: N802
+    def SOURCE_URLS(self):
         return {"archive": self._cifar_info.url}
 
     def _split_generators(self, dl_manager):

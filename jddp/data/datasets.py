@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 
 from jddp.data import text, transforms
-from jddp.data.cache import decoded_split
+from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
 from jddp.data.imagenet import Imagenet2012
@@ -25,7 +26,9 @@ from jddp.data.mnist import FashionMnist, Mnist
 from jddp.data.pipeline import Transform, read_batch
 from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
 from jddp.data.source_files import LocalFilesBuilder
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, DataError
+from jddp.fs import directory_problem
+from jddp.quiet import library_warnings_muted
 
 CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
 
@@ -79,10 +82,6 @@ class DatasetSpec:
     eval_split: str = "test"
     text_file: str = ""
 
-    @property
-    def vocab_size(self) -> int:
-        return self.num_classes
-
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -115,7 +114,7 @@ def _next_character(options: DataOptions) -> Transform:
     return transforms.NextCharacter(options.seq_len, options.augment)
 
 
-def _language_model(name, builder_class, vocabulary="") -> DatasetSpec:
+def _language_model_spec(name, builder_class, vocabulary="") -> DatasetSpec:
     return DatasetSpec(
         name, LANGUAGE_MODEL, len(vocabulary), builder_class, _next_character,
         input_key="inputs", target_key="targets", vocabulary=vocabulary,
@@ -131,8 +130,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "imagenet2012": DatasetSpec(
         "imagenet2012", CLASSIFICATION, 1000, Imagenet2012, _imagenet, eval_split="validation"
     ),
-    "shakespeare_char": _language_model("shakespeare_char", ShakespeareChar, VOCABULARY),
-    "text_file": _language_model("text_file", None),  # vocabulary: the file's characters
+    "shakespeare_char": _language_model_spec("shakespeare_char", ShakespeareChar, VOCABULARY),
+    "text_file": _language_model_spec("text_file", None),  # vocabulary: the file's characters
 }
 
 
@@ -160,7 +159,11 @@ def get_dataset(name: str, text_file: str = "") -> DatasetSpec:
 
 @contextlib.contextmanager
 def _exclusive(path: str):
-    """One preparer at a time per data dir, across processes (pytest workers, hosts' ranks)."""
+    """One preparer at a time per data dir, across processes (pytest workers, hosts' ranks). A
+    data dir nobody can write to (a read-only mount of prepared data) needs no lock."""
+    if directory_problem(os.path.dirname(path), write=True):
+        yield
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -178,8 +181,14 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
     if spec.builder_class is None:  # a local text file
         texts = text.text_file_splits(text.read_text_file(spec.text_file))
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
-        return _language_model(spec, options, texts, where, transform)
+        return _language_model_splits(spec, options, texts, where, transform)
 
+    problem = directory_problem(options.resolved_data_dir, write=False)
+    if problem:
+        raise DataError(
+            f"data dir {options.resolved_data_dir!r} {problem}; pass a directory as "
+            "--config.data.data_dir (or $TFDS_DATA_DIR)"
+        )
     # One process at a time prepares (and decodes) a dataset: pytest workers, a host's ranks.
     with _exclusive(os.path.join(options.resolved_data_dir, f".{spec.builder_class.name}.lock")):
         builder = _prepared_builder(spec, options)
@@ -193,7 +202,7 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
                 for split in splits
             }
             where = {split: f"{spec.name} split {split}" for split in splits}
-            return _language_model(spec, options, texts, where, transform)
+            return _language_model_splits(spec, options, texts, where, transform)
         train, test = (_split_source(builder, sources, split, spec, options) for split in splits)
         return Dataset(spec, train, test, transform)
 
@@ -202,12 +211,25 @@ def _prepared_builder(spec: DatasetSpec, options: DataOptions) -> tfds.core.Data
     kwargs = {"data_dir": options.resolved_data_dir, "file_format": "array_record"}
     if issubclass(spec.builder_class, LocalFilesBuilder):
         kwargs["manual_dir"] = options.resolved_manual_dir
-    builder = spec.builder_class(**kwargs)
-    if isinstance(builder, LocalFilesBuilder) and not builder.data_path.exists():
+    with library_warnings_muted("tensorflow_datasets"):  # "variant folder has no info"
+        builder = spec.builder_class(**kwargs)
+        if builder.is_prepared():
+            return builder
+    problem = directory_problem(options.resolved_data_dir, write=True)
+    if problem:
+        raise DataError(
+            f"dataset {spec.name} is not prepared in {options.resolved_data_dir!r}, which "
+            f"{problem}; pass a writable --config.data.data_dir (or prepare it there once)"
+        )
+    if isinstance(builder, LocalFilesBuilder):
         builder.check_sources()  # missing files: one line now, before TFDS starts and logs
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
-    )
+    # One line says what happens; TFDS's progress bars (stderr) and banners (stdout) would not.
+    logging.info("preparing dataset %s in %s (once, on first use)", spec.name, builder.data_dir)
+    tfds.display_progress_bar(False)
+    with library_warnings_muted("tensorflow_datasets", stdout=True):
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=options.resolved_manual_dir)
+        )
     return builder
 
 
@@ -221,10 +243,12 @@ def _split_source(builder, sources, split: str, spec: DatasetSpec, options: Data
     folder = os.path.join(
         options.resolved_data_dir, "decoded", builder.name, str(builder.version), split
     )
+    if not is_decoded(folder) and directory_problem(folder, write=True):
+        return sources[split]  # a read-only data dir: read the TFDS files as they are
     return decoded_split(sources[split], folder, features)
 
 
-def _language_model(spec, options, texts, where, transform) -> Dataset:
+def _language_model_splits(spec, options, texts, where, transform) -> Dataset:
     """Token windows of `seq_len` over the train and eval texts."""
     train, test = spec.train_split, spec.eval_split
     tokens = {split: text.encode(texts[split], spec.vocabulary, where[split]) for split in texts}

@@ -23,7 +23,7 @@ class _IdxBuilder(LocalFilesBuilder):
     SOURCE_FILES = IDX_FILES
 
     @property
-    def SOURCE_URLS(self):  # noqa: N802 - the LocalFilesBuilder attribute
+    def SOURCE_URLS(self):  # the LocalFilesBuilder attribute
         return {key: self.URL + name for key, name in IDX_FILES.items()}
 
     def _split_generators(self, dl_manager):

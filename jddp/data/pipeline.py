@@ -119,14 +119,21 @@ class TrainBatches(Iterator[Batch]):
             "num_examples": len(fn.source),
         }
 
-    def set_state(self, state: dict) -> None:
+    def misfit(self, state: dict) -> list[str]:
+        """How a saved `state` does not fit this iterator ("seed was 0, is 1"); [] if it fits."""
         mine = self.get_state()
-        changed = [key for key in mine if key != "step" and state.get(key) != mine[key]]
-        if changed:
+        return [
+            f"{key} was {state.get(key)!r}, is {mine[key]!r}"
+            for key in mine
+            if key != "step" and state.get(key) != mine[key]
+        ]
+
+    def set_state(self, state: dict) -> None:
+        misfit = self.misfit(state)
+        if misfit:
             raise DataError(
-                "the saved input pipeline state does not fit this run: "
-                + ", ".join(f"{key} was {state.get(key)!r}, is {mine[key]!r}" for key in changed)
-                + "; resume with the config of the saved run"
+                f"the saved input pipeline state does not fit this run: {', '.join(misfit)}; "
+                "resume with the config of the saved run"
             )
         self.close()
         self._step = int(state["step"])
@@ -141,11 +148,11 @@ def _read_options(threads: int) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=max(threads, 1), prefetch_buffer_size=2 * max(threads, 1))
 
 
-def _check_split(global_batch_size: int, process_count: int) -> None:
-    if global_batch_size % process_count:
+def _check_split(batch_size: int, process_count: int, key: str) -> None:
+    if batch_size % process_count:
         raise ConfigError(
-            f"global_batch_size={global_batch_size} does not split over {process_count} "
-            f"processes; use a multiple of {process_count}"
+            f"{key}={batch_size} does not split over {process_count} processes; use a multiple "
+            f"of {process_count}"
         )
 
 
@@ -162,7 +169,7 @@ def train_batches(
     workers: int = 0,
 ) -> TrainBatches:
     """This process's rows of global batch `start_step`, then the next... (see the module doc)."""
-    _check_split(global_batch_size, process_count)
+    _check_split(global_batch_size, process_count, "global_batch_size")
     step_fn = _TrainStep(source, transform, global_batch_size, seed, process_index, process_count)
     return TrainBatches(step_fn, start_step, threads, workers)
 
@@ -199,7 +206,7 @@ def eval_batches(
     The last batch is zero-padded; every process yields the same number of batches (all padding
     where it has no rows left), so collectives in the eval step always line up.
     """
-    _check_split(batch_size, process_count)
+    _check_split(batch_size, process_count, "eval_batch_size")
     num_batches = -(-len(source) // batch_size)
     load = _EvalBatch(source, transform, batch_size, process_index, process_count)
     batches = grain.MapDataset.range(num_batches).map(load)

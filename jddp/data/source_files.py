@@ -71,7 +71,7 @@ class LocalFilesBuilder:
             raise self._missing("this dataset cannot be downloaded automatically")
         try:
             downloaded = dl_manager.download(dict(self.SOURCE_URLS))
-        except Exception as e:  # noqa: BLE001 - offline, proxy, HTTP error: all end the same way
+        except Exception as e:  # offline, proxy, HTTP error: all end the same way
             reason = f"the download failed ({type(e).__name__}: {_first_line(e)})"
             raise self._missing(reason) from None
         return {key: os.fspath(path) for key, path in downloaded.items()}

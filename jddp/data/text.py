@@ -70,6 +70,8 @@ def read_text_file(path: str) -> str:
     """The UTF-8 text of `path`, or a DataError naming the problem."""
     if not path:
         raise ConfigError("dataset text_file needs a file: set --config.data.text_file=PATH")
+    if os.path.isdir(path):
+        raise DataError(f"data.text_file {path!r} is a directory; pass a path to a UTF-8 text file")
     if not os.path.isfile(path):
         raise DataError(f"data.text_file {path!r} does not exist; pass a path to a UTF-8 text file")
     try:
@@ -80,6 +82,8 @@ def read_text_file(path: str) -> str:
             f"data.text_file {path!r} is not UTF-8 text ({e.reason} at byte "
             f"{e.start}); convert it to UTF-8"
         ) from None
+    except OSError as e:
+        raise DataError(f"data.text_file {path!r} cannot be read: {e.strerror}") from None
     if len(set(text)) < 2:
         raise DataError(f"data.text_file {path!r} holds fewer than 2 distinct characters")
     return text

@@ -28,13 +28,15 @@ def create_model(
     tensor_axis: str | None = None,
     tensor_size: int = 1,
     sequence_parallel: bool = False,
+    pipelined: bool = False,
     **model_args,
 ) -> nn.Module:
     """The model `name` with `num_outputs` outputs; `model_args` are its other fields.
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
-    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT.
+    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT;
+    `pipelined` (a mesh with a stage axis) stacks GPT's layers (`scan_layers`).
     """
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)
@@ -73,6 +75,8 @@ def create_model(
         "sequence_parallel": sequence_parallel,
     }
     model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
+    if pipelined and "scan_layers" in all_fields:
+        model_args["scan_layers"] = True
     model = cls(**{output_field: outputs}, **model_args)
     if tensor_size > 1 and isinstance(model, GPT):
         check_tensor_split(model, tensor_size)

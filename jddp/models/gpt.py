@@ -15,6 +15,7 @@ partitioner adds the two all-reduces per block forward (and two backward). With
 (jddp/models/tensor_parallel.py).
 """
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -25,10 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import tensor_parallel
+from jddp.pipeline.layers import Pipelined
 
 POSITIONS = ("learned", "rotary")
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 INIT_STD = 0.02  # GPT-2's initializer
+PER_LAYER, STACKED = "block_", "blocks"  # block_{i}/... per layer; blocks/... stacked
 
 # Megatron's layout, written for a mesh with fsdp and tensor axes (axes a mesh lacks are
 # dropped: jddp.sharding.rules.fit_preset). Rows or columns not split over tensor go over fsdp.
@@ -148,9 +151,13 @@ class GPT(nn.Module):
     is `vocab_size=50257, num_layers=12, num_heads=12, embed_dim=768, max_seq_len=1024`.
 
     `remat=True` recomputes each block's activations in the backward pass (activation
-    checkpointing). `attention_impl`: None or "xla" (any device), "cudnn" (fused flash attention
-    on NVIDIA GPUs, bfloat16 only). Dropout (on embeddings and residual branches, not on attention
-    probabilities, so fused attention stays usable) draws from the `dropout` RNG stream.
+    checkpointing). `scan_layers=True` runs the blocks as one `nn.scan` (`jddp.pipeline.Pipelined`)
+    with their parameters stacked under `blocks/` (leading axis = layer): one block is compiled
+    instead of `num_layers`, and it is the layout pipeline parallelism splits into stages (a
+    mesh with a `stage` axis turns it on). `attention_impl`: None or "xla" (any device),
+    "cudnn" (fused flash attention on NVIDIA GPUs, bfloat16 only). Dropout (on embeddings and
+    residual branches, not on attention probabilities, so fused attention stays usable) draws
+    from the `dropout` RNG stream.
 
     `tensor_axis` (set by jddp from the mesh) keeps the logits split over the vocabulary there;
     `sequence_parallel` also splits the residual stream along the sequence over it.
@@ -167,6 +174,7 @@ class GPT(nn.Module):
     dropout_rate: float = 0.0
     remat: bool = False
     attention_impl: str | None = None
+    scan_layers: bool = False
     tensor_axis: str | None = None
     sequence_parallel: bool = False
 
@@ -210,17 +218,21 @@ class GPT(nn.Module):
         # Residual projections start smaller, 0.02 / sqrt(2 x layers), as in GPT-2.
         residual_init_std = INIT_STD / (2 * self.num_layers) ** 0.5
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
-        for i in range(self.num_layers):
-            x = block_cls(
-                self.num_heads,
-                self.mlp_dim or 4 * self.embed_dim,
-                self.positions,
-                self.dropout_rate,
-                residual_init_std,
-                self.attention_impl,
-                sequence_axis,
-                name=f"block_{i}",
-            )(x, train)
+        block = functools.partial(
+            block_cls,
+            self.num_heads,
+            self.mlp_dim or 4 * self.embed_dim,
+            self.positions,
+            self.dropout_rate,
+            residual_init_std,
+            self.attention_impl,
+            sequence_axis,
+        )
+        if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
+            x = Pipelined(block(name=STACKED), self.num_layers)(x, train)
+        else:
+            for i in range(self.num_layers):
+                x = block(name=f"{PER_LAYER}{i}")(x, train)
         x = nn.LayerNorm(name="ln_f")(x)
         init = nn.initializers.normal(INIT_STD)
         if self.tie_embeddings and sequence_axis:

@@ -8,7 +8,7 @@ multiply to the device count. The role names are the interface:
     fsdp    the batch is split over it, and the ZeRO stage's state is sharded over it
     tensor  every rank sees the same rows; weight matrices are split by the partition rules
             (Megatron's column / row split) and activations reduced across it
-    stage   pipeline stages (reserved: not available yet)
+    stage   pipeline stages: each holds a consecutive group of the model's stacked layers
 
 The mesh is built once per run, before the model, from the strategy's name and this string.
 """
@@ -119,6 +119,10 @@ class DeviceMesh:
         return "tensor" if "tensor" in self.mesh.shape else None
 
     @property
+    def stage_axis(self) -> str | None:
+        return "stage" if "stage" in self.mesh.shape else None
+
+    @property
     def batch_shards(self) -> int:
         """Into how many slices every global batch is split."""
         return math.prod(self.size(a) for a in self.batch_axes)
@@ -141,11 +145,6 @@ def build_mesh(
 ) -> DeviceMesh:
     """The mesh `spec` describes over `devices` (in their order, the last axis fastest)."""
     axes = parse_mesh_spec(spec, len(devices))
-    if any(name == "stage" for name, _ in axes):
-        raise ConfigError(
-            "parallel.mesh: the stage axis (pipeline parallelism) is not available yet; use "
-            "data, fsdp and tensor"
-        )
     shape = tuple(size for _, size in axes)
     mesh = DeviceMesh(Mesh(np.asarray(devices).reshape(shape), tuple(name for name, _ in axes)))
     if mesh.tensor_crosses_processes() and not allow_cross_host_tensor:

@@ -27,7 +27,6 @@ from jddp.sharding.mesh import DeviceMesh
 
 Rule = tuple[str, str]
 DEFAULT_RULES: tuple[Rule, ...] = ((".*", "fsdp"),)
-SHARDABLE = ("fsdp", "tensor")  # axes a rule may name
 
 
 def path_str(path) -> str:
@@ -156,11 +155,21 @@ def fit_preset(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
     return tuple(fitted)
 
 
-def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int):
-    """A tree of PartitionSpecs shaped like `params` (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: spec_for(path_str(path), x.shape, rules, mesh, min_shard_size), params
-    )
+def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path=()):
+    """A tree of PartitionSpecs shaped like `params` (arrays or ShapeDtypeStructs).
+
+    Parameters under `stack_path` (a `Pipelined` stack: leading axis = layer) get their rule's
+    spec for one layer, after a leading `stage` (consecutive layers per stage) or None."""
+    prefix = "/".join(stack_path) + "/" if stack_path else None
+    lead = "stage" if "stage" in mesh.axis_names else None
+
+    def spec(path, x):
+        text = path_str(path)
+        if prefix and text.startswith(prefix):
+            return P(lead, *spec_for(text, x.shape[1:], rules, mesh, min_shard_size))
+        return spec_for(text, x.shape, rules, mesh, min_shard_size)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def mirror_specs(tree, params, specs):

@@ -11,8 +11,10 @@ import jax
 
 from jddp.core import Task
 from jddp.errors import ConfigError
+from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import BATCH_ROLES, DeviceMesh, build_mesh, parse_mesh_spec
 from jddp.strategies.base import Strategy
+from jddp.strategies.compression import GradComm
 from jddp.strategies.ddp import DDP
 from jddp.strategies.zero import (
     DEFAULT_MIN_SHARD_SIZE,
@@ -90,21 +92,34 @@ def make_strategy(
     *,
     rules: Sequence[tuple[str, str]] = (),
     min_shard_size: int | None = None,
+    pipeline: PipelineOptions | None = None,
+    grad_comm: GradComm | None = None,
 ) -> Strategy:
     """The strategy `name` for `task` on `mesh` (from `device_mesh_for`); `rules` and
-    `min_shard_size` lay out the mesh strategies' parameters."""
+    `min_shard_size` lay out the mesh strategies' parameters; `pipeline` says how a stage axis
+    is used; `grad_comm` how gradients cross devices (jddp/strategies/compression.py)."""
     _check_name(name)
+    grad_comm = grad_comm or GradComm()
+    if grad_comm.powersgd and name != "ddp":
+        # ZeRO-2/3 shard gradients away, while PowerSGD needs each device's whole gradient and a
+        # whole error matrix per device; zero1 could run it but is left out for now.
+        raise ConfigError(
+            f"parallel.grad_compression=powersgd runs under ddp only, not {name}; use "
+            "parallel.strategy=ddp, or grad_comm_dtype=bfloat16 to halve the bytes under ZeRO"
+        )
     if name == "ddp":
         if rules:
             raise ConfigError(
                 "parallel.rules do not apply to ddp (every device holds a full replica); use "
                 "zero1, zero2, zero3 or hybrid, or leave them empty"
             )
-        return DDP(task, devices)
+        return DDP(task, devices, grad_comm)
     return ZeroStrategy(
         task,
         mesh,
         name=name,
         rules=rules,
         min_shard_size=DEFAULT_MIN_SHARD_SIZE if min_shard_size is None else min_shard_size,
+        pipeline=pipeline,
+        grad_comm=grad_comm,
     )

@@ -70,3 +70,8 @@ class Strategy(Protocol):
     def host_state(self, state: TrainState) -> TrainState:
         """The whole state as host numpy arrays."""
         ...
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        """`state` with what differs between devices made the same (PowerSGD's per-device
+        errors become their mean): what a checkpoint holds."""
+        ...

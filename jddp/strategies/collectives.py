@@ -29,18 +29,55 @@ def scatter_sum(x, spec: P):
     return x
 
 
+# Across processes, a tensor at least this large crosses as its own buffer; smaller ones are
+# concatenated into one. gloo pays ~3-5 ms per buffer, and concatenating and splitting large
+# tensors costs more than that on XLA:CPU. Measured per step (gloo, 2 processes): an MLP's
+# 42 MB of gradients as one flat buffer 260-320 ms, its three 8-16 MB kernels alone and the rest
+# flat 170-220 ms; a 7.4 MB MLP (kernels of 3-4 MB) flat 15 ms, kernels alone 20 ms.
+OWN_BUFFER_BYTES = 2**23
+
+
+def transfer_groups(leaves) -> list[list[int]]:
+    """Indices of `leaves` grouped into the buffers that cross processes together: each large
+    leaf alone, the others by dtype."""
+    groups, small = [], collections.defaultdict(list)
+    for i, leaf in enumerate(leaves):
+        if leaf.size * leaf.dtype.itemsize >= OWN_BUFFER_BYTES:
+            groups.append([i])
+        else:
+            small[leaf.dtype].append(i)
+    return groups + list(small.values())
+
+
+def concatenated(leaves, indices):
+    """The leaves at `indices`, flattened into one vector."""
+    return jnp.concatenate([leaves[i].ravel() for i in indices])
+
+
+def split_into(leaves, indices, flat) -> None:
+    """Puts the pieces of `flat` (as `concatenated` made it) back into `leaves` at `indices`."""
+    start = 0
+    for i in indices:
+        size = leaves[i].size
+        leaves[i] = flat[start : start + size].reshape(leaves[i].shape).astype(leaves[i].dtype)
+        start += size
+
+
 def fused_pmean(tree, axes):
     """`lax.pmean` of every float leaf of `tree` over `axes` (other leaves are left as they are).
 
-    Across processes the leaves are concatenated into one flat buffer per dtype, averaged with
-    one all-reduce, and split back: gloo pays per buffer, and an MLP's 6 gradient tensors
-    (7.4 MB) took 31 ms as XLA's combined tuple all-reduce against 14 ms as one buffer on this
-    machine (experiments/bench/multiprocess.py: 0.85x -> 1.13x PyTorch DDP). Within one process
-    the tuple all-reduce is kept: there the concatenation made steps 3-4x slower. The sums are
-    the same element by element either way.
+    Across processes the leaves under OWN_BUFFER_BYTES are concatenated into one flat buffer per
+    dtype, averaged with one all-reduce, and split back; larger ones go as their own buffers
+    (`transfer_groups`). gloo pays per buffer: an MLP's 6 gradient tensors (7.4 MB) took 31 ms as
+    XLA's combined tuple all-reduce against 14 ms as one buffer on this machine
+    (experiments/bench/multiprocess.py: 0.85x -> 1.13x PyTorch DDP). Within one process the
+    tuple all-reduce is kept: there the concatenation made steps 3-4x slower. The sums are the
+    same element by element either way.
 
     Averaging model state (BatchNorm statistics) too keeps replicas identical even when a
     BatchNorm computed per-device statistics; synchronized statistics already agree."""
+    if lax.axis_size(axes) == 1:  # one device: XLA would still copy every buffer through it
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     if jax.process_count() == 1:
@@ -48,14 +85,7 @@ def fused_pmean(tree, axes):
         for i, leaf in zip(floats, averaged, strict=True):
             leaves[i] = leaf
         return jax.tree.unflatten(treedef, leaves)
-    groups = collections.defaultdict(list)
-    for i in floats:
-        groups[leaves[i].dtype].append(i)
-    for indices in groups.values():
-        flat = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in indices]), axes)
-        start = 0
-        for i in indices:
-            size = leaves[i].size
-            leaves[i] = flat[start : start + size].reshape(leaves[i].shape)
-            start += size
+    for group in transfer_groups([leaves[i] for i in floats]):
+        indices = [floats[g] for g in group]
+        split_into(leaves, indices, lax.pmean(concatenated(leaves, indices), axes))
     return jax.tree.unflatten(treedef, leaves)

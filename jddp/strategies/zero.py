@@ -28,10 +28,13 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.core import Task, check_rows_divide, init_compiler_options
 from jddp.errors import ConfigError
+from jddp.pipeline.options import PipelineOptions
 from jddp.sharding.mesh import DeviceMesh
 from jddp.sharding.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
 from jddp.state import TrainState
-from jddp.strategies.collectives import fused_pmean, gather, scatter_sum
+from jddp.strategies.collectives import fused_pmean, gather
+from jddp.strategies.compression import GradComm
+from jddp.weighted import Totals
 
 # stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
 STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}
@@ -53,9 +56,9 @@ def default_mesh_spec(name: str) -> str:
 def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
     """A ConfigError for a mesh on which `name` would shard nothing: before axes had roles,
     `data:-1` meant what `fsdp:-1` means now."""
-    if mesh.fsdp_axis is None and mesh.tensor_axis is None:
+    if mesh.fsdp_axis is None and mesh.tensor_axis is None and mesh.stage_axis is None:
         raise ConfigError(
-            f"parallel.mesh {mesh.describe()!r} has no fsdp or tensor axis, so {name} would "
+            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor or stage axis, so {name} would "
             "shard nothing (data only replicates); write 'fsdp:-1' (formerly 'data:-1'), or "
             "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
         )
@@ -73,6 +76,8 @@ class ZeroStrategy:
         name: str,
         rules=(),
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        pipeline: PipelineOptions | None = None,
+        grad_comm: GradComm | None = None,
     ):
         check_mesh_for(name, mesh)
         self.name = name
@@ -82,7 +87,12 @@ class ZeroStrategy:
         self.batch_axes = mesh.batch_axes
         self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
         self.rules = validate_rules(rules, mesh)
+        self.grad_comm = grad_comm or GradComm()
         self.min_shard_size = min_shard_size
+        self.pipeline_options = pipeline or PipelineOptions()
+        # Axes the per-device program splits by hand: the batch axes, and the pipeline stages.
+        self.manual_axes = self.batch_axes + (("stage",) if mesh.stage_axis else ())
+        self.pipeline = None  # the engine, when the mesh has a stage axis (set by prepare)
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
 
@@ -97,9 +107,23 @@ class ZeroStrategy:
     # ---------------------------------------------------------------------------- layout
     def prepare(self, abstract_state: TrainState) -> None:
         """The state's layout and the jitted steps for states shaped like `abstract_state`."""
-        full = param_specs(abstract_state.params, self.rules, self.device_mesh, self.min_shard_size)
+        stack = self.task.stack
+        if self.device_mesh.stage_axis:
+            if jax.tree.leaves(abstract_state.model_state):
+                raise ConfigError(
+                    "pipeline parallelism does not take models with mutable state (BatchNorm "
+                    "statistics); remove the stage axis from parallel.mesh"
+                )
+            self.pipeline = self.pipeline_options.engine(self.task, self.device_mesh)
+        full = param_specs(
+            abstract_state.params,
+            self.rules,
+            self.device_mesh,
+            self.min_shard_size,
+            stack.path if stack else (),
+        )
         self._check_tensor_axis_used(full)
-        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage")), full)
         self._specs = TrainState(
             step=P(),
             params=full if self.shard_params else whole_over_fsdp,
@@ -107,16 +131,20 @@ class ZeroStrategy:
             model_state=jax.tree.map(lambda _: P(), abstract_state.model_state),
             rng=P(),
             nonfinite_steps=P(),
+            loss_scale=jax.tree.map(lambda _: P(), abstract_state.loss_scale),
+            comm_state=jax.tree.map(lambda _: P(), abstract_state.comm_state),
         )
         self._grad_specs = full if self.shard_grads else whole_over_fsdp
         self._state_shardings = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), self._specs
         )
-        # What the per-device program sees split: the batch axes' part of each spec (tensor is
-        # left to the compiler).
-        manual = lambda tree: jax.tree.map(lambda s: restrict(s, self.batch_axes), tree)  # noqa: E731
-        self._manual_params = manual(self._specs.params)
-        self._manual_grads = manual(self._grad_specs)
+        # What the per-device program sees split: the manual axes' part of each spec (tensor is
+        # left to the compiler), and of that the part over the batch axes (ZeRO's collectives).
+        part = lambda tree, axes: jax.tree.map(lambda s: restrict(s, axes), tree)  # noqa: E731
+        self._manual_params = part(self._specs.params, self.manual_axes)
+        self._manual_grads = part(self._grad_specs, self.manual_axes)
+        self._fsdp_params = part(self._specs.params, self.batch_axes)
+        self._fsdp_grads = part(self._grad_specs, self.batch_axes)
         self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
         self._train_step = jax.jit(
             self._train,
@@ -155,21 +183,24 @@ class ZeroStrategy:
     # ------------------------------------------------------------ per-device programs
     def _per_device(self, fn, in_specs, out_specs):
         """`fn` as a shard_map that is manual over the batch axes and leaves tensor to XLA."""
-        if not self.batch_axes:  # tensor parallelism alone: nothing is split by hand
+        if not self.manual_axes:  # tensor parallelism alone: nothing is split by hand
             return fn
         return jax.shard_map(
             fn,
             mesh=self.mesh,
             in_specs=in_specs,
             out_specs=out_specs,
-            axis_names=set(self.batch_axes),
+            axis_names=set(self.manual_axes),
             # Per-device gradients as under pmap: every collective is written out below.
             check_vma=False,
         )
 
-    def _gather_params(self, params):
-        on_shards = self._on_tensor_shards(gather)
-        return jax.tree.map(on_shards, params, self._manual_params, self._tensor_specs)
+    def _gather_params(self, params, over_stages: bool = False):
+        """Parameters whole over fsdp (and with `over_stages`, every stage's layers)."""
+        # Training gathers with the gradient communication's reduce-scatter as its derivative.
+        on_shards = self._on_tensor_shards(gather if over_stages else self.grad_comm.gather)
+        specs = self._manual_params if over_stages else self._fsdp_params
+        return jax.tree.map(on_shards, params, specs, self._tensor_specs)
 
     def _on_tensor_shards(self, collective):
         """`collective(x, spec)` (over the batch axes) applied to each device's own tensor
@@ -195,38 +226,45 @@ class ZeroStrategy:
         """Per-device gradients to the mean over the batch slices, laid out as `_grad_specs`."""
 
         def reduce(grad, spec):
-            if not self.shard_params:  # zero3 got the reduce-scatter from AD of the gather
-                grad = scatter_sum(grad, spec)
+            # zero3 got the reduce-scatter from AD of the gather (the pipeline gathers first)
+            if not self.shard_params or self.pipeline:
+                grad = self.grad_comm.scatter_sum(grad, spec)
             rest = tuple(a for a in self.batch_axes if a not in spec_axes(spec))
-            return (lax.psum(grad, rest) if rest else grad) / self.device_mesh.batch_shards
+            summed = self.grad_comm.psum(grad, rest) if rest else grad
+            return summed / self.device_mesh.batch_shards
 
         on_shards = self._on_tensor_shards(reduce)
-        return jax.tree.map(on_shards, grads, self._manual_grads, self._tensor_specs)
+        return jax.tree.map(on_shards, grads, self._fsdp_grads, self._tensor_specs)
 
     def _pmean(self, tree):
         return fused_pmean(tree, self.batch_axes) if self.batch_axes else tree
 
-    def _per_device_grads(self, params, model_state, step_key, batch):
+    def _per_device_grads(self, params, model_state, step_key, batch, loss_scale):
         index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
-        rng = jax.random.fold_in(step_key, index)
-        params_fn = self._gather_params if self.shard_params else None
-        grads, metrics, model_state = self.task.local_grads(
-            params, model_state, batch, rng, params_fn
-        )
+        rng = jax.random.fold_in(step_key, index)  # the same on every stage and tensor rank
+        if self.pipeline:  # parameters gathered once per step, not per micro-batch
+            params = self._gather_params(params) if self.shard_params else params
+            grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)
+            metrics = Totals(metrics, {})  # unweighted means
+        else:
+            params_fn = self._gather_params if self.shard_params else None
+            grads, metrics, model_state = self.task.local_grads(
+                params, model_state, batch, rng, params_fn, loss_scale
+            )
         return self._reduce_grads(grads), self._pmean(metrics), self._pmean(model_state)
 
     def _train(self, state: TrainState, batch):
         grads, metrics, model_state = self._per_device(
             self._per_device_grads,
-            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes)),
+            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes), P()),
             out_specs=(self._manual_grads, P(), self._specs.model_state),
-        )(state.params, state.model_state, state.step_key(), batch)
+        )(state.params, state.model_state, state.step_key(), batch, state.loss_scale)
         return self.task.apply_gradients(state, grads, model_state, metrics)
 
     def _eval(self, state: TrainState, batch):
         def per_device(params, model_state, batch):
-            if self.shard_params:
-                params = self._gather_params(params)
+            if self.shard_params or self.pipeline:  # eval runs the whole model on every stage
+                params = self._gather_params(params, over_stages=True)
             sums = self.task.eval_sums(params, model_state, batch)
             return lax.psum(sums, self.batch_axes) if self.batch_axes else sums
 
@@ -264,6 +302,9 @@ class ZeroStrategy:
 
     def global_state(self, state: TrainState) -> TrainState:
         return state  # jit's outputs already span every process's devices
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        return state  # no per-device state: PowerSGD runs under ddp only
 
     def host_state(self, state: TrainState) -> TrainState:
         """The whole state as host numpy arrays (gathered from the shards)."""

@@ -1,0 +1,248 @@
+"""Pipeline parallelism: step time and memory of GPipe and 1F1B against the micro-batch count,
+the bubble each implies, and what scan_layers saves in compile time.
+
+    python -m experiments.bench.pipeline [--repeats 3] [--steps 2] [--out bench_results]
+        [--parts simulated,cores,compile]
+
+- `simulated`: a GPT of 8 layers x 256 on 8 simulated devices, stage:4,data:2 under each
+  schedule and M in {4, 8, 16}, against the same model on data:2,fsdp:4 (no stage axis): step
+  time (interleaved medians), compiled peak and state per device, the timetable's bubble. The 8
+  devices share 2 cores, so an idle stage frees a core for the others: the bubble does not
+  show in wall time here (it would on real devices), only the extra work of the pipeline.
+- `cores`: 2 devices with one core each (XLA's intra-op threading off), stage:2 against ddp on
+  the same 2 devices, M in {2, 4, 8}: here a stage that idles leaves its core idle, so the
+  measured slowdown can be held against the bubble formula's (M + S - 1) / M.
+- `compile`: gpt_124m's train step compiled on one device with its 12 blocks one by one and as
+  one scan (scan_layers).
+Writes bench_results/pipeline.json and bench_results/pipeline.png (step time and peak memory
+against M; needs matplotlib).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CORES_FLAGS = "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
+
+
+def gpt_trainer(layers, width, mesh, strategy, schedule=None, microbatches=0, devices=None):
+    import jax
+    import optax
+
+    import jddp
+    from jddp.models import GPT
+    from jddp.objectives import OBJECTIVES
+    from jddp.pipeline.options import PipelineOptions
+
+    objective = OBJECTIVES["language_model"]
+    stacked = mesh is not None and "stage" in mesh
+    pipeline = PipelineOptions(microbatches, schedule) if stacked else None
+    model = GPT(
+        512, num_layers=layers, num_heads=4, embed_dim=width, max_seq_len=64, scan_layers=stacked
+    )
+    return jddp.Trainer(
+        model,
+        objective.loss_fn,
+        optax.adamw(1e-3),
+        input_key="inputs",
+        strategy=strategy,
+        mesh=mesh,
+        pipeline=pipeline,
+        devices=devices or jax.devices(),
+        log_grad_norm=False,
+    )
+
+
+def measure(variants, batch, repeats, steps):
+    """Rows of memory and interleaved step times for {name: trainer}."""
+    from experiments.bench import common
+
+    runs, rows = {}, {}
+    for name, trainer in variants.items():
+        state = trainer.init(seed=0, sample_batch=batch)
+        placed = trainer.place_batch(batch)
+        memory = trainer.memory_report(state, placed)
+        runs[name] = [trainer, state, placed]
+        rows[name] = {
+            "variant": name,
+            "state_MiB": memory["state_bytes_per_device"] / 2**20,
+            "peak_MiB": memory["peak_bytes_per_device"] / 2**20,
+        }
+    windows = common.trainer_windows(runs, steps)
+    for window in windows.values():
+        window()  # compile and warm up
+    timings = common.interleaved_medians(windows, repeats)
+    return rows, timings
+
+
+def pipeline_rows(variants, rows, timings, baseline, steps):
+    from experiments.bench import common
+
+    out = []
+    for name, trainer in variants.items():
+        row = rows[name] | {"step_s": timings[name]["median_sec"] / steps}
+        if name != baseline:
+            pipeline = trainer.strategy.pipeline
+            schedule = pipeline.schedule
+            row |= {
+                "schedule": schedule.name,
+                "M": schedule.microbatches,
+                "bubble": schedule.bubble(pipeline.layers_per_stage),
+                "predicted_slowdown": 1 / (1 - schedule.bubble(pipeline.layers_per_stage)),
+                "measured_slowdown": common.paired_ratio(timings, baseline, name),
+            }
+        out.append(row)
+    return out
+
+
+def simulated(repeats, steps):
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (64, 65)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    variants = {"no stage: data:2,fsdp:4": gpt_trainer(8, 256, "data:2,fsdp:4", "zero1")}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8, 16):
+            variants[f"{schedule} M={m}"] = gpt_trainer(
+                8, 256, "stage:4,data:2", "zero1", schedule, m
+            )
+    rows, timings = measure(variants, batch, repeats, steps)
+    return pipeline_rows(variants, rows, timings, "no stage: data:2,fsdp:4", steps)
+
+
+def cores(repeats, steps):
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    assert jax.device_count() == 2
+    variants = {"ddp on 2 devices": gpt_trainer(4, 256, None, "ddp")}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (2, 4, 8):
+            variants[f"{schedule} M={m}"] = gpt_trainer(4, 256, "stage:2", "zero1", schedule, m)
+    rows, timings = measure(variants, batch, repeats, steps)
+    return pipeline_rows(variants, rows, timings, "ddp on 2 devices", steps)
+
+
+def compile_times():
+    import jax
+    import numpy as np
+
+    from experiments.configs import gpt_124m
+    from jddp import data, optim
+    from jddp.experiment import build_trainer
+
+    rows = []
+    for scan in (False, True):
+        config = gpt_124m.get_config()
+        config.model_args.scan_layers = scan
+        config.compute_dtype = "float32"
+        config.global_batch_size, config.data.seq_len = 1, 1024
+        dataset = data.get_dataset(config.dataset)  # its spec only: nothing is read
+        trainer = build_trainer(config, dataset, optim.learning_rate_schedule(config))
+        batch = {k: np.zeros((1, 1024), np.int32) for k in ("inputs", "targets")}
+        state = trainer.abstract_state(batch)
+        start = time.perf_counter()
+        lowered = trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
+        lowered.compile()
+        rows.append(
+            {
+                "layers": "one scan" if scan else "one by one",
+                "compile_s": time.perf_counter() - start,
+            }
+        )
+    assert jax.device_count() >= 1
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no picture")
+        return
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    for schedule in ("gpipe", "1f1b"):
+        mine = [r for r in rows if r.get("schedule") == schedule]
+        ms = [r["M"] for r in mine]
+        time_axis.plot(ms, [r["measured_slowdown"] for r in mine], "o-", label=f"{schedule}")
+        memory_axis.plot(ms, [r["peak_MiB"] for r in mine], "o-", label=schedule)
+    predicted = [r for r in rows if r.get("schedule") == "gpipe"]
+    time_axis.plot(
+        [r["M"] for r in predicted],
+        [r["predicted_slowdown"] for r in predicted],
+        "k--",
+        label="bubble formula",
+    )
+    time_axis.set(
+        xlabel="micro-batches M", ylabel="step time / no pipeline", title="2 devices, one core each"
+    )
+    memory_axis.set(
+        xlabel="micro-batches M", ylabel="compiled peak per device (MiB)", title="peak memory"
+    )
+    for axis in (time_axis, memory_axis):
+        axis.set_xscale("log", base=2)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="steps per timed window")
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--parts", default="simulated,cores,compile")
+    parser.add_argument("--child", choices=["cores"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child == "cores":  # a process of its own: 2 devices, one core each
+        print(json.dumps(cores(args.repeats, args.steps)))
+        return
+    from experiments.bench import common
+
+    parts = args.parts.split(",")
+    result = {}
+    if "cores" in parts:
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "experiments.bench.pipeline",
+                "--child=cores",
+                f"--repeats={args.repeats}",
+                f"--steps={args.steps}",
+            ],
+            env={**os.environ, "XLA_FLAGS": CORES_FLAGS, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result["cores"] = json.loads(child.stdout.strip().splitlines()[-1])
+    if "simulated" in parts:
+        result["simulated"] = simulated(args.repeats, args.steps)
+    if "compile" in parts:
+        result["compile"] = compile_times()
+    rows = [dict(part=part, **row) for part, part_rows in result.items() for row in part_rows]
+    columns = sorted(
+        {k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99
+    )
+    rows = [{c: r.get(c, "") for c in columns} for r in rows]
+    common.report("pipeline", rows, {"repeats": args.repeats, "steps": args.steps}, args.out)
+    if "cores" in result:
+        plot(result["cores"], os.path.join(args.out, "pipeline.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The bad-input contract where it used to leak, checked in-process: each mistake is a typed
+one-line `JddpError` raised before anything is written (the CLI prints exactly that line and
+exits 2, as tests/test_cli_errors.py shows for a few): non-finite or out-of-range values, layers
+of no width, file-system conditions, messages that named the wrong key; and the launcher's own
+mistakes, which end it in one line too."""
+
+import math
+import sys
+
+import pytest
+
+import jddp.launch
+from experiments.configs import digits_mlp
+from jddp import config as config_lib
+from jddp.errors import ConfigError, DataError, WorkdirError
+from jddp.experiment import train_and_evaluate
+from tests.helpers import assert_one_line, read_only_dir
+
+
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("learning_rate", math.inf, ["learning_rate", "finite number > 0", "inf"]),
+        ("learning_rate", math.nan, ["learning_rate", "finite number > 0", "nan"]),
+        ("weight_decay", math.nan, ["weight_decay", "finite number >= 0", "nan"]),
+        ("grad_clip_norm", math.nan, ["grad_clip_norm", "finite number >= 0"]),
+        ("grad_clip_norm", math.inf, ["grad_clip_norm", "finite number >= 0"]),
+        ("peak_flops_per_device", math.inf, ["peak_flops_per_device", "finite"]),
+        ("adam_b1", 1.0, ["adam_b1 must be in [0, 1), got 1.0"]),
+        ("adam_b2", -0.1, ["adam_b2 must be in [0, 1), got -0.1"]),
+        ("adam_b2", math.nan, ["adam_b2 must be in [0, 1)"]),
+        ("momentum", 1.5, ["momentum must be in [0, 1)"]),
+        ("min_lr_ratio", math.nan, ["min_lr_ratio must be in [0, 1]"]),
+    ],
+)
+def test_non_finite_and_out_of_range_values_are_refused(key, value, words):
+    config = digits_mlp.get_config()
+    config[key] = value
+    with pytest.raises(ConfigError) as error:
+        config_lib.validate(config)
+    assert_one_line(error, *words, f"--config.{key}")
+
+
+def text_file_config(path):
+    config = digits_mlp.get_config()
+    config.dataset, config.data.text_file = "text_file", str(path)
+    return config
+
+
+def with_values(config=None, **values):
+    config = config or digits_mlp.get_config()
+    for dotted, value in values.items():
+        *parents, key = dotted.split("__")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[key] = value
+    return config
+
+
+@pytest.mark.parametrize(
+    "make_config,error_type,words",
+    [
+        (
+            lambda tmp: with_values(model_args__hidden_sizes=(64, 0)),
+            ConfigError,
+            ["model_args.hidden_sizes=(64, 0)", "size below 1", "--config.model_args.hidden_sizes"],
+        ),
+        (  # the eval batch, not the global batch, is what does not divide
+            lambda tmp: with_values(eval_batch_size=100),
+            ConfigError,
+            ["eval_batch_size=100 is not divisible by the 8 devices", "96 or 104"],
+        ),
+        (
+            lambda tmp: text_file_config(tmp),
+            DataError,
+            ["data.text_file", "is a directory", "UTF-8 text file"],
+        ),
+        (
+            lambda tmp: with_values(data__data_dir=str(tmp / "notes.txt")),
+            DataError,
+            ["data dir", "notes.txt' is a file", "--config.data.data_dir"],
+        ),
+        (
+            lambda tmp: with_values(data__data_dir=str(tmp / "notes.txt" / "tfds")),
+            DataError,
+            ["data dir", "is under", "notes.txt', which is a file"],
+        ),
+    ],
+    ids=["zero-width layer", "eval batch", "text file is a dir", "data dir is a file", "under one"],
+)
+def test_mistakes_found_before_anything_is_written(tmp_path, make_config, error_type, words):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(error_type) as error:
+        train_and_evaluate(make_config(tmp_path), str(tmp_path / "run"))
+    assert_one_line(error, *words)
+    assert not (tmp_path / "run").exists()
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_a_workdir_under_a_file_or_on_a_read_only_file_system_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(WorkdirError) as error:
+        train_and_evaluate(digits_mlp.get_config(), str(tmp_path / "notes.txt" / "run"))
+    assert_one_line(error, "is under", "notes.txt', which is a file", "--workdir")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    with read_only_dir(tmp_path / "ro") as folder:
+        with pytest.raises(WorkdirError) as error:
+            train_and_evaluate(digits_mlp.get_config(), str(folder / "run"))
+        assert_one_line(error, "workdir", "--workdir")
+        assert "read-only file system" in str(error.value) or "no permission" in str(error.value)
+        # and a data dir there that still has to be prepared
+        config = with_values(data__data_dir=str(folder / "tfds"))
+        with pytest.raises(DataError) as error:
+            train_and_evaluate(config, str(tmp_path / "run"))
+        assert_one_line(error, "dataset digits is not prepared in", "writable --config.data")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------- launcher
+def launch(capsys, *argv):
+    """(exit code, stderr lines) of `jddp-launch ARGV`, run in this process."""
+    try:
+        code = jddp.launch.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--nproc=1", "--devices_per_proc=-1", "--", "true"], ["--devices_per_proc", "least 0"]),
+        (["--nproc=0", "--", "true"], ["--nproc must be at least 1, got 0"]),
+        (["--nprocs=2", "--", "true"], ["--nproc", "required", "--help"]),
+        (["--nproc=1", "--", "no-such-command-jddp"], ["cannot run 'no-such-command-jddp'"]),
+    ],
+    ids=["negative devices", "no processes", "misspelt flag", "no such command"],
+)
+def test_launcher_mistakes_are_one_line(capsys, argv, words):
+    code, lines = launch(capsys, *argv)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_a_childs_one_line_error_is_the_launchers_last_line(capsys):
+    child = "import sys; print('error: the child says why', file=sys.stderr); sys.exit(2)"
+    code, lines = launch(capsys, "--nproc=2", "--", sys.executable, "-c", child)
+    assert code == 2
+    assert lines[-1] == "error: the child says why", lines

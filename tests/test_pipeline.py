@@ -1,0 +1,191 @@
+"""Pipeline parallelism: GPipe and 1F1B over a stage axis, alone and with data, fsdp and tensor,
+train what one device trains; their bubbles never reach a result; 1F1B holds fewer activations."""
+
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp import hlo
+from jddp.pipeline import engine
+from jddp.pipeline.options import PipelineOptions
+from jddp.pipeline.schedule import (
+    BACKWARD_HIGH,
+    FORWARD,
+    SCHEDULES,
+    bubble_fraction,
+    make_schedule,
+)
+from tests.reference import SmallNet, make_batches, per_example_ce
+from tests.tiny_gpt import check_against_reference, gpt_trainer, run, token_batches
+
+LAYERS, BATCH = 4, 32  # 4 layers split into 2 or 4 stages; 32 rows: 16 micro-batches x 2 steps
+
+
+def pipeline_trainer(mesh, schedule, microbatches, strategy="zero1", **kwargs):
+    return gpt_trainer(
+        strategy,
+        mesh,
+        layers=LAYERS,
+        pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule),
+        grad_accum_steps=2,
+        **kwargs,
+    )
+
+
+CASES = [
+    (f"stage:{s}", schedule, m)
+    for s in (2, 4)
+    for m in (s, 2 * s, 4 * s)
+    for schedule in ("gpipe", "1f1b")
+]
+CASES += [
+    ("data:2,stage:2", "1f1b", 4),
+    ("stage:2,fsdp:2", "1f1b", 4),
+    ("data:2,stage:4", "gpipe", 8),
+    ("stage:2,fsdp:2,tensor:2", "1f1b", 4),  # with sequence parallelism inside the stages
+]
+
+
+@pytest.mark.parametrize("mesh,schedule,microbatches", CASES)
+def test_pipeline_matches_one_device(mesh, schedule, microbatches):
+    """20 steps, AdamW, clipping, 2 accumulation steps of M micro-batches each: every loss, the
+    parameters and the optimizer state equal the single-device loop's."""
+    trainer = pipeline_trainer(mesh, schedule, microbatches, sp="tensor" in mesh)
+    check_against_reference(trainer, token_batches(size=BATCH), layers=LAYERS)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["2 layers per stage", "1 layer per stage"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_timetables_idle_as_the_bubble_formula_says_and_1f1b_holds_s_minus_s(name, split):
+    """Every timetable runs each micro-batch's forward and backward once per stage, idles
+    (S - 1) / (M + S - 1) of the time (a backward costing two forwards), and 1F1B never keeps
+    more than S - s micro-batches on stage s (its stash); with one layer per stage 1F1B's
+    lockstep ticks wait for the longer backward."""
+    for stages, microbatches in ((2, 2), (2, 8), (4, 4), (4, 16), (8, 32)):
+        schedule = make_schedule(name, stages, microbatches, split)
+        for op in (FORWARD, BACKWARD_HIGH):
+            assert ((schedule.op == op).sum(axis=0) == microbatches).all()
+        formula = bubble_fraction(stages, microbatches)
+        bubble = schedule.bubble(layers_per_stage=2 if split else 1)
+        if split or name == "gpipe":
+            assert bubble == pytest.approx(formula)
+        else:
+            assert bubble >= formula
+        stash = stages if name == "1f1b" else microbatches
+        assert schedule.stash_slots == stash
+
+
+def test_bubbles_never_reach_a_result(monkeypatch):
+    """Idle ticks send, and empty buffer slots hold, NaN instead of zeros: the same parameters,
+    bit for bit (GPipe on 4 stages with 4 micro-batches idles 3 ticks in 7)."""
+    results = []
+    for fill in (0.0, math.nan):
+        monkeypatch.setattr(engine, "BUBBLE_FILL", fill)
+        trainer = pipeline_trainer("stage:4", "gpipe", 4)
+        _, state, losses = run(trainer, token_batches(size=BATCH)[:3])
+        results.append((jax.device_get(state.params), losses))
+    jax.tree.map(np.testing.assert_array_equal, results[0][0], results[1][0])
+    assert results[0][1] == results[1][1] and np.isfinite(results[1][1]).all()
+
+
+def loop_collectives(trainer, batch):
+    """(collectives inside the micro-batch loop, collectives outside every loop) of the
+    compiled step, as (kind, bytes, device groups)."""
+    state = trainer.init(seed=0, sample_batch=batch)
+    text = trainer.strategy.lower_train_step(state, trainer.place_batch(batch).arrays)
+    comps = hlo.computations(text.compile().as_text())
+    bodies = {b for t in comps.values() for b in re.findall(r"body=%([\w.\-]+)", t)}
+    reach = {b: hlo.reachable(comps, [b]) for b in bodies}
+    ticks = min(
+        (b for b in bodies if any("collective-permute(" in comps[c] for c in reach[b])),
+        key=lambda b: len(reach[b]),
+    )
+
+    inside = [op for name in reach[ticks] for op in hlo.collectives_with_groups(comps[name])]
+    in_loops = set().union(*reach.values())
+    outside = [
+        op for name in set(comps) - in_loops for op in hlo.collectives_with_groups(comps[name])
+    ]
+    return inside, outside
+
+
+def test_only_neighbouring_stages_talk_inside_the_micro_batch_loop():
+    """data:2,stage:2: inside the loop over ticks, exactly two collective-permutes (activations
+    forward, cotangents back) of one micro-batch's activations, between the devices of each
+    data replica's two stages; the gradient all-reduce over data happens once, after the loop."""
+    trainer = pipeline_trainer("data:2,stage:2", "1f1b", 4)
+    inside, outside = loop_collectives(trainer, token_batches(size=BATCH)[0])
+    rows = BATCH // 2 // 2 // 4  # per replica, per accumulation step, per micro-batch
+    activation = rows * 16 * 32 * 4  # rows x sequence x width, float32
+    stage_pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}  # devices [[0, 1], [2, 3]]: (data, stage)
+    assert sorted((k, b) for k, b, _ in inside) == [("collective-permute", activation)] * 2
+    assert all(set(g) <= stage_pairs for _, _, g in inside)
+    data_groups = [(0, 2), (1, 3)]
+    assert any(k == "all-reduce" and g == data_groups for k, _, g in outside)
+
+
+def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():
+    """stage:2 with micro-batches of 4 rows: every device holds 2 of the 4 layers. At M = 4S = 8
+    micro-batches GPipe keeps all 8 micro-batches' activations for the backward, 1F1B at most
+    2: its compiled peak is lower by about 6 micro-batches' worth, a micro-batch's worth
+    measured as what GPipe's peak grows by per micro-batch from M = 4 to 8."""
+    peaks = {}
+    for schedule, microbatches in (("gpipe", 4), ("gpipe", 8), ("1f1b", 8)):
+        batch = token_batches(steps=1, size=4 * microbatches)[0]
+        trainer = gpt_trainer(
+            "zero1",
+            "stage:2",
+            layers=LAYERS,
+            pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule),
+        )
+        state = trainer.init(seed=0, sample_batch=batch)
+        peaks[schedule, microbatches] = trainer.memory_report(state, batch)["peak_bytes_per_device"]
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
+    assert kernel.shape[0] == LAYERS
+    assert {s.data.shape[0] for s in kernel.addressable_shards} == {LAYERS // 2}
+    per_microbatch = (peaks["gpipe", 8] - peaks["gpipe", 4]) / 4
+    saved = peaks["gpipe", 8] - peaks["1f1b", 8]
+    assert per_microbatch > 0 and saved == pytest.approx(6 * per_microbatch, rel=0.25), peaks
+
+
+def small_gpt_trainer(mesh, **options):
+    return gpt_trainer(
+        "zero1", mesh, layers=options.pop("layers", LAYERS), pipeline=PipelineOptions(**options)
+    )
+
+
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda: small_gpt_trainer("stage:2", layers=3), "3 layers do not split into stage=2"),
+        (lambda: small_gpt_trainer("stage:4", microbatches=2), "fewer than the 4 stages"),
+        (lambda: small_gpt_trainer("stage:2", microbatches=3), "batch slices x micro-batches"),
+        (lambda: PipelineOptions(schedule="zigzag"), "unknown parallel.pipeline.schedule"),
+        (lambda: PipelineOptions(repeats=2), "repeats=2: interleaved"),
+        (
+            lambda: jddp.Trainer(
+                SmallNet(), per_example_ce, optax.sgd(0.1), strategy="zero1", mesh="stage:2,fsdp:4"
+            ),
+            "no stack of identical blocks",
+        ),
+    ],
+)
+def test_pipelines_that_cannot_work_are_one_line_config_errors(build, message):
+    with pytest.raises(jddp.ConfigError) as info:
+        trainer = build()
+        sample = token_batches(steps=1, size=BATCH)[0] if hasattr(trainer, "task") else None
+        if sample is not None and trainer.task.input_key == "image":
+            sample = make_batches()[0]
+        trainer.check_layout(sample, 32)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_float16_loss_scaling_under_a_pipeline_is_a_one_line_config_error():
+    with pytest.raises(jddp.ConfigError, match="float16") as info:
+        gpt_trainer("zero1", "stage:2", compute_dtype="float16")
+    assert "\n" not in str(info.value)

@@ -1,0 +1,217 @@
+"""Never lose what the user had: a rerun with another config is refused naming the keys before
+anything is written (or, allowed, continues and is recorded); a finished run run again changes
+nothing; a restore that fails for another reason than damage moves nothing; every checkpoint
+damaged stops without a fresh start; a full disk stops the run in one line with the earlier
+checkpoints intact; a fallback restore prints no stray tracebacks. Workdirs are compared by
+checksumming every file before and after."""
+
+import errno
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments.configs import digits_mlp
+from jddp.errors import CheckpointError, WorkdirError
+from jddp.experiment import train_and_evaluate
+from tests.helpers import REPO, assert_one_line, checkout_env, run_cli, snapshot
+
+SMALL = {
+    "num_train_steps": 10,
+    "log_every": 5,
+    "eval_every": 10,
+    "checkpoint_every": 5,
+    "warmup_steps": 0,
+    "max_to_keep": 2,
+}
+SMALL_FLAGS = [f"--config.{key}={value}" for key, value in SMALL.items()]
+
+
+def small_config(**overrides):
+    config = digits_mlp.get_config()
+    for key, value in {**SMALL, **overrides}.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run trained to its end: checkpoints at steps 5 and 10, export, summary."""
+    workdir = tmp_path_factory.mktemp("finished") / "run"
+    train_and_evaluate(small_config(), str(workdir))
+    return workdir
+
+
+@pytest.fixture
+def workdir(finished_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+def records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------- 6: config changes
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ({"learning_rate": 1e-3}, ["learning_rate: 0.002 -> 0.001"]),
+        ({"seed": 1, "global_batch_size": 64}, ["global_batch_size: 128 -> 64", "seed: 0 -> 1"]),
+        ({"num_train_steps": 20}, ["num_train_steps: 10 -> 20"]),
+    ],
+)
+def test_a_changed_config_is_refused_naming_the_keys_and_nothing_is_written(
+    workdir, overrides, words
+):
+    before = snapshot(workdir)
+    with pytest.raises(WorkdirError) as error:
+        train_and_evaluate(small_config(**overrides), str(workdir))
+    assert_one_line(error, "another config", *words, "config.json", "allow_config_change=true")
+    assert snapshot(workdir) == before
+
+
+def test_a_finished_run_run_again_changes_nothing(workdir):
+    """Also with keys that only change how the run is logged and checkpointed."""
+    before = snapshot(workdir)
+    saved = json.loads((workdir / "summary.json").read_text())
+    for overrides in ({}, {"log_every": 1, "eval_every": 2, "checkpoint_every": 3}):
+        summary = train_and_evaluate(small_config(**overrides), str(workdir))
+        assert summary["eval_accuracy"] == saved["eval_accuracy"]
+        assert snapshot(workdir) == before
+
+
+def test_an_allowed_change_continues_and_is_recorded_in_the_metrics(workdir):
+    first = records(workdir)
+    config = small_config(num_train_steps=15, learning_rate=1e-3, allow_config_change=True)
+    train_and_evaluate(config, str(workdir))
+    after = records(workdir)
+    assert after[: len(first)] == first and [r["step"] for r in after[len(first) :]] == [15]
+    changes = {"learning_rate": [0.002, 0.001], "num_train_steps": [10, 15]}
+    assert after[-1]["config_changes"] == changes
+    # Step 15 applied update 14 of the new schedule: cosine from 1e-3 over 15 updates.
+    expected_rate = 1e-3 * 0.5 * (1 + math.cos(math.pi * 14 / 15))
+    assert after[-1]["learning_rate"] == pytest.approx(expected_rate, rel=1e-5)
+    assert json.loads((workdir / "config.json").read_text())["num_train_steps"] == 15
+
+
+# ------------------------------------------------------------------- 7: failures to restore
+def fail_state_restores(monkeypatch, error):
+    real = ocp.CheckpointManager.restore
+
+    def restore(self, step, *args, **kwargs):
+        if "state" in kwargs.get("args", {}).keys():
+            raise error
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        MemoryError("injected"),
+        OSError(errno.EIO, "Input/output error"),
+        ValueError("RESOURCE_EXHAUSTED: injected: out of memory while allocating 4.0 GiB"),
+    ],
+    ids=["host-memory", "io-error", "device-memory"],
+)
+def test_a_restore_failing_for_another_reason_than_damage_moves_nothing(
+    workdir, monkeypatch, failure
+):
+    before = snapshot(workdir)
+    fail_state_restores(monkeypatch, failure)
+    with pytest.raises(CheckpointError) as error:
+        train_and_evaluate(small_config(), str(workdir))
+    assert_one_line(error, "checkpoints/10", type(failure).__name__, "not damage", "nothing was")
+    assert snapshot(workdir) == before
+
+
+def test_every_checkpoint_damaged_stops_without_a_fresh_start(workdir):
+    for path in glob.glob(str(workdir / "checkpoints/*/state/**/d/*"), recursive=True):
+        os.truncate(path, os.path.getsize(path) // 2)
+    logs = {k: v for k, v in snapshot(workdir).items() if not k.startswith("checkpoints")}
+    with pytest.raises(CheckpointError) as error:
+        train_and_evaluate(small_config(num_train_steps=20, allow_config_change=True), workdir)
+    assert_one_line(error, "every checkpoint", "damaged", "checkpoints_damaged", "new --workdir")
+    moved = sorted(p.split("-")[0] for p in os.listdir(workdir / "checkpoints_damaged"))
+    assert moved == ["10", "5"] and os.listdir(workdir / "checkpoints") == []
+    with pytest.raises(WorkdirError) as error:  # and running it again does not start afresh
+        train_and_evaluate(small_config(num_train_steps=20, allow_config_change=True), workdir)
+    assert_one_line(error, "all damaged", "new --workdir")
+    after = snapshot(workdir)
+    assert {k: after[k] for k in logs} == logs
+
+
+# ----------------------------------------------------- 9: a fallback restore, as the user sees it
+def test_a_fallback_restore_prints_no_stray_tracebacks(workdir):
+    for path in glob.glob(str(workdir / "checkpoints/10/state/**/d/*"), recursive=True):
+        os.remove(path)  # missing files: tensorstore still has reads in flight when it fails
+    os.remove(workdir / "summary.json")
+    result = run_cli(f"--workdir={workdir}", *SMALL_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert "checkpoints/10 is damaged" in result.stderr
+    for stray in ("Traceback", "Event loop is closed", "was never awaited"):
+        assert stray not in result.stderr, result.stderr
+    assert records(workdir)[-1]["step"] == 10
+
+
+# ------------------------------------------------------------------------------ 8: full disk
+def test_a_write_error_during_a_save_stops_there_in_one_line(workdir):
+    """Files may not grow past 512 KiB (RLIMIT_FSIZE, no privileges needed): the 1 MiB
+    checkpoint of step 15 fails to write, in orbax's background thread, like a full disk."""
+    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
+    limited = (
+        "import resource, runpy, sys; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2**19, 2**19)); "
+        "sys.argv[0] = 'train'; runpy.run_module('experiments.train', run_name='__main__')"
+    )
+    flags = [f"--workdir={workdir}", *SMALL_FLAGS, "--config.num_train_steps=40"]
+    result = subprocess.run(
+        [sys.executable, "-c", limited, *flags, "--config.allow_config_change=true"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=checkout_env(),
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    for words in ("error: could not save the checkpoint of step 15", str(workdir / "checkpoints")):
+        assert words in last, last
+    assert "File too large (it needs about 996.1 KiB" in last and "(newest: step 10)" in last
+    after = snapshot(workdir)
+    assert {k: after[k] for k in kept} == kept  # 5 and 10, though max_to_keep is 2
+    assert sorted(n for n in os.listdir(workdir / "checkpoints") if n.isdigit()) == ["10", "5"]
+    assert records(workdir)[-1]["step"] <= 20  # stopped, not trained on to 40
+
+
+def test_a_full_disk_during_a_save_stops_there_in_one_line(workdir, tmp_path):
+    """A real full disk: a 4 MiB tmpfs (root only) holding the run and a ballast file."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (the write-error test covers the rest)")
+    try:
+        run = disk / "run"
+        shutil.copytree(workdir, run)
+        with open(disk / "ballast", "wb") as f:  # leave 64 KiB: metrics fit, a checkpoint not
+            f.write(b"\0" * (shutil.disk_usage(disk).free - 64 * 1024))
+        kept = {k: v for k, v in snapshot(run).items() if k.startswith("checkpoints/")}
+        config = small_config(num_train_steps=40, allow_config_change=True)
+        with pytest.raises(CheckpointError) as error:
+            train_and_evaluate(config, str(run))
+        assert_one_line(error, "of step 15", "No space left on device", "(newest: step 10)")
+        after = snapshot(run)
+        assert {k: after[k] for k in kept} == kept
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # even if busy

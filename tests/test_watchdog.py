@@ -1,0 +1,99 @@
+"""The hang watchdog on real training processes (tests/hang_worker.py hangs one on purpose in a
+host callback): every process writes its threads' stacks, prints one line and exits within the
+timeout plus a few seconds, also a process that hangs only because its peer does; a slow first
+step, a slow evaluation and slow checkpoint saves raise no alarm."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers import REPO
+
+TIMEOUT_S = 3  # --config.hang_timeout_s
+EXIT_WITHIN_S = TIMEOUT_S + 12  # after the hang begins: polls, grace, stack dump, scheduling
+HARD_LIMIT_S = 240  # a run that has not hung by then is SIGKILLed
+WORKER = ["-m", "tests.hang_worker", "--config.model=sleepy_mlp", "--config.warmup_steps=0"]
+FLAGS = ["--config.num_train_steps=1000", "--config.log_every=5"]
+
+
+def start(launcher, workdir, env, *flags) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*launcher, sys.executable, *WORKER, f"--workdir={workdir}", *FLAGS, *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env, "JDDP_TEST_HANG_MARKER": str(workdir) + ".hung"},
+        start_new_session=True,
+    )
+
+
+def run_until_hang_and_exit(process, workdir) -> tuple[int, str]:
+    """Waits for the hang to begin, then at most EXIT_WITHIN_S for the exit (else SIGKILL)."""
+    marker, deadline = str(workdir) + ".hung", time.monotonic() + HARD_LIMIT_S
+    while not os.path.exists(marker) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        output, _ = process.communicate(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"still running {EXIT_WITHIN_S} s after the hang:\n{output}") from None
+    assert os.path.exists(marker), output
+    return process.returncode, output
+
+
+def one_line(output: str, prefix: str = "") -> str:
+    lines = [line for line in output.splitlines() if line.startswith(prefix + "error: ")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def assert_stacks(path, *words):
+    text = open(path).read()
+    assert "no training step finished" in text and "(most recent call first)" in text
+    for word in words:
+        assert word in text, (word, text[:3000])
+
+
+def test_one_process_hang_is_reported_after_a_slow_first_step_eval_and_save(tmp_path):
+    """8 devices: the first step, the evaluation at step 10 and the checkpoint save at step 10
+    each take twice the timeout and raise no alarm; the hang in step 15 (the device call
+    14 x 8) does."""
+    workdir = tmp_path / "run"
+    slow = str(2 * TIMEOUT_S)
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JDDP_TEST_SLOW_FIRST_S": slow,
+        "JDDP_TEST_SLOW_EVAL_S": slow,
+        "JDDP_TEST_SLOW_SAVE_S": slow,
+        "JDDP_TEST_HANG_AT": str(14 * 8),
+    }
+    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.eval_every=10"]
+    process = start([], workdir, env, *flags, "--config.checkpoint_every=10")
+    code, output = run_until_hang_and_exit(process, workdir)
+    assert code == 3, output
+    line = one_line(output)
+    assert "no training step finished for" in line and "after step 14" in line, line
+    assert "last dispatched: train step" in line and str(workdir / "hang-0.txt") in line, line
+    assert os.path.isdir(workdir / "checkpoints" / "10")  # the slow save is done, no alarm
+    assert_stacks(workdir / "hang-0.txt", "in _host_hook", "in train_and_evaluate")
+
+
+def test_two_processes_both_report_when_one_hangs(tmp_path):
+    """Process 1 sleeps in step 11; process 0 waits for it inside the gradient all-reduce.
+    Both write their stacks and say so in one line; the launcher exits with their code."""
+    workdir = tmp_path / "run"
+    env = {"JDDP_TEST_HANG_AT": "10", "JDDP_TEST_HANG_PROCESS": "1"}
+    launcher = [sys.executable, "-m", "jddp.launch", "--nproc=2", "--devices_per_proc=1", "--"]
+    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
+    code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
+    assert code == 3, output
+    for process in (0, 1):
+        line = one_line(output, f"[{process}] ")
+        assert "no training step finished" in line and "after step 10" in line, line
+        assert str(workdir / f"hang-{process}.txt") in line, line
+    assert_stacks(workdir / "hang-1.txt", "in _host_hook")  # the sleeper
+    assert_stacks(workdir / "hang-0.txt", "in train_and_evaluate")  # stuck in the collective

@@ -149,19 +149,22 @@ def _device_count(hlo_text: str) -> int:
 
 
 def group_axes(
-    groups: tuple[tuple[int, ...], ...] | None, mesh_ids: np.ndarray, axis_names: Sequence[str]
+    groups: tuple[tuple[int, ...], ...] | None,
+    mesh_ids: np.ndarray,
+    axis_names: Sequence[str],
+    pairs: bool = False,
 ) -> tuple[str, ...]:
     """The mesh axes a collective's groups span: those along which the members of a group
     differ, for a mesh whose device ids are `mesh_ids` (shaped like the mesh, axes
     `axis_names`). None (every device) spans every axis of size > 1. A ValueError if the groups
-    are not whole sub-meshes."""
+    are not whole sub-meshes, unless they are a collective-permute's (source, target) `pairs`."""
     if groups is None:
         return tuple(a for a, n in zip(axis_names, mesh_ids.shape, strict=True) if n > 1)
     where = {int(d): index for index, d in np.ndenumerate(mesh_ids)}
     coords = np.array([where[d] for d in groups[0]])
     axes = tuple(a for i, a in enumerate(axis_names) if len(set(coords[:, i])) > 1)
     span = math.prod(mesh_ids.shape[axis_names.index(a)] for a in axes)
-    if span != len(groups[0]):
+    if span != len(groups[0]) and not pairs:
         raise ValueError(f"replica group {groups[0]} is not a sub-mesh of axes {axis_names}")
     return axes
 
@@ -175,7 +178,8 @@ def bytes_by_axes(
     for op in ops:
         big = op.executions * sum(b for b in op.sizes if b >= min_bytes)
         if big:
-            key = (group_axes(op.groups, mesh_ids, axis_names), op.kind)
+            pairs = op.kind == "collective-permute"
+            key = (group_axes(op.groups, mesh_ids, axis_names, pairs), op.kind)
             totals[key] = totals.get(key, 0) + big
     return totals
 

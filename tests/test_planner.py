@@ -56,6 +56,22 @@ def test_pipeline_bubble():
     assert pipeline.bubble_fraction(w, Layout("zero3", fsdp=8)) == 0
 
 
+def test_pipeline_sends_by_hand():
+    """4 stages of 2 layers, 8 micro-batches of 4 rows x 16 tokens x width 64 in float32
+    (16,384 bytes): jddp's lockstep engine sends forward and back at every one of its
+    3 (M + S - 1) = 33 ticks (the backward in two ticks), Megatron only the 2 M real sends."""
+    t = Transformer(8, 64, 4, 256, 128, 16)
+    w = Workload("w", transformer_params(t), 64, 1.0, transformer=t, microbatches=8)
+    layout = Layout("zero3", fsdp=2, stage=4)
+    sends, reduce = pipeline.stage_collectives(w, layout)
+    assert (sends.kind, sends.nbytes, sends.count) == ("collective-permute", 4 * 16 * 64 * 4, 66)
+    # the parameters outside the stack (embedding 128 x 64, positions 16 x 64, final norm)
+    assert (reduce.kind, reduce.nbytes) == ("all-reduce", 4 * (128 * 64 + 16 * 64 + 2 * 64))
+    megatron = dataclasses.replace(w, lockstep_pipeline=False)
+    (sends,) = pipeline.stage_collectives(megatron, layout)
+    assert sends.count == 16
+
+
 # ------------------------------------------------------------------------ the step's time
 PROFILE = devices.DeviceProfile(
     "test", peak_flops=100e12, memory=80 * GB, memory_bandwidth=1e12, bw_intra=100e9,

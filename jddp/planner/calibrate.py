@@ -3,7 +3,8 @@
     matmul rate     the best of a few 2048^3 float32 matmuls through XLA: the whole machine's
                     rate, which the simulated devices share (`shared_compute`)
     memory          DRAM bandwidth from a large elementwise add (what the optimizer update pays)
-    intra-host      all-reduce, all-gather and reduce-scatter among the in-process simulated
+    intra-host      all-reduce, all-gather, reduce-scatter and collective-permute among the
+                    in-process simulated
                     devices (XLA:CPU), a few sizes each; latency and bandwidth fitted to the
                     ring formulas of jddp/planner/network.py
     inter-host      the same between 2 processes over gloo (started with jddp.launch on
@@ -78,6 +79,8 @@ def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
         "all-reduce": lambda x: lax.psum(x, "x"),
         "all-gather": lambda x: lax.all_gather(x, "x", tiled=True),
         "reduce-scatter": lambda x: lax.psum_scatter(x, "x", tiled=True),
+        # a pipeline's send to the next stage
+        "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
     }
     out = {}
     for kind, op in ops.items():
@@ -104,7 +107,10 @@ def fit_link(seconds: dict[str, dict[int, float]], n: int) -> tuple[float, float
         steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
         for size, t in by_size.items():
             volume = size * n if kind == "all-gather" else size  # the buffer the formula takes
-            rows.append([steps / n * volume / t, steps / t])
+            if kind == "collective-permute":  # V/B + a
+                rows.append([volume / t, 1 / t])
+            else:
+                rows.append([steps / n * volume / t, steps / t])
     rows = np.array(rows)
     ones = np.ones(len(rows))
     (inverse_bw, latency), *_ = np.linalg.lstsq(rows, ones, rcond=None)
@@ -172,8 +178,9 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     bandwidth = memory_bandwidth()
     intra_times = collective_seconds(devices)
     inter_times = {k: {int(s): t for s, t in v.items()} for k, v in _launch_gloo_worker().items()}
-    bw_intra, lat_intra = fit_link(intra_times, len(devices))
-    bw_inter, lat_inter = fit_link(inter_times, 2)
+    rings = ("all-reduce", "all-gather", "reduce-scatter")  # the common link: ring collectives
+    bw_intra, lat_intra = fit_link({k: intra_times[k] for k in rings}, len(devices))
+    bw_inter, lat_inter = fit_link({k: inter_times[k] for k in rings}, 2)
     per_kind = tuple(
         (kind, *fit_link({kind: intra_times[kind]}, len(devices)),
          *fit_link({kind: inter_times[kind]}, 2))

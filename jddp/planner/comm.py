@@ -72,7 +72,7 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         # One tensor rank's part, in the dtype that crosses the wire.
         b = p.elements * (workload.comm_bytes or p.itemsize)
         b //= tensor if p.split_over("tensor") else 1
-        sharded = layout.strategy != "ddp" and p.split_over("fsdp")
+        sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
         if layout.strategy in ("ddp", "zero1") or not sharded:
             add("all-reduce", batch, b, 1, BACKWARD, "gradients")
         else:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data

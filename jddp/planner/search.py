@@ -20,12 +20,8 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
     parts = layout.batch_shards * workload.grad_accum_steps
     if workload.global_batch % parts:
         return f"global batch {workload.global_batch} does not split into {parts}"
-    if reason := check_stages(workload, layout.stage):
+    if reason := check_stages(workload, layout):
         return reason
-    if layout.stage > 1:
-        rows = workload.global_batch // parts
-        if rows % microbatches(workload, layout):
-            return f"{rows} rows per replica do not split into micro-batches"
     if layout.tensor > 1:
         if t is None:
             return "tensor parallelism is planned for transformers only"
@@ -74,6 +70,7 @@ def plan_row(
         "strategy": layout.strategy,
         "mesh": {a: layout.sizes[a] for a in ("data", "fsdp", "tensor", "stage")},
         "sequence_parallel": layout.sequence_parallel,
+        "pipeline_microbatches": microbatches(workload, layout) if layout.stage > 1 else 0,
         "layout": layout.name,
         "bytes_per_device": int(total),
         "state_bytes": {

@@ -12,7 +12,9 @@ overlap     each collective by when it runs (jddp/planner/comm.py phases):
             collectives (`overlap=False`, the CPU) everything is exposed, as it is for the
             axes a workload names in `exposed_axes`.
 bubble      compute and critical communication run inside the pipeline, so its idle share
-            b (jddp/planner/pipeline.py) stretches them by b / (1 - b)
+            b (jddp/planner/pipeline.py) stretches them by b / (1 - b) (also on simulated
+            devices sharing a machine's cores: an idle stage's cores do not serve the busy
+            ones, experiments/bench/planner.py)
 """
 
 import dataclasses

@@ -128,6 +128,8 @@ class Workload:
     comm_bytes: int = 0  # bytes per parameter / gradient element on the wire; 0: their own
     microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/pipeline.py)
     virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
+    pipeline_schedule: str = "1f1b"  # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
+    lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/pipeline.py)
     vocab_parallel_loss: bool = False  # jddp's language-model loss and accuracy over tensor
     regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute
     recompute_drops_output: bool = True  # XLA skips a recomputed layer's last reduction
@@ -237,4 +239,6 @@ def from_config(config) -> Workload:
         min_shard_size=config.parallel.min_shard_size,
         grad_accum_steps=config.grad_accum_steps,
         compute_bytes=2 if config.compute_dtype == "bfloat16" else 4,
+        microbatches=config.parallel.pipeline.microbatches,
+        pipeline_schedule=config.parallel.pipeline.schedule,
     )

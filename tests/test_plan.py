@@ -1,6 +1,7 @@
 """The planner's memory (exact state bytes; compiled peaks where it compiles) and its command
 line: the `--json` contract, `--published`, and bad input in one line with exit code 2."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import pytest
 
 from experiments.configs import digits_mlp
 from jddp import data, optim
+from jddp.errors import ConfigError
 from jddp.experiment import build_trainer
+from jddp.planner import devices, published, search
 from jddp.planner.compiled import compiled_peaks
 from jddp.planner.layouts import Layout
 from jddp.planner.memory import state_bytes
@@ -73,25 +76,21 @@ def test_compiled_peak_is_the_peak_of_the_real_step():
 
 
 # ---------------------------------------------------------------------------- the CLI
-def run_plan(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "jddp.plan", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-GPT_124M = "--config=experiments/configs/gpt_124m.py"
+GPT_124M = "experiments/configs/gpt_124m.py"
 ROW_KEYS = {"strategy": str, "mesh": dict, "bytes_per_device": int, "fits": bool}
 ROW_KEYS |= {"predicted_step_s": float, "predicted_mfu": float}
 
 
+def gpt_124m():
+    from experiments.configs import gpt_124m
+
+    return from_config(gpt_124m.get_config())
+
+
 def test_json_rows_follow_the_contract_best_first():
-    result = run_plan(GPT_124M, "--devices=64", "--device=a100-80gb", "--json", "--top=5")
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout)["rows"]
+    """The rows `--json` prints (search.plan's, as JSON) for GPT-124M on 64 A100s."""
+    rows, _ = search.plan(gpt_124m(), 64, devices.PRESETS["a100-80gb"], 8)
+    rows = json.loads(json.dumps({"rows": rows[:5]}))["rows"]
     assert len(rows) == 5
     for row in rows:
         for key, kind in ROW_KEYS.items():
@@ -103,35 +102,35 @@ def test_json_rows_follow_the_contract_best_first():
     assert steps == sorted(steps)
 
 
-def test_published_json_points():
-    result = run_plan("--published", "--json")
-    assert result.returncode == 0, result.stderr
-    points = json.loads(result.stdout)["points"]
-    names = {p["name"] for p in points}
-    assert {"PaLM 540B", "Megatron-LM GPT 1T", "MaxText 22B on 8x v4-128"} <= names
-    for p in points:
-        assert {"name", "source", "published_mfu", "predicted_mfu"} <= set(p)
-        assert p["source"] and 0 < p["predicted_mfu"] < 1 and p["best"]["layout"]
+def test_published_json_point():
+    """A `--published --json` point: its source, both utilizations, the best mesh."""
+    run = next(r for r in published.RUNS if r.name == "MaxText 22B on 8x v4-128")
+    p = json.loads(json.dumps(published.point(run)))
+    assert {"name", "source", "published_mfu", "predicted_mfu"} <= set(p)
+    assert "MaxText" in p["source"] and 0 < p["predicted_mfu"] < 1 and p["best"]["layout"]
+    assert abs(p["predicted_mfu"] / p["published_mfu"] - 1) < 0.15
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--device=v100"], "unknown --device='v100'; choose one of"),
-        ([GPT_124M, "--devices=7", "--devices_per_host=7"], "7 devices do not factor for gpt"),
-        (["--device=h100", "--bw_intra=0"], "bw_intra=0.0 must be positive"),
-        (["--devices_per_host=3"], "must divide --devices=8"),
-        (["--device_memory=lots"], "is not an amount"),
-        (
-            [GPT_124M, "--devices=8", "--device_memory=2GB", "--compile=no"],
-            "fits nowhere: the closest plan is ",
-        ),
-    ],
-)
-def test_bad_input_is_one_line_exit_2(args, message):
-    result = run_plan(*args)
+def test_bad_input_is_one_line_naming_the_problem():
+    """Unknown device, zero bandwidth, devices that do not factor: the library's one-line
+    errors, which the CLI prints as `error: ...` with exit code 2 (the next test)."""
+    with pytest.raises(ConfigError, match="unknown --device='v100'; choose one of a100-80gb, h100"):
+        devices.get_profile("v100")
+    zero = dataclasses.replace(devices.PRESETS["h100"], bw_intra=0.0)
+    with pytest.raises(ConfigError, match="bw_intra=0.0 must be positive; pass --bw_intra="):
+        zero.check()
+    with pytest.raises(ConfigError, match="7 devices do not factor for gpt"):
+        search.plan(gpt_124m(), 7, devices.PRESETS["h100"], 7)
+
+
+def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
+    """The command line end to end (a subprocess): GPT-124M on 8 devices of 2 GB."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--devices=8",
+         "--device_memory=2GB", "--compile=no", "--device=h100"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    if "fits nowhere" in message:
-        assert " over the 1.9 GiB of a device" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: fits nowhere: the closest plan is ")
+    assert " over the 1.9 GiB of a device" in lines[0]

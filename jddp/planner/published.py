@@ -74,6 +74,7 @@ class PublishedRun:
             comm_bytes=2 if self.convention != "maxtext" else 0,
             microbatches=self.microbatches,
             virtual_stages=self.virtual_stages,
+            lockstep_pipeline=False,
             regather_in_backward=self.regather_in_backward,
             recompute_drops_output=self.recompute_drops_output,
             gathers_whole_model=False,  # FSDP frameworks gather layer by layer
@@ -245,48 +246,48 @@ def best_layout(run: PublishedRun) -> dict:
 
 
 def published_points() -> list[dict]:
-    """Every run: its configuration, the published and predicted utilization, and the
-    planner's best mesh for the same model and devices (`--published --json`'s points)."""
-    points = []
-    for run in RUNS:
-        predicted = predicted_utilization(run)
-        best = best_layout(run)
-        published_mesh = predicted["prediction"]
-        t = run.transformer
-        points.append(
-            {
-                "name": run.name,
-                "source": run.source,
-                "quote": run.quote,
-                "device": run.device,
-                "calibration": run.calibration,
-                "configuration": (
-                    f"{t.layers} layers x {t.width}, {run.layout.devices} devices, data "
-                    f"{run.layout.data} x fsdp {run.layout.fsdp} x tensor {run.layout.tensor} x "
-                    f"pipeline {run.layout.stage}, batch {run.global_batch} x {t.seq_len} tokens"
-                ),
-                "mesh": run.layout.sizes,
-                "published_mesh_fits": plan_row(
-                    run.workload, run.layout, PRESETS[run.device], run.devices_per_host
-                )["fits"],
-                "metric": {
-                    "megatron": "FLOPs utilization (with recompute, Megatron's count)",
-                    "palm": "MFU (PaLM's 6N + 12LHQT)",
-                    "maxtext": "MFU (MaxText's count)",
-                }[run.convention],
-                "published_mfu": run.published,
-                "predicted_mfu": predicted["predicted_mfu"],
-                "predicted_step_s": predicted["predicted_step_s"],
-                "relative_error": predicted["predicted_mfu"] / run.published - 1,
-                "best": {
-                    "layout": best["layout"],
-                    "mesh": best["mesh"],
-                    "predicted_mfu": predicted["predicted_mfu"]
-                    * published_mesh.step_s
-                    / best["predicted_step_s"],
-                    "gain": published_mesh.step_s / best["predicted_step_s"] - 1,
-                    "fits": best["fits"],
-                },
-            }
-        )
-    return points
+    """Every run's `point` (`--published --json`'s points)."""
+    return [point(run) for run in RUNS]
+
+
+def point(run: PublishedRun) -> dict:
+    """A run's configuration, the published and predicted utilization, and the planner's best
+    mesh for the same model and devices."""
+    predicted = predicted_utilization(run)
+    best = best_layout(run)
+    published_mesh = predicted["prediction"]
+    t = run.transformer
+    return {
+        "name": run.name,
+        "source": run.source,
+        "quote": run.quote,
+        "device": run.device,
+        "calibration": run.calibration,
+        "configuration": (
+            f"{t.layers} layers x {t.width}, {run.layout.devices} devices, data "
+            f"{run.layout.data} x fsdp {run.layout.fsdp} x tensor {run.layout.tensor} x "
+            f"pipeline {run.layout.stage}, batch {run.global_batch} x {t.seq_len} tokens"
+        ),
+        "mesh": run.layout.sizes,
+        "published_mesh_fits": plan_row(
+            run.workload, run.layout, PRESETS[run.device], run.devices_per_host
+        )["fits"],
+        "metric": {
+            "megatron": "FLOPs utilization (with recompute, Megatron's count)",
+            "palm": "MFU (PaLM's 6N + 12LHQT)",
+            "maxtext": "MFU (MaxText's count)",
+        }[run.convention],
+        "published_mfu": run.published,
+        "predicted_mfu": predicted["predicted_mfu"],
+        "predicted_step_s": predicted["predicted_step_s"],
+        "relative_error": predicted["predicted_mfu"] / run.published - 1,
+        "best": {
+            "layout": best["layout"],
+            "mesh": best["mesh"],
+            "predicted_mfu": predicted["predicted_mfu"]
+            * published_mesh.step_s
+            / best["predicted_step_s"],
+            "gain": published_mesh.step_s / best["predicted_step_s"] - 1,
+            "fits": best["fits"],
+        },
+    }

@@ -9,7 +9,8 @@ machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tok
 1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
 simulated devices (one process; interleaved windows, medians), and on 2 processes x 2 devices
 (gloo between them; one launch per layout per round, rounds alternating the order), and
-prints each layout's predicted step next to the measured one. `--bytes` compiles every
+prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
+1F1B over 4 micro-batches per step. `--bytes` compiles every
 strategy and mesh of a tiny GPT on 8 simulated devices (with and without sequence
 parallelism) and checks that jddp/planner/comm.py's bytes per (axes, kind) equal the HLO's.
 """
@@ -34,13 +35,18 @@ IN_PROCESS = [  # (strategy, mesh) on 8 simulated devices
     ("zero3", "fsdp:4,tensor:2"),
     ("zero3", "data:2,fsdp:2,tensor:2"),
     ("zero3", "tensor:8"),
+    ("zero1", "stage:2,data:4"),  # pipelines: 1F1B, MICROBATCHES micro-batches per step
+    ("zero3", "stage:2,fsdp:4"),
+    ("zero1", "stage:4,data:2"),
 ]
 PROCESSES = [  # 2 processes x 2 devices; the last mesh axis stays inside a process
     ("ddp", None),
     ("zero3", "fsdp:4"),
     ("hybrid", "data:2,fsdp:2"),
     ("zero3", "data:2,tensor:2"),
+    ("zero1", "stage:2,data:2"),  # the stage axis across the processes
 ]
+MICROBATCHES, SCHEDULE = 4, "1f1b"
 
 
 def layout_of(strategy: str, mesh: str | None, devices: int):
@@ -60,18 +66,21 @@ def make_trainer(strategy: str, mesh: str | None, devices):
     from jddp.models import GPT
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
     from jddp.objectives import OBJECTIVES
+    from jddp.pipeline import PipelineOptions
     from jddp.sharding.rules import fit_preset
     from jddp.strategies import device_mesh_for
 
-    layout, tensor_axis = {}, None
+    layout, tensor_axis, staged = {}, None, False
     if strategy != "ddp":
         device_mesh = device_mesh_for(strategy, mesh, devices)
-        tensor_axis = device_mesh.tensor_axis
+        tensor_axis, staged = device_mesh.tensor_axis, device_mesh.stage_axis is not None
         rules = fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else ()
         layout = {"mesh": device_mesh, "rules": rules}
+        if staged:
+            layout["pipeline"] = PipelineOptions(microbatches=MICROBATCHES, schedule=SCHEDULE)
     model = GPT(
         VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ,
-        tensor_axis=tensor_axis,
+        tensor_axis=tensor_axis, scan_layers=staged,
     )  # fmt: skip
     lm = OBJECTIVES["language_model"]
     return jddp.Trainer(
@@ -96,6 +105,8 @@ def workload():
         optax.adamw(1e-3),
         name="GPT 4x256",
         rules_for=lambda m: fit_preset(TENSOR_PARALLEL_RULES, m) if m.size("tensor") > 1 else (),
+        microbatches=MICROBATCHES,
+        pipeline_schedule=SCHEDULE,
     )
 
 
@@ -195,7 +206,7 @@ def byte_check() -> list[dict]:
     from tests.planner_programs import compiled_text, tiny_workload
 
     w = tiny_workload(heads=8)
-    layouts, _ = layouts_for(w, 8, 8, stages=False)
+    layouts, _ = layouts_for(w, 8, 8, stages=False)  # pipelines: tests/test_planner_comm.py
     rows = []
     for layout in layouts:
         start = time.perf_counter()

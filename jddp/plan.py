@@ -47,7 +47,7 @@ _LAT_INTER = flags.DEFINE_string("latency_inter", "", "Seconds per ring step acr
 _EFFICIENCY = flags.DEFINE_float("efficiency", 0.0, "Fraction of peak compute reaches (0: preset).")
 _TOP = flags.DEFINE_integer("top", 0, "Show the best K plans (0: all).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON document instead of a table.")
-_STAGES = flags.DEFINE_bool("stages", True, "Plan pipeline stages too (analytic only).")
+_STAGES = flags.DEFINE_bool("stages", True, "Plan meshes with pipeline stages too.")
 _COMPILE = flags.DEFINE_enum(
     "compile", "auto", ["auto", "yes", "no"],
     "Compile each step for N simulated CPU devices for its exact peak (auto: up to 8 devices).",

@@ -7,7 +7,8 @@ comm.py       the collectives each layout runs per step, per mesh axis (exact: t
               the compiled HLO)
 network.py    what a collective costs on the links a mesh axis crosses (ring formulas,
               hierarchical across hosts)
-pipeline.py   the stage axis: bubble, activation sends, parameters per stage (analytic only)
+pipeline.py   the stage axis: micro-batches, bubble, sends per tick, the stage reduction (bytes
+              exact against the compiled pipeline)
 memory.py     bytes per device: exact state, analytic activations
 timing.py     a step's predicted time: compute, exposed communication per axis, bubble
 devices.py    device profiles: datasheet presets with sources, the measured `cpu` profile

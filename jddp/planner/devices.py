@@ -4,7 +4,7 @@
 the peak a dense transformer step's FLOPs reach when nothing waits on communication. It is set
 once per device type from one measurement named in `sources` (a microbenchmark, or one
 published run listed as the calibration row of `python -m jddp.plan --published`) and used for
-every prediction on that hardware; `tests/test_planner_published.py` checks that the numbers
+every prediction on that hardware; `tests/test_planner.py` checks that the numbers
 here are what those calibration runs give.
 
 The `cpu` profile is this machine, measured by `python -m jddp.plan --calibrate` and kept in

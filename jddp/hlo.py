@@ -1,7 +1,10 @@
-"""Reading the collectives out of a compiled program's HLO text (`compiled.as_text()`)."""
+"""Reading the collectives out of a compiled program's HLO text (`compiled.as_text()`): their
+kinds, result sizes, replica groups, and the mesh axes each group spans."""
 
+import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,39 +29,159 @@ _OP = re.compile(
     re.MULTILINE,
 )
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?")
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:, device_ids=\(?\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\)?)?"
+    r"(?: \{(?P<chosen>[^}]*)\})?"
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", re.MULTILINE)
+_WHILE = re.compile(r" while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)\"")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_CALLS = re.compile(
+    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
 _BRANCHES = re.compile(
     r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
     r"false_computation=%?([\w.\-]+)"
 )
 
 
-def _group_size(rest: str) -> int:
-    if "source_target_pairs=" in rest:  # a collective-permute: device to device
-        return 2
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective of a compiled program: its kind, the bytes of each result array (one per
+    operand of a combined op), its replica groups as device ids (None: every device), and how
+    many times a step runs it (the trip counts of the loops around it)."""
+
+    kind: str
+    sizes: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...] | None
+    executions: int = 1
+
+    @property
+    def group_size(self) -> int | None:
+        return len(self.groups[0]) if self.groups else None
+
+
+def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(v) for v in text.split(",") if v] if text else []
+
+
+def replica_groups(rest: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device ids of each replica group in the text after an op's `(`, in any of the
+    formats XLA prints: `{{0,1},{2,3}}`, `[2,2]<=[4]` (an iota, maybe transposed), or
+    `mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}`. None means one group of
+    every device; collective-permutes give their (source, target) pairs."""
+    if match := _PAIRS.search(rest):
+        return tuple(tuple(_ints(p)) for p in re.findall(r"\{([\d,]+)\}", match.group(1)))
     if match := _EXPLICIT_GROUPS.search(rest):
-        return len(match.group(1).split(","))
+        groups = re.findall(r"\{([\d,]*)\}", match.group(1))
+        return tuple(tuple(_ints(g)) for g in groups if g) or None
     if match := _IOTA_GROUPS.search(rest):
-        return int(match.group(2))
+        count, size = int(match.group(1)), int(match.group(2))
+        ids = _iota(_ints(match.group(3)), _ints(match.group(4)))
+        return tuple(tuple(int(d) for d in row) for row in ids.reshape(count, size))
     if match := _MESH_GROUPS.search(rest):
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
-        chosen = re.findall(r"'(\w+)'", match.group(2)) if match.group(2) else list(sizes)
-        return math.prod(int(sizes[axis]) for axis in chosen)
+        axes = re.findall(r"'(\w+)'=(\d+)", match.group("axes"))
+        names, shape = [a for a, _ in axes], [int(s) for _, s in axes]
+        dims = _ints(match.group("dims")) or [math.prod(shape)]
+        mesh = _iota(dims, _ints(match.group("perm"))).reshape(shape)
+        chosen = re.findall(r"'(\w+)'", match.group("chosen") or "") or names
+        inner = [names.index(a) for a in chosen]
+        outer = [i for i in range(len(names)) if i not in inner]
+        groups = mesh.transpose(outer + inner).reshape(-1, math.prod(shape[i] for i in inner))
+        return tuple(tuple(int(d) for d in row) for row in groups)
+    if "replica_groups={}" in rest or "replica_groups=" not in rest:
+        return None
     raise ValueError(f"cannot read the replica groups of: {rest[:200]}")
 
 
-def collectives(hlo_text: str) -> list[tuple[str, list[int], int]]:
-    """(kind, [bytes of each result array], devices per group) for every collective op."""
+def _executions(hlo_text: str) -> list[tuple[int, int]]:
+    """[(offset where a computation starts, how many times a step runs it)], in text order,
+    from the `while` loops' known trip counts (a loop inside a loop body multiplies)."""
+    starts = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(hlo_text)]
+
+    def enclosing(offset: int) -> str:
+        return next((name for start, name in reversed(starts) if start < offset), "")
+
+    loops = [(enclosing(m.start()), m.group(1), int(m.group(2))) for m in _WHILE.finditer(hlo_text)]
+    times = {name: 1 for _, name in starts}
+    for _ in loops:  # as many passes as loops: enough for any nesting
+        for outer, body, trips in loops:
+            times[body] = times.get(outer, 1) * trips
+    return [(start, times[name]) for start, name in starts]
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """Every collective op of a compiled program, in program order."""
+    runs = _executions(hlo_text)
     found = []
     for match in _OP.finditer(hlo_text):
-        sizes = [
+        sizes = tuple(
             DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
             for dtype, dims in _ARRAY.findall(match.group("shape"))
-        ]
-        found.append((match.group("kind"), sizes, _group_size(match.group("rest"))))
+        )
+        executions = next((n for start, n in reversed(runs) if start < match.start()), 1)
+        groups = replica_groups(match.group("rest"))
+        found.append(CollectiveOp(match.group("kind"), sizes, groups, executions))
     return found
+
+
+def collectives(hlo_text: str, devices: int | None = None) -> list[tuple[str, list[int], int]]:
+    """(kind, [bytes of each result array], devices per group) for every collective op; a
+    group of every device counts `devices` (default: the module's partition count)."""
+    devices = devices or _device_count(hlo_text)
+    return [(op.kind, list(op.sizes), op.group_size or devices) for op in collective_ops(hlo_text)]
+
+
+def _device_count(hlo_text: str) -> int:
+    match = re.search(r"num_partitions=(\d+)", hlo_text) or re.search(
+        r"replica_count=(\d+)", hlo_text
+    )
+    return int(match.group(1)) if match else 1
+
+
+def group_axes(
+    groups: tuple[tuple[int, ...], ...] | None,
+    mesh_ids: np.ndarray,
+    axis_names: Sequence[str],
+    pairs: bool = False,
+) -> tuple[str, ...]:
+    """The mesh axes a collective's groups span: those along which the members of a group
+    differ, for a mesh whose device ids are `mesh_ids` (shaped like the mesh, axes
+    `axis_names`). None (every device) spans every axis of size > 1. A ValueError if the groups
+    are not whole sub-meshes, unless they are a collective-permute's (source, target) `pairs`."""
+    if groups is None:
+        return tuple(a for a, n in zip(axis_names, mesh_ids.shape, strict=True) if n > 1)
+    where = {int(d): index for index, d in np.ndenumerate(mesh_ids)}
+    coords = np.array([where[d] for d in groups[0]])
+    axes = tuple(a for i, a in enumerate(axis_names) if len(set(coords[:, i])) > 1)
+    span = math.prod(mesh_ids.shape[axis_names.index(a)] for a in axes)
+    if span != len(groups[0]) and not pairs:
+        raise ValueError(f"replica group {groups[0]} is not a sub-mesh of axes {axis_names}")
+    return axes
+
+
+def bytes_by_axes(
+    ops: Sequence[CollectiveOp], mesh_ids: np.ndarray, axis_names: Sequence[str], min_bytes=5
+) -> dict[tuple[tuple[str, ...], str], int]:
+    """{(axes, kind): bytes of the results} over `ops`, results under `min_bytes` (scalars)
+    skipped. The bytes are what `total_bytes` counts, split by the mesh axes each op spans."""
+    totals: dict[tuple[tuple[str, ...], str], int] = {}
+    for op in ops:
+        big = op.executions * sum(b for b in op.sizes if b >= min_bytes)
+        if big:
+            pairs = op.kind == "collective-permute"
+            key = (group_axes(op.groups, mesh_ids, axis_names, pairs), op.kind)
+            totals[key] = totals.get(key, 0) + big
+    return totals
 
 
 def total_bytes(ops, kind: str, min_bytes: int = 5) -> int:
@@ -78,23 +201,32 @@ def ring_bytes(ops, min_bytes: int = 5) -> int:
     return total
 
 
+def step_ring_bytes(hlo_text: str, min_bytes: int = 5) -> int:
+    """`ring_bytes` of one run of a compiled step: a conditional's branches count as its
+    cheapest one (in a jddp step, the only conditional holding collectives is PowerSGD's
+    warm-up, whose expensive branch is the uncompressed float32 reduction of the first steps)."""
+    bodies, devices = computations(hlo_text), _device_count(hlo_text)
+    conditionals = []
+    for match in _BRANCHES.finditer(hlo_text):
+        names = match.group(1).split(",") if match.group(1) else match.group(2, 3)
+        conditionals.append([name.strip().lstrip("%") for name in names])
+    in_branches = {name for names in conditionals for name in names}
+    total = sum(
+        ring_bytes(collectives(body, devices), min_bytes)
+        for name, body in bodies.items()
+        if name not in in_branches
+    )
+    for names in conditionals:
+        total += min(ring_bytes(collectives(bodies[n], devices), min_bytes) for n in names)
+    return total
+
+
 # ---------------------------------------------------------- which devices, which computation
-_HEADER = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) \(", re.MULTILINE)
-_CALLS = re.compile(
-    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
-    r"|branch_computations=\{([^}]*)\}"
-)
-_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-
-
 def computations(hlo_text: str) -> dict[str, str]:
     """{computation name: its text} of an HLO module."""
-    headers = list(_HEADER.finditer(hlo_text))
+    headers = list(_COMPUTATION.finditer(hlo_text))
     ends = [h.start() for h in headers[1:]] + [len(hlo_text)]
-    return {
-        h.group("name"): hlo_text[h.start() : end] for h, end in zip(headers, ends, strict=True)
-    }
+    return {h.group(1): hlo_text[h.start() : end] for h, end in zip(headers, ends, strict=True)}
 
 
 def reachable(comps: dict[str, str], roots) -> set[str]:
@@ -110,50 +242,10 @@ def reachable(comps: dict[str, str], roots) -> set[str]:
     return seen
 
 
-def device_groups(line: str) -> list[tuple[int, ...]] | None:
-    """The groups of device ids a collective's HLO line communicates within (for a
-    collective-permute, its source -> target pairs), or None if the format is not read here."""
-    if match := _PAIRS.search(line):
-        return [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]
-    if match := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
-        return [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
-    if match := _IOTA.search(line):
-        count, size = int(match.group(1)), int(match.group(2))
-        dims = [int(d) for d in match.group(3).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if match.group(4):
-            ids = ids.transpose([int(p) for p in match.group(4).split(",")])
-        return [tuple(row) for row in ids.reshape(count, size).tolist()]
-    return None
-
-
 def collectives_with_groups(hlo_text: str) -> list[tuple[str, int, list | None]]:
-    """(kind, bytes of the results, `device_groups`) for every collective op."""
-    found = []
-    for match in _OP.finditer(hlo_text):
-        size = sum(
-            DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-            for dtype, dims in _ARRAY.findall(match.group("shape"))
-        )
-        found.append((match.group("kind"), size, device_groups(match.group("rest"))))
-    return found
-
-
-def step_ring_bytes(hlo_text: str, min_bytes: int = 5) -> int:
-    """`ring_bytes` of one run of a compiled step: a conditional's branches count as its
-    cheapest one (in a jddp step, the only conditional holding collectives is PowerSGD's
-    warm-up, whose expensive branch is the uncompressed float32 reduction of the first steps)."""
-    bodies = computations(hlo_text)
-    conditionals = []
-    for match in _BRANCHES.finditer(hlo_text):
-        names = match.group(1).split(",") if match.group(1) else match.group(2, 3)
-        conditionals.append([name.strip().lstrip("%") for name in names])
-    in_branches = {name for names in conditionals for name in names}
-    total = sum(
-        ring_bytes(collectives(body), min_bytes)
-        for name, body in bodies.items()
-        if name not in in_branches
-    )
-    for names in conditionals:
-        total += min(ring_bytes(collectives(bodies[name]), min_bytes) for name in names)
-    return total
+    """(kind, bytes of the results, device groups as a list; None: every device) for every
+    collective op (a collective-permute's groups are its (source, target) pairs)."""
+    return [
+        (op.kind, sum(op.sizes), None if op.groups is None else list(op.groups))
+        for op in collective_ops(hlo_text)
+    ]

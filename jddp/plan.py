@@ -1,20 +1,22 @@
-"""Plan before you launch: per-device memory of every strategy and mesh for a config, from XLA.
+"""Plan before you launch: which strategy and mesh, how much memory, how fast.
 
-    python -m jddp.plan --config=experiments/configs/digits_mlp.py --devices=8 \
-        --device_memory=80GB [--devices_per_host=8] [--config.KEY=VALUE ...]
+    python -m jddp.plan --config=experiments/configs/gpt_1b.py --devices=1024 \\
+        --devices_per_host=8 --device=h100 [--top=10] [--json]
+    python -m jddp.plan --published [--json]     # the published runs it reproduces
+    python -m jddp.plan --calibrate              # measure this machine as --device=cpu
 
-It lists ddp and every factorization of the devices into data x fsdp x tensor that the model
-admits, under each ZeRO stage that differs there (with fsdp:1 the stages are all one, listed as
-zero3), and prints the bytes one device holds of parameters, averaged gradients and optimizer
-state (from `jax.eval_shape` and the partition rules: exact), and the compiled train step's peak
-(XLA's `memory_analysis` of the real step, compiled for N simulated CPU devices: an
-accelerator's compiler fuses differently, so treat the peak as close, not exact). It says which
-plans fit; if none does, it says by how much the best one is over and exits with code 2.
-`--devices_per_host` keeps the tensor axis inside a host.
+For ddp and every data x fsdp x tensor x stage mesh the model admits (zero1/2/3 where they
+differ, tensor meshes with and without sequence parallelism), it prints the bytes one device
+holds (exact state from shapes and partition rules; activations analytic for transformers, or
+the compiled step's peak where it compiles here), the predicted step time split into compute,
+exposed communication per mesh axis and pipeline bubble, tokens/s and MFU, and whether it fits,
+best first. Nothing is compiled beyond 8 devices (`--compile`); the model is jddp/planner/.
 """
 
+import json
 import os
 import re
+import sys
 
 from absl import app, flags
 
@@ -23,109 +25,242 @@ from jddp.cli import ConfigFlag, fail, quiet_library_logs
 # The library's own defaults (jddp/config.py is a config file too): jddp never reads experiments/.
 CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "config.py"))
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices to plan for.")
-_DEVICE_MEMORY = flags.DEFINE_string(
-    "device_memory",
-    "80GB",
-    "Memory of one device: bytes, or a number with KB/MB/GB/TB "
-    "(powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).",
-)
 _DEVICES_PER_HOST = flags.DEFINE_integer(
     "devices_per_host",
     0,
-    "Devices per host: the tensor axis stays inside one; 0 = all devices on one host.",
+    "Devices sharing the fast link (a GPU node's NVLink, a TPU slice's ICI); the tensor axis "
+    "stays inside one. 0: the device's usual host (8 GPUs), at most --devices.",
 )
+_DEVICE = flags.DEFINE_string(
+    "device", "h100", "Device preset: h100, h200, a100-80gb, b200, tpu-v4, tpu-v5p, tpu-v5e, cpu."
+)
+_PEAK = flags.DEFINE_string("peak_flops", "", "Peak FLOP/s per device (e.g. 989e12).")
+_MEMORY = flags.DEFINE_string(
+    "device_memory", "", "Memory per device: bytes or e.g. 80GB, 24GiB (KB/MB/GB/TB: 1000s)."
+)
+_BW_INTRA = flags.DEFINE_string(
+    "bw_intra", "", "Bytes/s per device and direction inside a host (e.g. 450GB)."
+)
+_BW_INTER = flags.DEFINE_string("bw_inter", "", "Bytes/s per device and direction across hosts.")
+_LAT_INTRA = flags.DEFINE_string("latency_intra", "", "Seconds per ring step inside a host.")
+_LAT_INTER = flags.DEFINE_string("latency_inter", "", "Seconds per ring step across hosts.")
+_EFFICIENCY = flags.DEFINE_float("efficiency", 0.0, "Fraction of peak compute reaches (0: preset).")
+_TOP = flags.DEFINE_integer("top", 0, "Show the best K plans (0: all).")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON document instead of a table.")
+_STAGES = flags.DEFINE_bool("stages", True, "Plan meshes with pipeline stages too.")
+_COMPILE = flags.DEFINE_enum(
+    "compile", "auto", ["auto", "yes", "no"],
+    "Compile each step for N simulated CPU devices for its exact peak (auto: up to 8 devices).",
+)  # fmt: skip
+_PUBLISHED = flags.DEFINE_bool("published", False, "Reproduce published large-scale runs.")
+_CALIBRATE = flags.DEFINE_bool("calibrate", False, "Measure this machine as the cpu profile.")
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
-        fail(f"--device_memory={text!r} is not a size; write e.g. 80GB, 24GiB or 16000000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-
-
-def factorizations(num_devices: int, tensor_limit: int) -> list[dict[str, int]]:
-    """Every {data, fsdp, tensor} whose product is `num_devices`, tensor at most `tensor_limit`
-    (the devices of one host), data-major."""
-    divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-    meshes = []
-    for tensor in divisors:
-        for data in divisors:
-            if tensor <= tensor_limit and (num_devices // tensor) % data == 0:
-                meshes.append(
-                    {"data": data, "fsdp": num_devices // tensor // data, "tensor": tensor}
-                )
-    return sorted(meshes, key=lambda m: (m["tensor"], m["data"]))
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
+_UNITS |= {"GI": 2**30, "TI": 2**40}
+_TIME_UNITS = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
-def candidates(num_devices: int, devices_per_host: int) -> list[tuple[str, str | None]]:
-    """(strategy, mesh spec) pairs to plan: ddp, then each stage on each mesh where it differs."""
-    plans = [("ddp", None)]
-    for mesh in factorizations(num_devices, devices_per_host or num_devices):
-        if mesh["fsdp"] == 1 and mesh["tensor"] == 1:
-            continue  # only replicas: that is ddp
-        spec = ",".join(f"{role}:{size}" for role, size in mesh.items() if size > 1)
-        stages = ("zero1", "zero2", "zero3") if mesh["fsdp"] > 1 else ("zero3",)
-        plans += [(stage, spec) for stage in stages]
-    return plans
+def parse_amount(flag: str, text: str) -> float:
+    """'80GB', '24GiB', '450e9', '450GB/s' -> a number of bytes (or bytes/s)."""
+    match = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*([KMGT]?I?)B?(?:/S)?\s*", text.upper())
+    if not match:
+        fail(f"--{flag}={text!r} is not an amount; write e.g. 80GB, 24GiB, 450e9")
+    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def plan(config, num_devices: int, devices_per_host: int) -> list[dict]:
-    """One row per (strategy, mesh) the model admits: per-device bytes of each kind and the
-    compiled step's peak. Meshes the model cannot split over (a tensor axis it has no rules
-    for, heads that do not divide) are left out."""
+def parse_seconds(flag: str, text: str) -> float:
+    match = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*(s|ms|us|ns)?\s*", text)
+    if not match:
+        fail(f"--{flag}={text!r} is not a duration; write e.g. 5us, 0.01ms, 3e-6")
+    return float(match.group(1)) * _TIME_UNITS[match.group(2) or ""]
+
+
+def device_profile():
+    """The --device preset with every explicit number applied; exit 2 on a bad one."""
+    import dataclasses
+
+    from jddp.errors import JddpError
+    from jddp.planner.devices import get_profile
+
+    try:
+        profile = get_profile(_DEVICE.value)
+    except JddpError as e:
+        fail(str(e))
+    overrides = {}
+    for flag, field, parse in (
+        (_PEAK, "peak_flops", parse_amount),
+        (_MEMORY, "memory", parse_amount),
+        (_BW_INTRA, "bw_intra", parse_amount),
+        (_BW_INTER, "bw_inter", parse_amount),
+        (_LAT_INTRA, "latency_intra", parse_seconds),
+        (_LAT_INTER, "latency_inter", parse_seconds),
+    ):
+        if flag.value:
+            overrides[field] = parse(flag.name, flag.value)
+    if _EFFICIENCY.value:
+        overrides["efficiency"] = _EFFICIENCY.value
+    if "peak_flops" in overrides:
+        overrides["float32_peak_flops"] = 0.0  # the number given is the peak
+    profile = dataclasses.replace(profile, **overrides)
+    try:
+        profile.check()
+    except JddpError as e:
+        fail(str(e))
+    return profile
+
+
+# ------------------------------------------------------------------------------ output
+def _fmt_bytes(n: float) -> str:
+    from jddp.memory import format_bytes
+
+    return format_bytes(n)
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(header)
+    names = (
+        "layout",
+        "memory",
+        "fits",
+        "step",
+        "compute",
+        "exposed comm",
+        "bubble",
+        "tok/s",
+        "MFU",
+    )
+    table = []
+    for r in rows:
+        comm = ", ".join(f"{a} {_fmt_seconds(s)}" for a, s in r["exposed_comm_s"].items() if s)
+        table.append(
+            (
+                r["layout"],
+                _fmt_bytes(r["bytes_per_device"])
+                + (" (compiled)" if r["memory_source"] == "compiled" else ""),
+                "yes" if r["fits"] else "no",
+                _fmt_seconds(r["predicted_step_s"]),
+                _fmt_seconds(r["compute_s"]),
+                comm or "-",
+                _fmt_seconds(r["bubble_s"]) if r["bubble_s"] else "-",
+                f"{r['predicted_tokens_per_s']:,.0f}",
+                f"{r['predicted_mfu']:.1%}",
+            )
+        )
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(names)]
+    for line in (names, *table):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+
+
+def print_published(points: list[dict]) -> None:
+    for p in points:
+        role = "calibration" if p["calibration"] else "validation"
+        print(f"{p['name']} ({role}, {p['device']}): {p['configuration']}")
+        print(f"  source: {p['source']}")
+        print(f"  published: {p['quote']}")
+        error = p["predicted_mfu"] / p["published_mfu"] - 1
+        print(
+            f"  {p['metric']}: published {p['published_mfu']:.1%}, predicted "
+            f"{p['predicted_mfu']:.1%} ({error:+.1%})"
+        )
+        best = p["best"]
+        print(
+            f"  planner's best mesh: {best['layout']}: {best['predicted_mfu']:.1%} "
+            f"({best['gain']:+.1%} tokens/s against the published mesh)"
+        )
+
+
+# -------------------------------------------------------------------------------- main
+def run_published() -> None:
+    from jddp.planner.published import published_points
+
+    points = published_points()
+    if _JSON.value:
+        print(json.dumps({"points": points}, indent=1))
+    else:
+        print_published(points)
+
+
+def run_calibrate() -> None:
     import jax
-    import numpy as np
 
-    from jddp import data, optim
-    from jddp.errors import ConfigError
-    from jddp.experiment import build_trainer
-    from jddp.memory import peak_bytes, sharded_bytes
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jddp.planner.calibrate import calibrate
 
-    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
-    schedule = optim.learning_rate_schedule(config)
-    # One real example gives the shapes (the dataset is prepared if it is not yet).
-    sample = data.open_dataset(dataset, data.DataOptions.from_config(config.data)).sample_batch()
-    batch = {
-        name: jax.ShapeDtypeStruct(
-            (config.global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype
+    path, m = calibrate()
+    print(
+        f"cpu profile written to {path}: matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, memory "
+        f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, load average {m['load_average']:.1f}"
+    )
+
+
+def run_plan() -> None:
+    from jddp.config import validate
+    from jddp.errors import JddpError
+    from jddp.planner import search
+    from jddp.planner.workload import from_config
+
+    devices = _DEVICES.value
+    profile = device_profile()
+    per_host = min(_DEVICES_PER_HOST.value or profile.devices_per_host, devices)
+    compile_steps = _COMPILE.value == "yes" or (_COMPILE.value == "auto" and devices <= 8)
+    import jax  # configured before anything starts a backend
+
+    jax.config.update("jax_platforms", "cpu")
+    if compile_steps:
+        jax.config.update("jax_num_cpu_devices", devices)
+    config = CONFIG.value
+    try:
+        validate(config)
+        workload = from_config(config)
+        rows, _ = search.plan(workload, devices, profile, per_host, stages=_STAGES.value)
+        if compile_steps:
+            from jddp.planner.compiled import compiled_peaks
+            from jddp.planner.layouts import Layout
+
+            layouts = {r["layout"]: r for r in rows}
+            peaks = compiled_peaks(config, [_layout_of(r, Layout) for r in rows])
+            for name, peak in peaks.items():
+                row = layouts[name]
+                row.update(bytes_per_device=peak, memory_source="compiled")
+                row["fits"] = peak <= profile.memory
+            rows = search.rank(rows)
+    except JddpError as e:
+        fail(str(e))
+    shown = rows[: _TOP.value] if _TOP.value else rows
+    fitting = [r for r in rows if r["fits"]]
+    if _JSON.value:
+        document = {
+            "config": CONFIG.path,
+            "devices": devices,
+            "devices_per_host": per_host,
+            "device": profile.name,
+            "rows": shown,
+        }
+        print(json.dumps(document, indent=1))
+    else:
+        print_table(
+            shown,
+            f"{workload.name}, global batch {workload.global_batch}: {devices} x {profile.name} "
+            f"({_fmt_bytes(profile.memory)}), {per_host} per host; best first",
         )
-        for name, x in sample.items()
-    }
-    rows = []
-    for name, mesh in candidates(num_devices, devices_per_host):
-        try:
-            trainer = build_trainer(config, dataset, schedule, strategy=name, mesh=mesh)
-            state = trainer.abstract_state(sample)
-        except ConfigError:
-            continue  # the model does not split this way
-        state_specs, grad_specs = trainer.strategy.layout()
-        mesh_shape = dict(trainer.strategy.mesh.shape)
-        placed = trainer.strategy.abstract_batch(batch)
-        compiled = trainer.strategy.lower_train_step(state, placed).compile()
-        rows.append(
-            {
-                "strategy": name,
-                "mesh": ",".join(f"{a}:{s}" for a, s in mesh_shape.items()),
-                "params": sharded_bytes(state.params, state_specs.params, mesh_shape),
-                "grads": sharded_bytes(state.params, grad_specs, mesh_shape),
-                "optimizer": sharded_bytes(state.opt_state, state_specs.opt_state, mesh_shape),
-                "peak": peak_bytes(compiled),
-            }
+    if not fitting:
+        best = min(rows, key=lambda r: r["bytes_per_device"])
+        fail(
+            f"fits nowhere: the closest plan is {best['layout']} at "
+            f"{_fmt_bytes(best['bytes_per_device'])} per device, "
+            f"{_fmt_bytes(best['bytes_per_device'] - profile.memory)} over the "
+            f"{_fmt_bytes(profile.memory)} of a device; add devices, lower global_batch_size "
+            "or raise grad_accum_steps, or turn on remat"
         )
-    return rows
+
+
+def _layout_of(row: dict, layout_class):
+    return layout_class(row["strategy"], sequence_parallel=row["sequence_parallel"], **row["mesh"])
 
 
 def main(argv: list[str]) -> None:
@@ -134,57 +269,16 @@ def main(argv: list[str]) -> None:
     if _DEVICES.value < 1:
         fail(f"--devices={_DEVICES.value} must be at least 1")
     per_host = _DEVICES_PER_HOST.value
-    if per_host < 0 or (per_host and _DEVICES.value % per_host):
+    if per_host < 0 or (per_host and _DEVICES.value % min(per_host, _DEVICES.value)):
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
-    memory = parse_bytes(_DEVICE_MEMORY.value)
     quiet_library_logs()
-
-    import jax  # configured before anything starts a backend
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-    from jddp.config import validate
-    from jddp.errors import JddpError
-    from jddp.memory import format_bytes
-
-    config = CONFIG.value
-    try:
-        validate(config)
-        rows = plan(config, _DEVICES.value, per_host)
-    except JddpError as e:
-        fail(str(e))
-
-    print(
-        f"{config.model} on {config.dataset}, global batch {config.global_batch_size}, "
-        f"{_DEVICES.value} devices of {format_bytes(memory)}; bytes per device:"
-    )
-    header = ("strategy", "mesh", "params", "grads", "optimizer", "step peak", "fits")
-    table = [
-        (
-            r["strategy"],
-            r["mesh"],
-            format_bytes(r["params"]),
-            format_bytes(r["grads"]),
-            format_bytes(r["optimizer"]),
-            format_bytes(r["peak"]),
-            "yes" if r["peak"] <= memory else f"no, {format_bytes(r['peak'] - memory)} over",
-        )
-        for r in rows
-    ]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    for line in (header, *table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
-    fitting = [f"{r['strategy']} {r['mesh']}" for r in rows if r["peak"] <= memory]
-    if not fitting:
-        best = min(rows, key=lambda r: r["peak"])
-        fail(
-            f"fits nowhere: the smallest step peak is {best['strategy']}'s on "
-            f"{best['mesh']}, {format_bytes(best['peak'])} per device, "
-            f"{format_bytes(best['peak'] - memory)} over "
-            f"the {format_bytes(memory)} of a device; add devices, lower global_batch_size or "
-            "raise grad_accum_steps, or use bfloat16 compute"
-        )
-    print(f"fits: {'; '.join(fitting)}")
+    if _CALIBRATE.value:
+        run_calibrate()
+    elif _PUBLISHED.value:
+        run_published()
+    else:
+        run_plan()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Reading collectives from HLO text, on lines in each replica-group format XLA prints."""
 
+import numpy as np
+
 from jddp.hlo import collectives, ring_bytes, total_bytes
 
 HLO = """
@@ -25,3 +27,41 @@ def test_totals_skip_scalars_and_ring_bytes_follow_the_paper():
     ops = collectives(HLO)
     assert total_bytes(ops, "all-reduce") == 1024 * 256 * 4 + 40 + 12
     assert ring_bytes(ops) == 2 * (1024 * 256 * 4 + 52) + 4 * 128 * 256 * 4 + 64 * 32 * 4
+
+
+MESH_AND_LOOP = """
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %r = f32[8]{0} reduce-scatter(%g), channel_id=3, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}
+}
+
+ENTRY %main (x: f32[32]) -> f32[32] {
+  %g = f32[32]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %a = f32[16]{0} all-reduce(%y), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}
+}
+"""  # noqa: E501
+
+
+def test_replica_groups_of_every_format_and_loop_trip_counts():
+    """Groups read as device ids (the mesh form with a transposed device order included), the
+    mesh axes they span, and ops inside a loop counted once per trip."""
+    from jddp.hlo import bytes_by_axes, collective_ops, replica_groups
+
+    assert replica_groups("replica_groups=[2,4]<=[8], x") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # iota(8) as (4, 2), transposed to (2, 4), read as groups of 2: (0, 2), (4, 6), ...
+    assert replica_groups("replica_groups=[4,2]<=[4,2]T(1,0), x")[:2] == ((0, 2), (4, 6))
+    # devices ordered (2, 4) transposed: the mesh is [[0, 4], [1, 5], [2, 6], [3, 7]]
+    text = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    assert replica_groups(text) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    ops = collective_ops(MESH_AND_LOOP)
+    assert [(op.kind, op.executions) for op in ops] == [
+        ("reduce-scatter", 3),
+        ("all-gather", 1),
+        ("all-reduce", 1),
+    ]
+    mesh = np.arange(8).reshape(2, 4)  # a data:2 x fsdp:4 mesh, fsdp fastest
+    assert bytes_by_axes(ops, mesh, ["data", "fsdp"]) == {
+        (("fsdp",), "reduce-scatter"): 3 * 32,
+        (("fsdp",), "all-gather"): 128,
+        (("data",), "all-reduce"): 64,
+    }

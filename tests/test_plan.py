@@ -1,6 +1,8 @@
-"""The memory planner: exact per-device bytes per strategy, and a one-line refusal when nothing
-fits."""
+"""The planner's memory (exact state bytes; compiled peaks where it compiles) and its command
+line: the `--json` contract, `--published`, and bad input in one line with exit code 2."""
 
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -10,8 +12,14 @@ import pytest
 
 from experiments.configs import digits_mlp
 from jddp import data, optim
+from jddp.errors import ConfigError
 from jddp.experiment import build_trainer
-from jddp.plan import plan
+from jddp.planner import devices, published, search
+from jddp.planner.compiled import compiled_peaks
+from jddp.planner.layouts import Layout
+from jddp.planner.memory import state_bytes
+from jddp.planner.search import layouts_for
+from jddp.planner.workload import from_config
 from tests.helpers import REPO
 
 # digits_mlp: 64-256-256-10. Kernels of at least 4096 elements (64x256, 256x256) shard over the
@@ -21,87 +29,108 @@ REPLICATED = 256 * 10 + 256 + 256 + 10
 PARAMS = SHARDED + REPLICATED
 
 
-def test_plan_gives_exact_per_device_bytes_for_every_strategy_and_mesh():
-    rows = {(row["strategy"], row["mesh"]): row for row in plan(digits_mlp.get_config(), 8, 0)}
+def test_state_bytes_are_exact_for_every_strategy_and_mesh():
+    workload = from_config(digits_mlp.get_config())
+    layouts, rejected = layouts_for(workload, 8, 8, stages=False)
     # The MLP has no tensor rules: meshes with a tensor axis are left out; fsdp 8, 4 and 2.
-    meshes = ["fsdp:8", "data:2,fsdp:4", "data:4,fsdp:2"]
-    assert list(rows) == [("ddp", "batch:8")] + [
-        (stage, mesh) for mesh in meshes for stage in ("zero1", "zero2", "zero3")
+    assert [layout.name for layout in layouts] == ["ddp batch:8"] + [
+        f"{stage} {mesh}"
+        for mesh in ("fsdp:8", "data:2,fsdp:4", "data:4,fsdp:2")
+        for stage in ("zero1", "zero2", "zero3")
     ]
+    assert all("transformers only" in why for name, why in rejected.items() if "tensor" in name)
     full = 4 * PARAMS
-
-    def sharded(fsdp):  # the 64x256 and 256x256 kernels split over fsdp
-        return 4 * (SHARDED // fsdp + REPLICATED)
-
-    for (name, mesh), row in rows.items():
-        fsdp = {"fsdp:8": 8, "data:2,fsdp:4": 4, "data:4,fsdp:2": 2}.get(mesh, 1)
+    for layout in layouts:
+        sharded = 4 * (SHARDED // layout.fsdp + REPLICATED)
         params, grads, optimizer = {  # Adam keeps two moments per parameter
             "ddp": (full, full, 2 * full),
-            "zero1": (full, full, 2 * sharded(fsdp)),
-            "zero2": (full, sharded(fsdp), 2 * sharded(fsdp)),
-            "zero3": (sharded(fsdp), sharded(fsdp), 2 * sharded(fsdp)),
-        }[name]
-        assert (row["params"], row["grads"]) == (params, grads), (name, mesh)
-        assert row["optimizer"] == pytest.approx(optimizer, abs=64), name  # + Adam's step count
-    peaks = [
-        rows[key]["peak"]
-        for key in [("ddp", "batch:8")] + [(s, "fsdp:8") for s in ("zero1", "zero2", "zero3")]
-    ]
-    assert peaks == sorted(peaks, reverse=True)  # each stage holds less than the one before
+            "zero1": (full, full, 2 * sharded),
+            "zero2": (full, sharded, 2 * sharded),
+            "zero3": (sharded, sharded, 2 * sharded),
+        }[layout.strategy]
+        state = state_bytes(workload, layout)
+        assert (state.params, state.grads) == (params, grads), layout.name
+        assert state.optimizer == pytest.approx(optimizer, abs=64), layout.name  # + Adam's count
 
 
-MESHES_OF = ("batch:8", "fsdp:8")  # ddp's and zero3's default meshes
-
-
-def test_planned_peak_is_the_peak_of_the_real_step():
+def test_compiled_peak_is_the_peak_of_the_real_step():
     config = digits_mlp.get_config()
-    rows = {row["strategy"]: row for row in plan(config, 8, 0) if row["mesh"] in MESHES_OF}
+    layouts = [Layout("ddp", data=8), Layout("zero3", fsdp=8)]
+    peaks = compiled_peaks(config, layouts)
     dataset = data.get_dataset(config.dataset)
     rng = np.random.default_rng(0)
     batch = {
         "image": rng.random((config.global_batch_size, 8, 8, 1), np.float32),
         "label": rng.integers(0, 10, config.global_batch_size).astype(np.int32),
     }
-    for name in ("ddp", "zero3"):
+    for layout in layouts:
+        mesh = None if layout.strategy == "ddp" else layout.mesh_spec
         trainer = build_trainer(
-            config, dataset, optim.learning_rate_schedule(config), strategy=name
-        )
+            config, dataset, optim.learning_rate_schedule(config), strategy=layout.strategy,
+            mesh=mesh,
+        )  # fmt: skip
         state = trainer.init(seed=0, sample_batch=batch)
-        assert trainer.memory_report(state, batch)["peak_bytes_per_device"] == rows[name]["peak"]
+        assert trainer.memory_report(state, batch)["peak_bytes_per_device"] == peaks[layout.name]
+    assert peaks["ddp batch:8"] > peaks["zero3 fsdp:8"]
     assert jax.device_count() == 8
 
 
-def run_plan(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "jddp.plan", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+# ---------------------------------------------------------------------------- the CLI
+GPT_124M = "experiments/configs/gpt_124m.py"
+ROW_KEYS = {"strategy": str, "mesh": dict, "bytes_per_device": int, "fits": bool}
+ROW_KEYS |= {"predicted_step_s": float, "predicted_mfu": float}
 
 
-def test_cli_lists_strategies_that_fit():
-    result = run_plan("--devices=4", "--device_memory=80GB")
-    assert result.returncode == 0, result.stderr
-    for name in ("ddp", "zero1", "zero2", "zero3", "data:2,fsdp:2"):
-        assert name in result.stdout
-    assert "fits: ddp batch:4; zero1 fsdp:4; zero2 fsdp:4; zero3 fsdp:4" in result.stdout
+def gpt_124m():
+    from experiments.configs import gpt_124m
+
+    return from_config(gpt_124m.get_config())
 
 
-def test_cli_refuses_a_config_that_fits_nowhere_in_one_line():
-    result = run_plan("--devices=8", "--device_memory=100KB")
-    assert result.returncode == 2
+def test_json_rows_follow_the_contract_best_first():
+    """The rows `--json` prints (search.plan's, as JSON) for GPT-124M on 64 A100s."""
+    rows, _ = search.plan(gpt_124m(), 64, devices.PRESETS["a100-80gb"], 8)
+    rows = json.loads(json.dumps({"rows": rows[:5]}))["rows"]
+    assert len(rows) == 5
+    for row in rows:
+        for key, kind in ROW_KEYS.items():
+            assert isinstance(row[key], kind), (key, row[key])
+        assert set(row["mesh"]) == {"data", "fsdp", "tensor", "stage"}
+        assert np.prod(list(row["mesh"].values())) == 64
+        assert 0 < row["predicted_mfu"] < 1 and row["fits"]
+    steps = [row["predicted_step_s"] for row in rows]
+    assert steps == sorted(steps)
+
+
+def test_published_json_point():
+    """A `--published --json` point: its source, both utilizations, the best mesh."""
+    run = next(r for r in published.RUNS if r.name == "MaxText 22B on 8x v4-128")
+    p = json.loads(json.dumps(published.point(run)))
+    assert {"name", "source", "published_mfu", "predicted_mfu"} <= set(p)
+    assert "MaxText" in p["source"] and 0 < p["predicted_mfu"] < 1 and p["best"]["layout"]
+    assert abs(p["predicted_mfu"] / p["published_mfu"] - 1) < 0.15
+
+
+def test_bad_input_is_one_line_naming_the_problem():
+    """Unknown device, zero bandwidth, devices that do not factor: the library's one-line
+    errors, which the CLI prints as `error: ...` with exit code 2 (the next test)."""
+    with pytest.raises(ConfigError, match="unknown --device='v100'; choose one of a100-80gb, h100"):
+        devices.get_profile("v100")
+    zero = dataclasses.replace(devices.PRESETS["h100"], bw_intra=0.0)
+    with pytest.raises(ConfigError, match="bw_intra=0.0 must be positive; pass --bw_intra="):
+        zero.check()
+    with pytest.raises(ConfigError, match="7 devices do not factor for gpt"):
+        search.plan(gpt_124m(), 7, devices.PRESETS["h100"], 7)
+
+
+def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
+    """The command line end to end (a subprocess): GPT-124M on 8 devices of 2 GB."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--devices=8",
+         "--device_memory=2GB", "--compile=no", "--device=h100"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: fits nowhere"), result.stderr
-    assert "zero3" in lines[0] and "over the 97.7 KiB of a device" in lines[0]
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [(["--device_memory=lots"], "is not a size"), (["--devices_per_host=3"], "must divide")],
-)
-def test_cli_bad_flags_are_one_line(args, message):
-    result = run_plan("--devices=8", *args)
-    assert result.returncode == 2 and message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert len(lines) == 1 and lines[0].startswith("error: fits nowhere: the closest plan is ")
+    assert " over the 1.9 GiB of a device" in lines[0]

@@ -174,20 +174,23 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
 
 def mirror_specs(tree, params, specs):
     """Specs for a tree that holds copies of the parameters (optimizer moments): a leaf whose
-    path ends with a parameter's path and has its shape gets that parameter's spec; every other
-    leaf (step counts, scalars) is replicated."""
+    path ends with a parameter's path and has its shape gets that parameter's spec (the first
+    such parameter's, in parameter order); every other leaf (step counts, scalars) is
+    replicated. Each leaf looks up its path's suffixes: linear in the tree's size."""
     by_path = {
-        path_str(path): (x.shape, spec)
-        for (path, x), spec in zip(
-            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(specs), strict=True
+        path_str(path): (index, x.shape, spec)
+        for index, ((path, x), spec) in enumerate(
+            zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(specs), strict=True)
         )
     }
 
     def mirror(path, x):
-        text = path_str(path)
-        for param_path, (shape, spec) in by_path.items():
-            if (text == param_path or text.endswith("/" + param_path)) and x.shape == shape:
-                return spec
-        return P()
+        parts = path_str(path).split("/")
+        matches = [
+            by_path[suffix]
+            for suffix in ("/".join(parts[i:]) for i in range(len(parts)))
+            if suffix in by_path and by_path[suffix][1] == x.shape
+        ]
+        return min(matches, key=lambda match: match[0])[2] if matches else P()
 
     return jax.tree_util.tree_map_with_path(mirror, tree)

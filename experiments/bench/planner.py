@@ -1,0 +1,302 @@
+"""The planner against measurements on this machine: predicted vs measured step time, and the
+modelled collective bytes against every compiled program's HLO.
+
+    python -m experiments.bench.planner [--repeats 5] [--steps 3] [--out bench_results]
+        [--no-processes] [--bytes]
+
+Calibrates the `cpu` profile first, in the same run (bench_results/cpu_profile.json: the
+machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tokens, vocabulary
+1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
+simulated devices (one process; interleaved windows, medians), and on 2 processes x 2 devices
+(gloo between them; one launch per layout per round, rounds alternating the order), and
+prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
+1F1B over 4 micro-batches per step. `--bytes` compiles every
+strategy and mesh of a tiny GPT on 8 simulated devices (with and without sequence
+parallelism) and checks that jddp/planner/comm.py's bytes per (axes, kind) equal the HLO's.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+VOCAB, LAYERS, HEADS, WIDTH, SEQ, GLOBAL_BATCH = 1024, 4, 8, 256, 128, 32
+IN_PROCESS = [  # (strategy, mesh) on 8 simulated devices
+    ("ddp", None),
+    ("zero1", "fsdp:8"),
+    ("zero2", "fsdp:8"),
+    ("zero3", "fsdp:8"),
+    ("hybrid", "data:2,fsdp:4"),
+    ("zero3", "fsdp:4,tensor:2"),
+    ("zero3", "data:2,fsdp:2,tensor:2"),
+    ("zero3", "tensor:8"),
+    ("zero1", "stage:2,data:4"),  # pipelines: 1F1B, MICROBATCHES micro-batches per step
+    ("zero3", "stage:2,fsdp:4"),
+    ("zero1", "stage:4,data:2"),
+]
+PROCESSES = [  # 2 processes x 2 devices; the last mesh axis stays inside a process
+    ("ddp", None),
+    ("zero3", "fsdp:4"),
+    ("hybrid", "data:2,fsdp:2"),
+    ("zero3", "data:2,tensor:2"),
+    ("zero1", "stage:2,data:2"),  # the stage axis across the processes
+]
+MICROBATCHES, SCHEDULE = 4, "1f1b"
+
+
+def layout_of(strategy: str, mesh: str | None, devices: int):
+    from jddp.planner.layouts import Layout
+
+    if strategy == "ddp":
+        return Layout("ddp", data=devices)
+    sizes = {axis: int(size) for axis, size in (e.split(":") for e in mesh.split(","))}
+    return Layout("zero3" if strategy == "hybrid" else strategy, **sizes)
+
+
+def make_trainer(strategy: str, mesh: str | None, devices):
+    """The GPT under `strategy` on `mesh`, laid out as jddp.experiment.build_trainer lays it."""
+    import optax
+
+    import jddp
+    from jddp.models import GPT
+    from jddp.models.gpt import TENSOR_PARALLEL_RULES
+    from jddp.objectives import OBJECTIVES
+    from jddp.pipeline import PipelineOptions
+    from jddp.sharding.rules import fit_preset
+    from jddp.strategies import device_mesh_for
+
+    layout, tensor_axis, staged = {}, None, False
+    if strategy != "ddp":
+        device_mesh = device_mesh_for(strategy, mesh, devices)
+        tensor_axis, staged = device_mesh.tensor_axis, device_mesh.stage_axis is not None
+        rules = fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else ()
+        layout = {"mesh": device_mesh, "rules": rules}
+        if staged:
+            layout["pipeline"] = PipelineOptions(microbatches=MICROBATCHES, schedule=SCHEDULE)
+    model = GPT(
+        VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ,
+        tensor_axis=tensor_axis, scan_layers=staged,
+    )  # fmt: skip
+    lm = OBJECTIVES["language_model"]
+    return jddp.Trainer(
+        model, lm.loss_fn, optax.adamw(1e-3), metrics=dict(lm.metrics), input_key="inputs",
+        strategy=strategy, devices=devices, log_grad_norm=False, **layout,
+    )  # fmt: skip
+
+
+def workload():
+    import optax
+
+    from jddp.models import GPT
+    from jddp.models.gpt import TENSOR_PARALLEL_RULES
+    from jddp.planner.workload import model_workload
+    from jddp.sharding.rules import fit_preset
+
+    model = GPT(VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ)
+    return model_workload(
+        model,
+        np.zeros((1, SEQ), np.int32),
+        GLOBAL_BATCH,
+        optax.adamw(1e-3),
+        name="GPT 4x256",
+        rules_for=lambda m: fit_preset(TENSOR_PARALLEL_RULES, m) if m.size("tensor") > 1 else (),
+        microbatches=MICROBATCHES,
+        pipeline_schedule=SCHEDULE,
+    )
+
+
+def batch():
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (GLOBAL_BATCH, SEQ + 1))
+    return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+
+def name_of(strategy, mesh):
+    return f"{strategy} {mesh or 'batch:N'}"
+
+
+# ------------------------------------------------------------------------- measurements
+def in_process_seconds(repeats: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each in-process layout (interleaved windows)."""
+    import jax
+
+    from experiments.bench import common
+
+    runs = {}
+    for strategy, mesh in IN_PROCESS:
+        trainer = make_trainer(strategy, mesh, jax.devices())
+        state = trainer.init(seed=0, sample_batch=batch())
+        runs[name_of(strategy, mesh)] = [trainer, state, trainer.place_batch(batch())]
+    windows = common.trainer_windows(runs, steps)
+    for window in windows.values():
+        window()  # compile and warm up
+    timings = common.interleaved_medians(windows, repeats)
+    return {name: t["median_sec"] / steps for name, t in timings.items()}
+
+
+def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
+    """One process of a 2 x 2 run: median seconds per step over `repeats` windows."""
+    from jddp import runtime
+
+    runtime.initialize()
+    import jax
+
+    from experiments.bench import common
+
+    trainer = make_trainer(strategy, mesh, jax.devices())
+    rows = GLOBAL_BATCH // jax.process_count()
+    local = {k: v[jax.process_index() * rows : (jax.process_index() + 1) * rows] for k, v in
+             batch().items()}  # fmt: skip
+    state = trainer.init(seed=0, sample_batch=local)
+    placed = trainer.place_batch(local)
+
+    def step(state, b):
+        state, metrics = trainer.step(state, b)
+        return state, metrics["loss"]
+
+    state, _ = common.timed_steps(step, state, placed, 2)  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        state, seconds = common.timed_steps(step, state, placed, steps)
+        times.append(seconds / steps)
+    if jax.process_index() == 0:
+        print(f"RESULT {statistics.median(times)}", flush=True)
+
+
+def process_seconds(rounds: int, repeats: int, steps: int) -> dict[str, list[float]]:
+    """{layout: [median seconds per step of each launch]}, launches alternating per round."""
+    out = {name_of(s, m): [] for s, m in PROCESSES}
+    for round_index in range(rounds):
+        order = PROCESSES if round_index % 2 == 0 else PROCESSES[::-1]
+        for strategy, mesh in order:
+            command = [
+                sys.executable, "-m", "jddp.launch", "--nproc=2", "--devices_per_proc=2", "--",
+                sys.executable, "-m", "experiments.bench.planner", "--worker",
+                json.dumps([strategy, mesh, repeats, steps]),
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[0] RESULT ")]
+            if not lines:
+                raise RuntimeError(f"{strategy} {mesh} failed:\n{result.stdout[-3000:]}")
+            out[name_of(strategy, mesh)].append(float(lines[-1].split()[-1]))
+    return out
+
+
+def predictions(profile, layouts, devices: int, per_host: int) -> dict:
+    from jddp.planner.timing import predict
+
+    w = workload()
+    return {
+        name_of(s, m): predict(w, layout_of(s, m, devices), profile, per_host) for s, m in layouts
+    }
+
+
+# ------------------------------------------------------------------------------- bytes
+def byte_check() -> list[dict]:
+    """Every layout of the tiny test GPT on 8 devices: modelled bytes vs the HLO's."""
+    import jax
+
+    from jddp.hlo import bytes_by_axes, collective_ops
+    from jddp.planner import comm
+    from jddp.planner.search import layouts_for
+    from tests.planner_programs import compiled_text, tiny_workload
+
+    w = tiny_workload(heads=8)
+    layouts, _ = layouts_for(w, 8, 8, stages=False)  # pipelines: tests/test_planner_comm.py
+    rows = []
+    for layout in layouts:
+        start = time.perf_counter()
+        text, names, ids = compiled_text(layout, heads=8)
+        hlo = bytes_by_axes(collective_ops(text), ids, names)
+        model = comm.bytes_by_axes(comm.step_collectives(w, layout))
+        rows.append(
+            {
+                "layout": layout.name,
+                "hlo_bytes": sum(hlo.values()),
+                "model_bytes": int(sum(model.values())),
+                "equal_per_axis_and_kind": hlo == model,
+                "compile_s": time.perf_counter() - start,
+            }
+        )
+        print(rows[-1], flush=True)
+    assert jax.device_count() == 8
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="launches per 2-process layout")
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--no-processes", action="store_true")
+    parser.add_argument("--bytes", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*json.loads(args.worker))
+        return
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from experiments.bench import common
+
+    if args.bytes:
+        rows = byte_check()
+        common.report(
+            "planner_bytes",
+            rows,
+            {"all_equal": all(r["equal_per_axis_and_kind"] for r in rows)},
+            args.out,
+        )
+        return
+
+    from jddp.planner.calibrate import calibrate
+    from jddp.planner.devices import load_cpu_profile
+
+    load = os.getloadavg()[0]
+    profile_file = os.path.join(args.out, "cpu_profile.json")
+    calibrate(profile_file)
+    profile = load_cpu_profile(profile_file)
+    rows = []
+    measured = in_process_seconds(args.repeats, args.steps)
+    for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
+        rows.append(_row(name, "1 x 8", measured[name], p))
+    if not args.no_processes:
+        launches = process_seconds(args.rounds, args.repeats, args.steps)
+        for name, p in predictions(profile, PROCESSES, 4, 2).items():
+            rows.append(_row(name, "2 x 2", statistics.median(launches[name]), p))
+    common.report(
+        "planner",
+        rows,
+        {
+            "model": f"GPT {LAYERS}x{WIDTH}, {HEADS} heads, vocab {VOCAB}, seq {SEQ}",
+            "global_batch": GLOBAL_BATCH,
+            "matmul_gflops": profile.peak_flops / 1e9,
+            "efficiency": profile.efficiency,
+            "load_average_start": load,
+            "load_average_end": os.getloadavg()[0],
+            "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
+        },
+        args.out,
+    )
+
+
+def _row(name, processes, measured, prediction) -> dict:
+    return {
+        "layout": name,
+        "processes_x_devices": processes,
+        "measured_ms": measured * 1e3,
+        "predicted_ms": prediction.step_s * 1e3,
+        "predicted_over_measured": prediction.step_s / measured,
+        "compute_ms": prediction.compute_s * 1e3,
+        "exposed_comm_ms": prediction.exposed_total * 1e3,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The collectives one training step runs, per mesh axis: what each strategy communicates
+(jddp/strategies/zero.py, ddp.py) and what tensor parallelism adds (jddp/models/gpt.py), written
+out op by op. The byte totals per (axes, kind) equal those read from the compiled HLO
+(jddp/hlo.py `bytes_by_axes`), exactly, on every mesh that compiles on 8 simulated devices
+(tests/test_planner_comm.py; all of them: experiments/bench/planner.py).
+
+Bytes are per device, counted as the HLO counts them: the result of each op (an all-gather's
+whole array, a reduce-scatter's shard, an all-reduce's buffer). Scalars (metrics, norms) are
+left out, as `bytes_by_axes` leaves them out.
+"""
+
+import dataclasses
+import functools
+
+from jddp.planner.layouts import Layout
+from jddp.planner.shards import param_shards
+from jddp.planner.workload import SEQUENCE_SPLIT_PARAMS, Workload
+
+# When a collective runs, which decides what compute it can hide under (jddp/planner/timing.py).
+FORWARD = "forward"  # zero3's parameter all-gathers: the next layer's, during this one
+BACKWARD = "backward"  # gradient reductions: a layer's, during the next layer's backward
+CRITICAL = "critical"  # activations between a layer's matmuls: nothing to hide under
+UPDATE = "update"  # after the optimizer update (zero1/2 gather the updated parameters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """`count` ops of one kind over mesh `axes`, each with a result of `nbytes` per device."""
+
+    kind: str  # all-reduce, all-gather, reduce-scatter, collective-permute
+    axes: tuple[str, ...]
+    nbytes: float
+    count: float
+    phase: str
+    what: str
+
+    @property
+    def total(self) -> float:
+        return self.nbytes * self.count
+
+
+def _axes(layout: Layout, *names: str) -> tuple[str, ...]:
+    """The axes among `names` that the layout has (size > 1), in mesh order."""
+    return tuple(a for a in names if layout.sizes[a] > 1)
+
+
+def gradient_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """The ZeRO stage's (or ddp's) per-parameter collectives: gathers of parameters and
+    reductions of gradients over the batch axes (equal ones merged)."""
+    # The data axis's size does not change what is sent, only whether it is there.
+    key = dataclasses.replace(layout, data=min(layout.data, 2), sequence_parallel=False)
+    return list(_gradient_collectives(workload, key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collective, ...]:
+    batch = _axes(layout, "data", "fsdp")
+    if layout.strategy == "ddp":
+        batch = _axes(layout, "data")
+    fsdp, data, tensor = layout.fsdp, _axes(layout, "data"), layout.tensor
+    # With accumulation XLA hoists zero3's gathers out of the micro-batch loop (loop-invariant)
+    # while each micro-batch's reduce-scatter (the gather's transpose) stays in it (HLO).
+    accum = workload.grad_accum_steps
+    gathers = 2 if workload.regather_in_backward else 1
+    out = []
+
+    def add(kind, axes, nbytes, count, phase, what):
+        if axes and nbytes:
+            out.append(Collective(kind, axes, nbytes, count, phase, what))
+
+    for p in param_shards(workload, layout):
+        # One tensor rank's part, in the dtype that crosses the wire.
+        b = p.elements * (workload.comm_bytes or p.itemsize)
+        b //= tensor if p.split_over("tensor") else 1
+        sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
+        if layout.strategy in ("ddp", "zero1") or not sharded:
+            add("all-reduce", batch, b, 1, BACKWARD, "gradients")
+        else:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
+            count = accum if layout.strategy == "zero3" else 1
+            add("reduce-scatter", ("fsdp",), b // fsdp, count, BACKWARD, "gradients")
+            add("all-reduce", data, b // fsdp, 1, BACKWARD, "gradient shards")
+        if sharded and layout.strategy == "zero3":
+            add("all-gather", ("fsdp",), b, gathers, FORWARD, "parameters")
+        elif sharded:  # zero1, zero2: the updated parameters, from the sharded update
+            add("all-gather", ("fsdp",), b, 1, UPDATE, "updated parameters")
+        if layout.strategy == "zero3" and tensor > 1 and not p.split_over("tensor"):
+            # XLA computes these gradients from partial sums over tensor and reduces them
+            # (seen in every zero3 program with a tensor axis; not under zero1 / zero2).
+            add("all-reduce", ("tensor",), b // (fsdp if sharded else 1), 1, BACKWARD, "grads")
+    return tuple(merged(out))
+
+
+def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """Megatron's activation collectives over tensor for one step (4 per layer and micro-batch:
+    2 forward, 2 backward, plus those of the recomputed forward; one more each way for the
+    vocabulary-parallel embedding and head), with sequence parallelism as all-gather /
+    reduce-scatter pairs; and what the vocabulary-parallel loss reduces. Activations are
+    counted in the compute dtype (XLA:CPU reduces bfloat16 matmuls' partial sums in float32:
+    the compiled CPU program moves twice these bytes)."""
+    t = workload.transformer
+    if layout.tensor == 1 or t is None:
+        return []
+    tensor = ("tensor",)
+    micro_steps = workload.grad_accum_steps * _pipeline_microbatches(workload, layout)
+    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    activation = rows * t.seq_len * t.width * workload.compute_bytes
+    layers = t.layers // layout.stage
+    per_pass = t.tensor_reductions_per_layer() * layers
+    # A recomputed layer repeats its forward reductions; XLA drops the last one, whose result
+    # only the next layer reads (seen in the HLO); PyTorch's checkpointing reruns them all.
+    recomputed = per_pass - (layers if workload.recompute_drops_output else 0)
+    count = 2 * per_pass + workload.recompute * recomputed + 2  # + embedding fwd, head bwd
+    count *= micro_steps
+    out = []
+    if layout.sequence_parallel:  # a recomputed layer gathers all its inputs again
+        gathers = (2 * per_pass + workload.recompute * per_pass + 2) * micro_steps
+        out.append(Collective("all-gather", tensor, activation, gathers, CRITICAL, "activations"))
+        rs = activation / layout.tensor
+        out.append(Collective("reduce-scatter", tensor, rs, count, CRITICAL, "activations"))
+        for p in param_shards(workload, layout):
+            if SEQUENCE_SPLIT_PARAMS.search(p.path):  # their gradients are partial sums
+                out.append(Collective("all-reduce", tensor, p.nbytes, 1, BACKWARD, "norms"))
+            elif p.path == "position_embed":  # each rank holds its positions' gradient
+                out.append(Collective("all-gather", tensor, p.nbytes, 1, BACKWARD, "positions"))
+    else:
+        out.append(Collective("all-reduce", tensor, activation, count, CRITICAL, "activations"))
+    if workload.vocab_parallel_loss:
+        tokens = rows * t.seq_len * 4  # float32 per token
+        # logsumexp's max and sum, the target's logit; the accuracy's arg-max (value, index)
+        out.append(Collective("all-reduce", tensor, tokens, 3 * micro_steps, CRITICAL, "loss"))
+        gathered = tokens * layout.tensor
+        out.append(Collective("all-gather", tensor, gathered, 2 * micro_steps, CRITICAL, "loss"))
+    return out
+
+
+def _pipeline_microbatches(workload: Workload, layout: Layout) -> int:
+    if layout.stage == 1:
+        return 1
+    from jddp.planner.pipeline import microbatches
+
+    return microbatches(workload, layout)
+
+
+def step_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """Every collective of one training step of `workload` under `layout`."""
+    from jddp.planner.pipeline import stage_collectives
+
+    return (
+        gradient_collectives(workload, layout)
+        + tensor_collectives(workload, layout)
+        + stage_collectives(workload, layout)
+    )
+
+
+def merged(collectives) -> list[Collective]:
+    """`collectives` with those of equal kind, axes, size and phase merged (counts added):
+    one per layer becomes one per model."""
+    counts: dict[tuple, float] = {}
+    for c in collectives:
+        key = (c.kind, c.axes, c.nbytes, c.phase, c.what)
+        counts[key] = counts.get(key, 0) + c.count
+    return [Collective(k, a, n, count, p, w) for (k, a, n, p, w), count in counts.items()]
+
+
+def bytes_by_axes(collectives) -> dict[tuple[tuple[str, ...], str], float]:
+    """{(axes, kind): bytes} over `collectives`, keyed as jddp.hlo.bytes_by_axes keys them."""
+    totals: dict[tuple[tuple[str, ...], str], float] = {}
+    for c in collectives:
+        totals[(c.axes, c.kind)] = totals.get((c.axes, c.kind), 0) + c.total
+    return totals

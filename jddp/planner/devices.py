@@ -1,0 +1,242 @@
+"""Device profiles: what a step's time depends on, per device type, each number with its source.
+
+`efficiency` is the one constant per device type that is not on a datasheet: the fraction of
+the peak a dense transformer step's FLOPs reach when nothing waits on communication. It is set
+once per device type from one measurement named in `sources` (a microbenchmark, or one
+published run listed as the calibration row of `python -m jddp.plan --published`) and used for
+every prediction on that hardware; `tests/test_planner.py` checks that the numbers
+here are what those calibration runs give.
+
+The `cpu` profile is this machine, measured by `python -m jddp.plan --calibrate` and kept in
+the user's cache directory (see `profile_path`): a measurement of one machine under one load
+is not a fact to commit to the repository, and every checkout on the machine shares it.
+"""
+
+import dataclasses
+import json
+import os
+
+from jddp.errors import ConfigError
+from jddp.planner.network import Link
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    peak_flops: float  # dense bfloat16 FLOP/s (the MFU denominator; float32 on cpu)
+    memory: float  # bytes of device memory
+    memory_bandwidth: float  # bytes/s (HBM, or DRAM on cpu)
+    bw_intra: float  # bytes/s per device and direction, inside a host (NVLink, ICI)
+    bw_inter: float  # bytes/s per device and direction, across hosts (InfiniBand, DCN)
+    latency_intra: float  # seconds per ring step
+    latency_inter: float
+    efficiency: float  # see the module docstring
+    devices_per_host: int  # a host's devices: what shares the fast link (a TPU slice's chips)
+    overlap: bool = True  # collectives can run while compute runs (async collectives)
+    float32_peak_flops: float = 0.0  # 0: as bfloat16 (TPUs run float32 matmuls as bf16 passes)
+    shared_compute: bool = False  # simulated devices: `peak_flops` is the whole machine's
+    # Collectives XLA combines across parameters (XLA:CPU combines all-reduces only).
+    combined_kinds: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter")
+    # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency) where a kind
+    # departs from the common link (XLA:CPU's all-gather is far slower per byte than its
+    # all-reduce: one fitted link per kind).
+    per_kind: tuple[tuple[str, float, float, float, float], ...] = ()
+    sources: tuple[str, ...] = ()
+
+    def links(self, kind: str) -> tuple[Link, Link]:
+        """(intra-host link, inter-host link) for a collective of `kind`."""
+        for name, bw_intra, lat_intra, bw_inter, lat_inter in self.per_kind:
+            if name == kind:
+                return Link(bw_intra, lat_intra), Link(bw_inter, lat_inter)
+        return Link(self.bw_intra, self.latency_intra), Link(self.bw_inter, self.latency_inter)
+
+    def peak_for(self, compute_bytes: int) -> float:
+        """Peak FLOP/s for bfloat16 (2) or float32 (4) matmuls."""
+        if compute_bytes == 4 and self.float32_peak_flops:
+            return self.float32_peak_flops
+        return self.peak_flops
+
+    def check(self) -> None:
+        """A ConfigError naming the first number that cannot describe a device."""
+        for field in ("peak_flops", "memory", "memory_bandwidth", "bw_intra", "bw_inter"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(
+                    f"device {self.name!r}: {field}={getattr(self, field)} must be positive; "
+                    f"pass --{_FLAG.get(field, field)}=..."
+                )
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
+        if self.latency_intra < 0 or self.latency_inter < 0:
+            raise ConfigError(f"device {self.name!r}: latencies must be >= 0")
+
+
+_FLAG = {"memory": "device_memory", "peak_flops": "peak_flops"}
+
+# ------------------------------------------------------------------------------ sources
+_NCCL_LATENCY = (
+    "ring-step latencies: NCCL src/graph/tuning.cc hwLat, Ring/Simple: NVLink 3.4 us, network "
+    "9.6 us"
+)
+_MAMF = (
+    "matmul efficiency (MAMF, bf16): github.com/stas00/ml-engineering "
+    "compute/accelerator/README.md: A100 SXM 86.9%, H100 SXM 80.3% ('H200 is the same'), "
+    "B200 77.6%"
+)
+_GPU_EFFICIENCY = (
+    "efficiency: A100 solved from the calibration run (Megatron-LM 310B, Narayanan et al. 2021 "
+    "Table 1); other GPUs the same software on their matmul units: A100's x MAMF(GPU) / "
+    "MAMF(A100)"
+)
+_SCALING_BOOK = (
+    "TPU HBM, ICI and DCN: Austin et al., 'How to Scale Your Model' (jax-ml.github.io/"
+    "scaling-book), Part 2 tables: ICI bidirectional per link v4 9e10, v5p 2e11, v5e 1e11 B/s; "
+    "DCN ~2.5e10 B/s per host (4 chips on v4/v5p, 8 on v5e); ~1 us per ICI hop"
+)
+A100_MAMF, H100_MAMF, B200_MAMF = 0.869, 0.803, 0.776
+A100_EFFICIENCY = 0.586  # solved from Megatron-LM 310B (a calibration run of published.py)
+
+
+def _gpu(name, peak, memory, hbm, nvlink, ib, efficiency, *sources) -> DeviceProfile:
+    """An NVIDIA GPU in a DGX-style host of 8: NVLink inside, one InfiniBand adapter each."""
+    return DeviceProfile(
+        name,
+        peak_flops=peak,
+        float32_peak_flops=peak / 2,  # TF32: what XLA runs float32 matmuls as
+        memory=memory,
+        memory_bandwidth=hbm,
+        bw_intra=nvlink,
+        bw_inter=ib,
+        latency_intra=3.4e-6,
+        latency_inter=9.6e-6,
+        efficiency=efficiency,
+        devices_per_host=8,
+        sources=(*sources, _NCCL_LATENCY, _GPU_EFFICIENCY),
+    )
+
+
+def _tpu(name, peak, memory, hbm, ici, dcn_per_chip, efficiency, slice_chips, *sources):
+    """A TPU: ICI inside a slice (`devices_per_host`), DCN between slices."""
+    return DeviceProfile(
+        name,
+        peak_flops=peak,
+        memory=memory,
+        memory_bandwidth=hbm,
+        bw_intra=ici,
+        bw_inter=dcn_per_chip,
+        latency_intra=1e-6,
+        latency_inter=9.6e-6,
+        efficiency=efficiency,
+        devices_per_host=slice_chips,
+        sources=(*sources, _SCALING_BOOK),
+    )
+
+
+_GPU_SCALED = round(A100_EFFICIENCY * H100_MAMF / A100_MAMF, 3)
+PRESETS: dict[str, DeviceProfile] = {
+    # NVLink 3: 300 GB/s per direction, NCCL models A100 at 235; one 200 Gb/s HDR adapter/GPU
+    "a100-80gb": _gpu(
+        "a100-80gb", 312e12, 80 * GB, 2.039e12, 235 * GB, 25 * GB, A100_EFFICIENCY,
+        "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 156 TF32, 80 GB HBM2e 2,039 GB/s, "
+        "NVLink 600 GB/s (both directions)",
+        "NCCL src/graph/tuning.cc: A100 (sm80) NVLink bus bandwidth capped at 235 GB/s",
+        "DGX A100 user guide: 8x ConnectX-6 HDR 200 Gb/s, one per GPU",
+    ),
+    # NVLink 4: 900 GB/s both directions; one 400 Gb/s NDR adapter per GPU
+    "h100": _gpu(
+        "h100", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, _GPU_SCALED,
+        "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 3.35 TB/s, NVLink "
+        "900 GB/s",
+        "DGX H100 user guide: 8x ConnectX-7 400 Gb/s, one per GPU",
+        _MAMF,
+    ),
+    "h200": _gpu(
+        "h200", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, _GPU_SCALED,
+        "NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 141 GB HBM3e 4.8 TB/s, NVLink "
+        "900 GB/s",
+        "DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU",
+        _MAMF,
+    ),
+    # NVLink 5: 1.8 TB/s both directions
+    "b200": _gpu(
+        "b200", 2250e12, 180 * GB, 8.0e12, 900 * GB, 50 * GB,
+        round(A100_EFFICIENCY * B200_MAMF / A100_MAMF, 3),
+        "NVIDIA DGX B200 datasheet: per GPU 2.25 PFLOP/s bf16 dense, 180 GB HBM3e 8 TB/s, "
+        "NVLink 1.8 TB/s; 8x ConnectX-7 400 Gb/s",
+        _MAMF,
+    ),
+    # efficiency solved from MaxText 22B on 1x v4-128 (a calibration run of published.py)
+    "tpu-v4": _tpu(
+        "tpu-v4", 275e12, 32 * 2**30, 1.2e12, 9e10, 2.5e10 / 4, 0.775, 64,
+        "Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 1,200 GB/s",
+        "efficiency: solved from the calibration run, MaxText 22B on 1x v4-128 (MaxText "
+        "configs/v4/README.md: 56.7% MFU, full remat)",
+    ),
+    "tpu-v5p": _tpu(
+        "tpu-v5p", 459e12, 95 * 2**30, 2.765e12, 2e11, 2.5e10 / 4, 0.775, 64,
+        "Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM 2,765 GB/s, DCN 50 Gb/s per chip",
+        "efficiency: TPU v4's (same XLA TPU software; no v5p calibration run)",
+    ),
+    # efficiency solved from MaxText 16B on 1x v5e-256 (a calibration run of published.py)
+    "tpu-v5e": _tpu(
+        "tpu-v5e", 197e12, 16 * GB, 8.19e11, 1e11, 2.5e10 / 8, 0.846, 256,
+        "Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 819 GB/s, DCN 6.4 Tbps per "
+        "256-chip pod",
+        "efficiency: solved from the calibration run, MaxText 16B on 1x v5e-256 (MaxText "
+        "configs/v5e/README.md: 61.10% MFU, full remat)",
+    ),
+}  # fmt: skip
+DEVICE_NAMES = (*PRESETS, "cpu")
+
+
+def profile_path() -> str:
+    """Where `--calibrate` stores the `cpu` profile: $JDDP_CPU_PROFILE, else
+    $XDG_CACHE_HOME/jddp/cpu_profile.json (XDG_CACHE_HOME defaults to ~/.cache)."""
+    if os.environ.get("JDDP_CPU_PROFILE"):
+        return os.environ["JDDP_CPU_PROFILE"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "jddp", "cpu_profile.json")
+
+
+def save_cpu_profile(profile: DeviceProfile, measurements: dict, path: str | None = None) -> str:
+    path = path or profile_path()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    record = dataclasses.asdict(profile) | {"measurements": measurements}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def load_cpu_profile(path: str | None = None) -> DeviceProfile:
+    """The stored `cpu` profile; a ConfigError saying how to make one if there is none."""
+    path = path or profile_path()
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"no cpu profile at {path}; run `python -m jddp.plan --calibrate` first (it measures "
+            "this machine's matmul rate and collectives, ~1 min), or give every number "
+            "(--peak_flops, --bw_intra, ...)"
+        )
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        record.pop("measurements", None)
+        record["sources"] = tuple(record.get("sources", ()))
+        record["combined_kinds"] = tuple(record.get("combined_kinds", ()))
+        record["per_kind"] = tuple(tuple(k) for k in record.get("per_kind", ()))
+        return DeviceProfile(**record)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"cpu profile {path} is unreadable ({e}); run `python -m jddp.plan --calibrate` again"
+        ) from None
+
+
+def get_profile(name: str, cpu_profile_path: str | None = None) -> DeviceProfile:
+    """The preset `name`, or the stored `cpu` profile; a ConfigError listing the names."""
+    if name == "cpu":
+        return load_cpu_profile(cpu_profile_path)
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --device={name!r}; choose one of {', '.join(DEVICE_NAMES)}")
+    return PRESETS[name]

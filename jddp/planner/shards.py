@@ -1,0 +1,133 @@
+"""Which mesh axes each parameter, gradient and optimizer moment is split over under a layout:
+the partition rules of jddp/sharding/rules.py applied to an abstract mesh (no devices), and the
+ZeRO stage's choice among them, as jddp/strategies/zero.py makes it:
+
+    zero1   parameters and gradients whole over fsdp, optimizer state split as the rules say
+    zero2   gradients split too
+    zero3   parameters split too
+    (every stage splits over tensor what the rules split over tensor; ddp splits nothing)
+
+Computed once per workload and (fsdp, tensor) size: the planner asks for thousands of layouts.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jddp.planner.layouts import AXES, Layout
+from jddp.planner.workload import Workload, block_index
+from jddp.sharding.mesh import DeviceMesh
+from jddp.sharding.rules import mirror_specs, path_str, spec_axes, spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShard:
+    """One parameter of the device's pipeline stage: its path, its size, and its whole layout
+    (`spec`, over fsdp and tensor)."""
+
+    path: str
+    elements: int
+    itemsize: int
+    spec: P
+    axes: tuple[str, ...] = ()  # the mesh axes `spec` names
+    block: int | None = None  # the transformer block it belongs to
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.itemsize
+
+    def split_over(self, axis: str) -> bool:
+        return axis in self.axes
+
+    def split(self, sizes: dict[str, int], axes=("fsdp", "tensor")) -> int:
+        """Into how many parts a mesh of `sizes` splits it over `axes` (those its spec names)."""
+        return math.prod(sizes[a] for a in self.axes if a in axes)
+
+
+def abstract_mesh(layout: Layout) -> DeviceMesh:
+    """The layout's mesh without devices (what partition rules need: axis names and sizes)."""
+    axes = [a for a in AXES if a != "stage" and layout.sizes[a] > 1] or ["fsdp"]
+    return DeviceMesh(AbstractMesh(tuple(layout.sizes[a] for a in axes), tuple(axes)))
+
+
+def on_first_stage(shard: "ParamShard", workload: Workload, stages: int) -> bool:
+    """Whether a parameter lives on the first of `stages` pipeline stages (blocks split evenly;
+    the embedding, positions and final norm and head counted there too: the most loaded stage
+    of a tied model)."""
+    if shard.block is None or stages == 1:
+        return True
+    return shard.block < workload.transformer.layers // stages
+
+
+@functools.lru_cache(maxsize=64)
+def _param_table(workload: Workload) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """(path, shape, bytes per element) of every parameter, in tree order."""
+    leaves = jax.tree_util.tree_leaves_with_path(workload.params)
+    return tuple((path_str(p), tuple(x.shape), x.dtype.itemsize) for p, x in leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
+    """(index of the parameter a leaf mirrors, or None, its bytes) for every optimizer-state
+    leaf: the mapping of jddp.sharding.rules.mirror_specs, computed once (the default state is
+    Adam's two float32 moments per parameter)."""
+    if workload.opt_state is None:
+        table = _param_table(workload)
+        return tuple(
+            (i, 4 * math.prod(shape)) for i, (_, shape, _) in enumerate(table) for _ in "mv"
+        )
+    markers = [P(f"param{i}") for i in range(len(_param_table(workload)))]
+    tree = jax.tree.unflatten(jax.tree.structure(workload.params), markers)
+    mirrored = jax.tree.leaves(
+        mirror_specs(workload.opt_state, workload.params, tree),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    leaves = jax.tree.leaves(workload.opt_state)
+    return tuple(
+        (int(spec[0][5:]) if len(spec) else None, x.size * x.dtype.itemsize)
+        for spec, x in zip(mirrored, leaves, strict=True)
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _specs(workload: Workload, fsdp: int, tensor: int) -> tuple[P, ...]:
+    """Each parameter's spec by the rules (jddp.sharding.rules.spec_for, as param_specs)."""
+    mesh = abstract_mesh(Layout("zero3", fsdp=fsdp, tensor=tensor))
+    rules = workload.rules_for(mesh)
+    return tuple(
+        spec_for(path, shape, rules, mesh, workload.min_shard_size)
+        for path, shape, _ in _param_table(workload)
+    )
+
+
+def all_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:
+    """Every parameter with its whole layout (all replicated under ddp); a ConfigError if the
+    rules do not fit the mesh."""
+    return _all_shards(workload, layout.strategy == "ddp", layout.fsdp, layout.tensor)
+
+
+@functools.lru_cache(maxsize=1024)
+def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int):
+    table = _param_table(workload)
+    specs = (P(),) * len(table) if ddp else _specs(workload, fsdp, tensor)
+    return tuple(
+        ParamShard(path, math.prod(shape), itemsize, spec, spec_axes(spec), block_index(path))
+        for (path, shape, itemsize), spec in zip(table, specs, strict=True)
+    )
+
+
+def param_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:
+    """The parameters of the device's (first) pipeline stage, with their whole layouts."""
+    return _stage_shards(
+        workload, layout.strategy == "ddp", layout.fsdp, layout.tensor, layout.stage
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int, stage: int):
+    shards = _all_shards(workload, ddp, fsdp, tensor)
+    return tuple(s for s in shards if on_first_stage(s, workload, stage))

@@ -1,0 +1,139 @@
+"""A step's predicted time: compute, exposed communication per mesh axis, pipeline bubble.
+
+compute     executed FLOPs per device (model FLOPs, plus the recomputed forward with remat)
+            / (peak x efficiency); the optimizer update as memory traffic / bandwidth
+overlap     each collective by when it runs (jddp/planner/comm.py phases):
+              forward   zero3's parameter gathers, hidden under the forward's compute
+              backward  gradient reductions, hidden under the backward's compute
+              critical  tensor-parallel activations, stage sends: nothing hides them
+              update    zero1/2's gathers of updated parameters, after the step's compute
+            a phase's exposed time is max(its time / layers, its time - the compute it can
+            hide under): all but one layer's share can overlap. On devices without async
+            collectives (`overlap=False`, the CPU) everything is exposed, as it is for the
+            axes a workload names in `exposed_axes`.
+bubble      compute and critical communication run inside the pipeline, so its idle share
+            b (jddp/planner/pipeline.py) stretches them by b / (1 - b) (also on simulated
+            devices sharing a machine's cores: an idle stage's cores do not serve the busy
+            ones, experiments/bench/planner.py)
+"""
+
+import dataclasses
+import math
+
+from jddp.planner import comm
+from jddp.planner.devices import DeviceProfile
+from jddp.planner.layouts import Layout
+from jddp.planner.memory import state_bytes
+from jddp.planner.network import collective_time
+from jddp.planner.pipeline import bubble_fraction
+from jddp.planner.workload import Workload
+
+COMBINE_BYTES = 32 * 2**20  # per combined collective (XLA's combiners default to ~30 MiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    compute_s: float
+    optimizer_s: float
+    bubble_s: float
+    exposed_s: dict[str, float]  # per mesh axis: communication time not hidden by compute
+    comm_s: dict[str, float]  # per mesh axis: all communication time
+    tokens_per_s: float
+    mfu: float  # model FLOPs / (step x devices x peak)
+
+    @property
+    def exposed_total(self) -> float:
+        return sum(self.exposed_s.values())
+
+
+def _combined(collectives, profile: DeviceProfile) -> list[comm.Collective]:
+    """The ops that really run: XLA combines the per-parameter collectives of one kind, axes
+    and phase into buckets of up to `COMBINE_BYTES` (its all-reduce / all-gather /
+    reduce-scatter combiner passes; XLA:CPU runs only the all-reduce one), so their latency is
+    paid per bucket, not per parameter. Activation collectives stay one op each."""
+    out, groups = [], {}
+    for c in comm.merged(collectives):
+        if c.phase == comm.CRITICAL or c.kind not in profile.combined_kinds:
+            out.append(c)
+            continue
+        key = (c.kind, c.axes, c.phase)
+        total, what = groups.get(key, (0.0, c.what))
+        groups[key] = (total + c.total, what)
+    for (kind, axes, phase), (total, what) in groups.items():
+        ops = math.ceil(total / COMBINE_BYTES)
+        out.append(comm.Collective(kind, axes, total / ops, ops, phase, what))
+    return out
+
+
+def peak_per_device(profile: DeviceProfile, workload: Workload, layout: Layout) -> float:
+    peak = profile.peak_for(workload.compute_bytes)
+    return peak / layout.devices if profile.shared_compute else peak
+
+
+def predict(
+    workload: Workload,
+    layout: Layout,
+    profile: DeviceProfile,
+    devices_per_host: int,
+    exposed_axes: tuple[str, ...] = (),
+) -> Prediction:
+    """The predicted step of `workload` under `layout` on `profile`'s devices."""
+    peak = peak_per_device(profile, workload, layout)
+    compute = workload.hardware_flops() / layout.devices / (peak * profile.efficiency)
+    forward_share = 1 / (3 + workload.recompute)
+    windows = {
+        comm.FORWARD: compute * forward_share,
+        comm.BACKWARD: compute * (1 - forward_share),
+        comm.CRITICAL: 0.0,
+        comm.UPDATE: 0.0,
+    }
+    state = state_bytes(workload, layout)
+    optimizer = (2 * (state.params + state.optimizer) + state.grads) / profile.memory_bandwidth
+
+    times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
+    ops: dict[str, float] = {}  # phase -> collectives run in it
+    pipelined = 0.0  # critical communication inside each micro-batch's work
+    for c in _combined(comm.step_collectives(workload, layout), profile):
+        intra, inter = profile.links(c.kind)
+        seconds = c.count * collective_time(
+            c.kind, c.nbytes, layout, c.axes, intra, inter, devices_per_host
+        )
+        phase = c.phase
+        pipelined += seconds if phase == comm.CRITICAL else 0.0
+        if not profile.overlap or any(a in exposed_axes for a in c.axes):
+            phase = comm.CRITICAL
+        key = (phase, ",".join(c.axes))
+        times[key] = times.get(key, 0.0) + seconds
+        ops[phase] = ops.get(phase, 0.0) + c.count
+
+    exposed: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for phase in windows:
+        in_phase = {axis: s for (p, axis), s in times.items() if p == phase}
+        phase_time = sum(in_phase.values())
+        if not phase_time:
+            continue
+        if phase in (comm.CRITICAL, comm.UPDATE):
+            hidden_share = 0.0
+        else:
+            shown = max(phase_time / ops[phase], phase_time - windows[phase])
+            hidden_share = 1 - shown / phase_time
+        for axis, seconds in in_phase.items():
+            total[axis] = total.get(axis, 0.0) + seconds
+            exposed[axis] = exposed.get(axis, 0.0) + seconds * (1 - hidden_share)
+
+    bubble = bubble_fraction(workload, layout)
+    bubble_s = (compute + pipelined) * bubble / (1 - bubble)
+    step = compute + bubble_s + sum(exposed.values()) + optimizer
+    peak_all = peak * layout.devices
+    return Prediction(
+        step_s=step,
+        compute_s=compute,
+        optimizer_s=optimizer,
+        bubble_s=bubble_s,
+        exposed_s=exposed,
+        comm_s=total,
+        tokens_per_s=workload.global_batch * workload.tokens_per_example / step,
+        mfu=workload.model_flops / (step * peak_all),
+    )

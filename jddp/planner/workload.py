@@ -1,0 +1,244 @@
+"""What is trained, as the planner sees it: parameter shapes (exact, from `jax.eval_shape` of the
+real model), FLOPs per step, and for a transformer its dimensions (what sets activation sizes).
+
+`from_config` reads a jddp experiment config without compiling anything; a published run's
+workload is written out from the paper's dimensions with `transformer_params`.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+# Parameters a sequence-parallel GPT applies to activations split along the sequence: their
+# gradients are partial sums over tensor (jddp/models/gpt.py).
+SEQUENCE_SPLIT_PARAMS = re.compile(r"(^|/)(ln_\d+|ln_f)/|attn/out/bias$|mlp/proj/bias$")
+BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """A decoder's dimensions: what the activation collectives, the attention FLOPs and the
+    activation memory depend on."""
+
+    layers: int
+    width: int
+    heads: int
+    mlp_dim: int
+    vocab: int
+    seq_len: int
+    kv_heads: int = 0  # 0: as many as `heads`; 1: multi-query attention
+    gated_mlp: bool = False  # SwiGLU: three MLP matrices instead of two
+    tied: bool = True
+    learned_positions: bool = True
+    parallel_block: bool = False  # attention and MLP side by side on one LayerNorm (PaLM)
+    biases: bool = True
+    head_size: int = 0  # 0: width / heads
+    fused_attention: bool = False  # flash attention: no attention probabilities kept
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.width // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def qkv_columns(self) -> int:
+        return self.attention_width + 2 * (self.kv_heads or self.heads) * self.head_dim
+
+    def layer_matmul_params(self) -> int:
+        mlp = (3 if self.gated_mlp else 2) * self.width * self.mlp_dim
+        return self.width * self.qkv_columns + self.attention_width * self.width + mlp
+
+    def train_flops(self, sequences: int) -> float:
+        """Model FLOPs of a training step on `sequences` sequences (jddp/flops.py's
+        convention: 6 x matmul parameters x tokens + 12 x layers x heads x head size x
+        sequence length x tokens)."""
+        matmul = self.layers * self.layer_matmul_params() + self.width * self.vocab
+        attention = 12 * self.layers * self.attention_width * self.seq_len
+        return (6 * matmul + attention) * sequences * self.seq_len
+
+    def tensor_reductions_per_layer(self) -> int:
+        """Activation reductions over tensor per layer and pass (forward or backward):
+        Megatron's two, or one when attention and MLP share their input and output."""
+        return 1 if self.parallel_block else 2
+
+
+def transformer_params(t: Transformer, dtype=np.float32) -> dict:
+    """ShapeDtypeStructs of a transformer's parameters, named as jddp's GPT names them (so
+    its tensor-parallel partition rules apply)."""
+
+    def p(*shape):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def dense(fan_in, fan_out):
+        return {"kernel": p(fan_in, fan_out), **({"bias": p(fan_out)} if t.biases else {})}
+
+    def norm():
+        return {"scale": p(t.width), **({"bias": p(t.width)} if t.biases else {})}
+
+    mlp_columns = (2 if t.gated_mlp else 1) * t.mlp_dim
+    attn = {"out": dense(t.attention_width, t.width)}
+    if t.kv_heads:  # grouped / multi-query attention: keys and values are not split by head
+        attn |= {
+            "q": dense(t.width, t.attention_width),
+            "kv": dense(t.width, 2 * t.kv_heads * t.head_dim),
+        }
+    else:
+        attn["qkv"] = dense(t.width, t.qkv_columns)
+    block = {
+        "ln_1": norm(),
+        "attn": attn,
+        "mlp": {"fc": dense(t.width, mlp_columns), "proj": dense(t.mlp_dim, t.width)},
+    }
+    if not t.parallel_block:
+        block["ln_2"] = norm()
+    params = {"token_embed": {"embedding": p(t.vocab, t.width)}, "ln_f": norm()}
+    params |= {f"block_{i}": block for i in range(t.layers)}
+    if t.learned_positions:
+        params["position_embed"] = p(t.seq_len, t.width)
+    if not t.tied:
+        params["head"] = dense(t.width, t.vocab)
+    return params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds trees
+class Workload:
+    """One training step's shape. `params`: a tree of ShapeDtypeStructs; `rules_for(mesh)`:
+    the partition rules a run on `mesh` (a DeviceMesh) uses; `model_flops`: the MFU numerator
+    per step (jddp/flops.py's convention)."""
+
+    name: str
+    params: Any
+    global_batch: int  # examples (sequences) per step
+    model_flops: float
+    rules_for: Callable[[Any], tuple] = lambda mesh: ()
+    transformer: Transformer | None = None
+    min_shard_size: int = 4096
+    grad_accum_steps: int = 1
+    recompute: float = 0.0  # fraction of the blocks' forward recomputed in backward (remat: 1)
+    compute_bytes: int = 4  # bytes per activation element (bfloat16 compute: 2)
+    opt_state: Any = None  # ShapeDtypeStructs of the optimizer state; None: Adam's two moments
+    comm_bytes: int = 0  # bytes per parameter / gradient element on the wire; 0: their own
+    microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/pipeline.py)
+    virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
+    pipeline_schedule: str = "1f1b"  # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
+    lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/pipeline.py)
+    vocab_parallel_loss: bool = False  # jddp's language-model loss and accuracy over tensor
+    regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute
+    recompute_drops_output: bool = True  # XLA skips a recomputed layer's last reduction
+    gathers_whole_model: bool = True  # jddp's zero3 gathers every parameter at once
+
+    @property
+    def param_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.params))
+
+    @property
+    def tokens_per_example(self) -> int:
+        return self.transformer.seq_len if self.transformer else 1
+
+    def hardware_flops(self) -> float:
+        """FLOPs executed per step: the model FLOPs plus the recomputed forward of the blocks
+        (remat), the head excluded (it is not recomputed)."""
+        if not self.recompute:
+            return self.model_flops
+        if self.transformer is None:
+            return self.model_flops * (3 + self.recompute) / 3
+        t = self.transformer
+        head = 6 * t.width * t.vocab * self.global_batch * t.seq_len
+        blocks = self.model_flops - head
+        return head + blocks * (3 + self.recompute) / 3
+
+
+def block_index(path: str) -> int | None:
+    match = BLOCK.search(path)
+    return int(match.group(1)) if match else None
+
+
+def model_workload(
+    model, sample_input, global_batch: int, optimizer=None, *, name: str = "model", **fields
+) -> Workload:
+    """The workload of training a Flax Linen `model` on `global_batch` examples shaped like
+    `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None: Adam's
+    two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
+    from jddp import flops
+    from jddp.models import GPT
+
+    shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
+    variables = jax.eval_shape(
+        lambda x: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x),
+        shape,
+    )
+    params = variables["params"]
+    transformer = None
+    if isinstance(model, GPT):
+        transformer = Transformer(
+            layers=model.num_layers,
+            width=model.embed_dim,
+            heads=model.num_heads,
+            mlp_dim=model.mlp_dim or 4 * model.embed_dim,
+            vocab=model.vocab_size,
+            seq_len=shape.shape[1],
+            tied=model.tie_embeddings,
+            learned_positions=model.positions == "learned",
+        )
+        fields = {"vocab_parallel_loss": True, "recompute": float(model.remat)} | fields
+    global_input = jax.ShapeDtypeStruct((global_batch, *shape.shape[1:]), shape.dtype)
+    step_flops = flops.train_step_flops(model, global_input)
+    return Workload(
+        name=name,
+        params=params,
+        global_batch=global_batch,
+        model_flops=step_flops.per_step if step_flops else 0.0,
+        transformer=transformer,
+        opt_state=jax.eval_shape(optimizer.init, params) if optimizer else None,
+        **fields,
+    )
+
+
+def from_config(config) -> Workload:
+    """The workload a jddp experiment config trains, from shapes only (a language model needs
+    no data; other datasets give one example, preparing the dataset if it is not yet)."""
+    from jddp import data, models, optim
+    from jddp.sharding.rules import fit_preset
+
+    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
+    model = models.create_model(
+        config.model,
+        dataset.num_classes,
+        batch_axis_name=("data", "fsdp"),
+        tensor_axis="tensor" if config.model in models.TENSOR_RULES else None,
+        **config.model_args,
+    )
+    if dataset.kind == data.LANGUAGE_MODEL:
+        sample_input = np.zeros((1, config.data.seq_len), np.int32)
+    else:
+        splits = data.open_dataset(dataset, data.DataOptions.from_config(config.data))
+        sample_input = splits.sample_batch()[dataset.input_key]
+    user_rules = tuple(tuple(rule) for rule in config.parallel.rules)
+    preset = models.TENSOR_RULES.get(config.model, ())
+
+    def rules_for(mesh):  # as jddp.experiment.build_trainer chooses them
+        if user_rules or mesh.size("tensor") == 1:
+            return user_rules
+        return fit_preset(preset, mesh)
+
+    return model_workload(
+        model,
+        sample_input,
+        config.global_batch_size,
+        optim.create_optimizer(config, optim.learning_rate_schedule(config)),
+        name=f"{config.model} on {config.dataset}",
+        rules_for=rules_for,
+        min_shard_size=config.parallel.min_shard_size,
+        grad_accum_steps=config.grad_accum_steps,
+        compute_bytes=2 if config.compute_dtype == "bfloat16" else 4,
+        microbatches=config.parallel.pipeline.microbatches,
+        pipeline_schedule=config.parallel.pipeline.schedule,
+    )

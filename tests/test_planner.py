@@ -1,0 +1,212 @@
+"""The planner's time model on hand-computed cases, the device presets, and the published runs
+it reproduces. Shapes only: nothing here compiles or runs a step."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jddp.errors import ConfigError
+from jddp.planner import devices, network, pipeline, published, timing
+from jddp.planner.layouts import Layout, candidates, factorizations
+from jddp.planner.workload import Transformer, Workload, transformer_params
+
+GB = 1e9
+
+
+# --------------------------------------------------------------------- collective formulas
+def test_ring_formulas():
+    link = network.Link(bandwidth=1e9, latency=1e-6)
+    # 4 devices, 1 GB: all-reduce 2 x 3/4 x 1 s + 6 steps; gather and scatter half that
+    assert network.ring_time("all-reduce", 1e9, 4, link) == pytest.approx(1.5 + 6e-6)
+    assert network.ring_time("all-gather", 1e9, 4, link) == pytest.approx(0.75 + 3e-6)
+    assert network.ring_time("reduce-scatter", 1e9, 4, link) == pytest.approx(0.75 + 3e-6)
+    assert network.ring_time("collective-permute", 1e9, 2, link) == pytest.approx(1 + 1e-6)
+    assert network.ring_time("all-reduce", 1e9, 1, link) == 0
+
+
+def test_axis_links_follow_the_device_order_and_hosts():
+    intra, inter = network.Link(100e9, 0.0), network.Link(10e9, 0.0)
+    layout = Layout("zero3", data=2, fsdp=4)  # fsdp fastest: devices 0-3 are one fsdp group
+    # fsdp inside a host of 4: 3/4 x 1 GB at 100 GB/s
+    t = network.collective_time("all-gather", 1e9, layout, ("fsdp",), intra, inter, 4)
+    assert t == pytest.approx(0.75 / 100)
+    # data pairs devices 0 and 4, on two hosts: 2 x 1/2 x 1 GB at 10 GB/s
+    t = network.collective_time("all-reduce", 1e9, layout, ("data",), intra, inter, 4)
+    assert t == pytest.approx(1 / 10)
+    # data x fsdp over 2 hosts of 4: reduce-scatter and all-gather inside (3/4 GB each at
+    # 100 GB/s), the quarter each device holds all-reduced across the 2 hosts at 10 GB/s
+    t = network.collective_time("all-reduce", 1e9, layout, ("data", "fsdp"), intra, inter, 4)
+    assert t == pytest.approx(2 * 0.75 / 100 + 2 * 0.5 * 0.25 / 10)
+    # a reduce-scatter's result is a shard: its input is 4 x the result
+    t = network.collective_time("reduce-scatter", 0.25e9, layout, ("fsdp",), intra, inter, 4)
+    assert t == pytest.approx(0.75 / 100)
+
+
+def test_pipeline_bubble():
+    t = Transformer(8, 64, 4, 256, 128, 16)
+    w = Workload("w", transformer_params(t), 64, 1.0, transformer=t, microbatches=8)
+    assert pipeline.bubble_fraction(w, Layout("zero3", fsdp=2, stage=4)) == pytest.approx(3 / 11)
+    interleaved = dataclasses.replace(w, virtual_stages=2)
+    assert pipeline.bubble_fraction(interleaved, Layout("zero3", fsdp=2, stage=4)) == (
+        pytest.approx(3 / 19)
+    )
+    assert pipeline.bubble_fraction(w, Layout("zero3", fsdp=8)) == 0
+
+
+def test_pipeline_sends_by_hand():
+    """4 stages of 2 layers, 8 micro-batches of 4 rows x 16 tokens x width 64 in float32
+    (16,384 bytes): jddp's lockstep engine sends forward and back at every one of its
+    3 (M + S - 1) = 33 ticks (the backward in two ticks), Megatron only the 2 M real sends."""
+    t = Transformer(8, 64, 4, 256, 128, 16)
+    w = Workload("w", transformer_params(t), 64, 1.0, transformer=t, microbatches=8)
+    layout = Layout("zero3", fsdp=2, stage=4)
+    sends, reduce = pipeline.stage_collectives(w, layout)
+    assert (sends.kind, sends.nbytes, sends.count) == ("collective-permute", 4 * 16 * 64 * 4, 66)
+    # the parameters outside the stack (embedding 128 x 64, positions 16 x 64, final norm)
+    assert (reduce.kind, reduce.nbytes) == ("all-reduce", 4 * (128 * 64 + 16 * 64 + 2 * 64))
+    megatron = dataclasses.replace(w, lockstep_pipeline=False)
+    (sends,) = pipeline.stage_collectives(megatron, layout)
+    assert sends.count == 16
+
+
+# ------------------------------------------------------------------------ the step's time
+PROFILE = devices.DeviceProfile(
+    "test", peak_flops=100e12, memory=80 * GB, memory_bandwidth=1e12, bw_intra=100e9,
+    bw_inter=10e9, latency_intra=0.0, latency_inter=0.0, efficiency=0.5, devices_per_host=8,
+)  # fmt: skip
+
+
+def mlp_workload(kernels=2, size=1024):
+    """`kernels` float32 size x size kernels (no transformer), 1e15 FLOPs per step."""
+    kernel = jax.ShapeDtypeStruct((size, size), np.float32)
+    return Workload("mlp", {f"k{i}": kernel for i in range(kernels)}, 64, 1e15)
+
+
+def test_ddp_step_by_hand():
+    """8 devices on one host, 1e15 FLOPs: 1e15 / 8 / (100e12 x 0.5) = 2.5 ms of compute; the
+    8 MiB of gradients all-reduced in one combined op (2 x 7/8 x 8 MiB at 100 GB/s), which
+    waits for the whole backward pass; Adam's update reads and writes 8 MiB of parameters and
+    16 MiB of moments and reads the gradients, at 1 TB/s."""
+    w, layout = mlp_workload(), Layout("ddp", data=8)
+    p = timing.predict(w, layout, PROFILE, 8)
+    mib8 = 8 * 2**20
+    assert p.compute_s == pytest.approx(1e15 / 8 / 50e12)
+    assert p.comm_s == {"data": pytest.approx(2 * 7 / 8 * mib8 / 100e9)}
+    assert p.exposed_s == p.comm_s  # one op: nothing to overlap it with
+    assert p.optimizer_s == pytest.approx((2 * (mib8 + 2 * mib8) + mib8) / 1e12)
+    assert p.step_s == pytest.approx(p.compute_s + p.comm_s["data"] + p.optimizer_s)
+    assert p.mfu == pytest.approx(1e15 / (p.step_s * 8 * 100e12))
+
+
+def test_gradient_buckets_overlap_the_backward_pass():
+    """64 MiB of gradients in two 32 MiB buckets (XLA's combiner): the first hides under the
+    backward pass (2/3 of 2.5 ms), the last does not; without async collectives (the CPU)
+    both are exposed."""
+    w, layout = mlp_workload(kernels=4, size=2048), Layout("ddp", data=8)
+    p = timing.predict(w, layout, PROFILE, 8)
+    bucket = 2 * 7 / 8 * 32 * 2**20 / 100e9
+    assert p.comm_s == {"data": pytest.approx(2 * bucket)}
+    assert p.exposed_s == {"data": pytest.approx(bucket)}
+    serial = timing.predict(w, layout, dataclasses.replace(PROFILE, overlap=False), 8)
+    assert serial.exposed_s == {"data": pytest.approx(2 * bucket)}
+
+
+def test_zero3_across_hosts_by_hand():
+    """fsdp:8 over 2 hosts of 4: each kernel (4 MiB) gathered (hierarchically: 1/4 across
+    hosts, then inside), its gradient reduce-scattered; all exposed without overlap."""
+    w, layout = mlp_workload(), Layout("zero3", fsdp=8)
+    profile = dataclasses.replace(PROFILE, overlap=False)
+    p = timing.predict(w, layout, profile, 4)
+    mib8 = 8 * 2**20  # both kernels, combined into one op per kind
+    inside = 3 / 4 * mib8 / 100e9
+    across = 1 / 2 * mib8 / 4 / 10e9
+    assert p.comm_s == {"fsdp": pytest.approx(2 * (inside + across))}
+    assert p.exposed_s == p.comm_s
+
+
+def test_tensor_parallel_time_by_hand():
+    """A transformer's activation all-reduces sit on the critical path: (4 layers x 2 + 2
+    per pass... ) 4 L + 2 of B x T x width, never hidden."""
+    t = Transformer(2, 256, 4, 1024, 512, 128)
+    w = Workload(
+        "gpt", transformer_params(t), 8, t.train_flops(8), transformer=t, min_shard_size=1,
+        rules_for=published._megatron_rules,
+    )  # fmt: skip
+    p = timing.predict(w, Layout("zero3", tensor=8), PROFILE, 8)
+    activation = 8 * 128 * 256 * 4  # rows x tokens x width x float32
+    per_op = 2 * 7 / 8 * activation / 100e9
+    assert p.exposed_s["tensor"] >= (4 * 2 + 2) * per_op * 0.999
+
+
+# ------------------------------------------------------------------------------- layouts
+def test_factorizations_and_candidates():
+    meshes = factorizations(8, tensor_limit=4)
+    assert {(m["data"], m["fsdp"], m["tensor"]) for m in meshes} == {
+        (1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1), (1, 4, 2), (2, 2, 2), (4, 1, 2),
+        (1, 2, 4), (2, 1, 4),
+    }  # fmt: skip
+    names = [layout.name for layout in candidates(8, 4)]
+    assert names[0] == "ddp batch:8" and names[-1] == "zero3 data:2,tensor:4"
+    assert names.count("zero2 data:2,fsdp:2,tensor:2") == 1  # stages only where fsdp > 1
+    assert "zero1 data:4,tensor:2" not in names
+    assert len([m for m in factorizations(1024, 8, stages=True)]) > 100
+
+
+# ------------------------------------------------------------------------------- devices
+@pytest.mark.parametrize("name", sorted(devices.PRESETS))
+def test_presets_load_with_sources(name):
+    profile = devices.get_profile(name)
+    profile.check()
+    assert profile.sources and all(isinstance(s, str) and s for s in profile.sources)
+    assert 0 < profile.efficiency <= 1 and profile.devices_per_host >= 1
+
+
+def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown --device='v100'.*choose one of"):
+        devices.get_profile("v100")
+    with pytest.raises(ConfigError, match="--calibrate"):
+        devices.get_profile("cpu", str(tmp_path / "none.json"))
+    with pytest.raises(ConfigError, match="bw_intra=0"):
+        dataclasses.replace(PROFILE, bw_intra=0).check()
+
+
+def test_cpu_profile_round_trips(tmp_path):
+    path = str(tmp_path / "cpu.json")
+    profile = dataclasses.replace(PROFILE, name="cpu", per_kind=(("all-gather", 1, 2, 3, 4),))
+    devices.save_cpu_profile(profile, {"matmul_flops": 1.0}, path)
+    assert devices.get_profile("cpu", path) == profile
+    assert json.load(open(path))["measurements"] == {"matmul_flops": 1.0}
+
+
+# ----------------------------------------------------------------------------- published
+RUNS = {run.name: run for run in published.RUNS}
+# Within 15% of the published figure, one efficiency per device type; three parallelism mixes:
+# tensor + pipeline + data (Megatron >= 39B), tensor + data (18B), fsdp + data across slices.
+VALIDATED = [
+    "Megatron-LM GPT 18B",
+    "Megatron-LM GPT 145B",
+    "Megatron-LM GPT 530B",
+    "Megatron-LM GPT 1T",
+    "MaxText 22B on 8x v4-128",
+    "MaxText 16B on 32x v5e-256",
+]
+
+
+@pytest.mark.parametrize("name", VALIDATED)
+def test_published_runs_are_predicted_within_15_percent(name):
+    run = RUNS[name]
+    assert not run.calibration
+    predicted = published.predicted_utilization(run)["predicted_mfu"]
+    assert predicted == pytest.approx(run.published, rel=0.15)
+
+
+def test_preset_efficiencies_are_their_calibration_runs():
+    """Each efficiency in the presets is what its one calibration run gives."""
+    calibrations = {run.device: run for run in published.RUNS if run.calibration}
+    assert sorted(calibrations) == ["a100-80gb", "tpu-v4", "tpu-v5e"]
+    for device, run in calibrations.items():
+        solved = published.solve_efficiency(run)
+        assert devices.PRESETS[device].efficiency == pytest.approx(solved, rel=0.01), device

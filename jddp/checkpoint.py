@@ -281,7 +281,8 @@ def _first_line(error: Exception, limit: int = 200) -> str:
 
 class _ReportedWriteFailures(std_logging.Filter):
     def filter(self, record) -> bool:
-        if "/orbax/" not in record.pathname or record.levelno < std_logging.ERROR:
+        from_orbax = "/orbax/" in record.pathname or record.name == "asyncio"
+        if not from_orbax or record.levelno < std_logging.ERROR:
             return True
         error = record.exc_info[1] if record.exc_info else None
         failed_write = error is not None and write_failure(error) is not None
@@ -289,11 +290,14 @@ class _ReportedWriteFailures(std_logging.Filter):
 
 
 def _mute_reported_write_failures() -> None:
-    """orbax logs a failed write, traceback and all, from each thread it passes through; the
-    CheckpointError that `Checkpoints` raises says it once, in one line."""
-    absl_logger = std_logging.getLogger("absl")
-    if not any(isinstance(f, _ReportedWriteFailures) for f in absl_logger.filters):
-        absl_logger.addFilter(_ReportedWriteFailures())
+    """orbax logs a failed write, traceback and all, from each thread it passes through, and
+    asyncio reports the same failure once more for each of orbax's write tasks nobody awaited
+    ("Task exception was never retrieved"); the CheckpointError that `Checkpoints` raises says
+    it once, in one line."""
+    for name in ("absl", "asyncio"):
+        logger = std_logging.getLogger(name)
+        if not any(isinstance(f, _ReportedWriteFailures) for f in logger.filters):
+            logger.addFilter(_ReportedWriteFailures())
 
 
 def _drop_closed_loop_reports() -> None:

@@ -21,6 +21,7 @@ from experiments.configs import digits_mlp
 from jddp import data, optim
 from jddp.checkpoint import Checkpoints
 from jddp.experiment import build_trainer
+from jddp.sharding.rules import nest_paths
 from jddp.weights import load_params
 from tests.helpers import REPO
 from tests.reference import (
@@ -62,17 +63,6 @@ def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None
     return process.returncode, output
 
 
-def unflatten(flat: dict) -> dict:
-    tree = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 @pytest.mark.parametrize("nproc,devices_per_proc", [(2, 2), (4, 1)])
 def test_processes_train_what_one_process_and_one_device_train(
@@ -84,8 +74,8 @@ def test_processes_train_what_one_process_and_one_device_train(
     )
     assert code == 0, output
     result = np.load(out)
-    initial = unflatten({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = unflatten({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
+    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
 
     # The single-device reference loop, from the same initial parameters.
     optimizer, batches = optimizer_for(clip=True), make_batches()

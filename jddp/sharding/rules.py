@@ -33,6 +33,18 @@ def path_str(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def nest_paths(flat: dict) -> dict:
+    """{"a/b": x} -> {"a": {"b": x}}: a tree from leaves keyed by `path_str` paths."""
+    tree = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
 def axes_of(entry) -> tuple[str, ...]:
     """The axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
     if entry is None:

@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError
+from jddp.sharding.rules import nest_paths, path_str
 from jddp.strategies.collectives import (
     concatenated,
     fused_pmean,
@@ -53,24 +54,8 @@ MIN_COMPRESSION_RATE = 2.0  # PyTorch's default: compress when it moves under ha
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
-def _path(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _nest(flat: dict) -> dict:
-    """{"a/b": x} -> {"a": {"b": x}}: comm_state mirrors the parameter tree's paths."""
-    tree = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
 def _by_path(tree) -> dict:
-    return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def matrix_shape(shape) -> tuple[int, int] | None:
@@ -141,10 +126,10 @@ class GradComm:
             rank = self.compressed_rank(leaf.shape)
             if rank:
                 m, n = matrix_shape(leaf.shape)
-                name = _path(path)
+                name = path_str(path)
                 q[name] = jax.random.normal(jax.random.fold_in(key, index), (n, rank))
                 error[name] = jnp.zeros((n, m), jnp.float32)
-        return {"q": _nest(q), "error": _nest(error)}
+        return {"q": nest_paths(q), "error": nest_paths(error)}
 
     # ---------------------------------------------------- inside a per-device program
     def mean(self, grads, extras, comm_state, axes, step):
@@ -199,7 +184,7 @@ class GradComm:
         slower than the same bytes read the other way (measured on 2048 x 2048)."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
         qs, errors = _by_path(comm_state["q"]), _by_path(comm_state["error"])
-        names = [_path(path) for path, _ in leaves]
+        names = [path_str(path) for path, _ in leaves]
         transposed = {  # M^T = (g + e)^T
             name: g.reshape(errors[name].shape) + errors[name]
             for name, (_, g) in zip(names, leaves, strict=True)
@@ -222,7 +207,7 @@ class GradComm:
             for name, (_, g) in zip(names, leaves, strict=True)
         ]
         errors = {name: m - approx[name] for name, m in transposed.items()}
-        new_state = {"q": _nest(qs), "error": _nest(errors)}
+        new_state = {"q": nest_paths(qs), "error": nest_paths(errors)}
         return jax.tree.unflatten(jax.tree.structure(grads), out), extras, new_state
 
 

@@ -12,10 +12,16 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 
+def spans_devices(axes) -> bool:
+    """Whether mesh `axes` (a name, a tuple of names, or None) hold more than one device: over
+    one device a collective is the identity, but XLA still emits it and copies through it."""
+    return axes is not None and axes != () and lax.axis_size(axes) > 1
+
+
 def gather(x, spec: P):
     """The full array from this device's shard: an all-gather of each sharded dimension."""
     for dim, axes in enumerate(spec):
-        if axes is not None:
+        if spans_devices(axes):
             x = lax.all_gather(x, axes, axis=dim, tiled=True)
     return x
 
@@ -24,7 +30,7 @@ def scatter_sum(x, spec: P):
     """The sum over the devices holding shards of `x`, each keeping its own shard: a
     reduce-scatter of each sharded dimension."""
     for dim, axes in enumerate(spec):
-        if axes is not None:
+        if spans_devices(axes):
             x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
     return x
 
@@ -76,7 +82,7 @@ def fused_pmean(tree, axes):
 
     Averaging model state (BatchNorm statistics) too keeps replicas identical even when a
     BatchNorm computed per-device statistics; synchronized statistics already agree."""
-    if lax.axis_size(axes) == 1:  # one device: XLA would still copy every buffer through it
+    if not spans_devices(axes):
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]

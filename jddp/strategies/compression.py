@@ -44,6 +44,7 @@ from jddp.strategies.collectives import (
     fused_pmean,
     gather,
     scatter_sum,
+    spans_devices,
     split_into,
     transfer_groups,
 )
@@ -152,6 +153,8 @@ class GradComm:
 
     def psum(self, x, axes):
         """`lax.psum(x, axes)` in this dtype."""
+        if not spans_devices(axes):
+            return x
         return psum_bf16(x, axes) if self.dtype == "bfloat16" else lax.psum(x, axes)
 
     def scatter_sum(self, x, spec: P):
@@ -159,7 +162,7 @@ class GradComm:
         if self.dtype != "bfloat16":
             return scatter_sum(x, spec)
         for dim, axes in enumerate(spec):
-            if axes is not None:
+            if spans_devices(axes):
                 x = _reduce_scatter_bf16(x, axes, dim)
         return x
 

@@ -16,6 +16,7 @@ import pytest
 import jddp
 from jddp.checkpoint import Checkpoints
 from jddp.errors import ConfigError
+from jddp.sharding.rules import nest_paths
 from tests.helpers import train_steps
 from tests.reference import (
     GLOBAL_BATCH,
@@ -26,7 +27,7 @@ from tests.reference import (
     per_example_ce,
     plain_training,
 )
-from tests.test_multiprocess import launch, unflatten
+from tests.test_multiprocess import launch
 
 U, EPS = 2.0**-8, 2.0**-24  # unit roundoffs of bfloat16 and float32
 
@@ -340,8 +341,8 @@ def test_two_processes_train_what_two_devices_of_one_process_train(tmp_path, opt
     code, output = launch(2, 1, *worker)
     assert code == 0, output
     result = np.load(out)
-    initial = unflatten({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = unflatten({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
+    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
     trainer = trainer_for(num_devices=2, grad_accum_steps=2, **options)
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, initial)

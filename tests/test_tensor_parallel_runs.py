@@ -11,6 +11,7 @@ import pytest
 import jddp
 from experiments.configs import shakespeare_gpt_tiny
 from jddp.experiment import train_and_evaluate
+from jddp.sharding.rules import nest_paths
 from jddp.weights import load_params
 from tests.helpers import save_and_restore
 from tests.reference import (
@@ -23,7 +24,7 @@ from tests.reference import (
     reference_training,
 )
 from tests.test_gpt import local_corpus
-from tests.test_multiprocess import launch, unflatten
+from tests.test_multiprocess import launch
 from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
 
 
@@ -64,8 +65,8 @@ def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path
     code, output = launch(2, 2, sys.executable, *worker)
     assert code == 0, output
     result = np.load(out)
-    initial = unflatten({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = unflatten({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
+    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
     optimizer, batches = optimizer_for(clip=True), make_batches()
     expected, expected_losses = reference_training(initial, optimizer, batches, TensorNet())
     assert_trees_close(final, expected)

@@ -41,18 +41,6 @@ def _median_seconds(fn, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(size: int = 2048) -> float:
-    """FLOP/s of a float32 `size`^3 matmul on the first device (best of the repeats)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.device_put(jnp.ones((size, size), jnp.float32), jax.devices()[0])
-    matmul = jax.jit(jnp.dot)
-    matmul(a, a).block_until_ready()
-    best = min(_median_seconds(lambda: matmul(a, a).block_until_ready(), 1) for _ in range(5))
-    return 2 * size**3 / best
-
-
 def memory_bandwidth(megabytes: int = 64) -> float:
     """Bytes/s of `c = a + b` over float32 arrays of `megabytes` (3 arrays' traffic)."""
     import jax
@@ -171,10 +159,11 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     the process's simulated devices (jax_num_cpu_devices) set before the first JAX call."""
     import jax
 
+    from jddp.device_peak import measured_matmul_rate
     from jddp.planner.devices import DeviceProfile, save_cpu_profile
 
     devices = jax.devices()
-    rate = matmul_rate()
+    rate = measured_matmul_rate(devices[0])
     bandwidth = memory_bandwidth()
     intra_times = collective_seconds(devices)
     inter_times = {k: {int(s): t for s, t in v.items()} for k, v in _launch_gloo_worker().items()}

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 def spans_devices(axes) -> bool:
     """Whether mesh `axes` (a name, a tuple of names, or None) hold more than one device: over
     one device a collective is the identity, but XLA still emits it and copies through it."""
-    return axes is not None and axes != () and lax.axis_size(axes) > 1
+    return axes is not None and lax.axis_size(axes) > 1
 
 
 def gather(x, spec: P):
@@ -69,8 +69,9 @@ def split_into(leaves, indices, flat) -> None:
         start += size
 
 
-def fused_pmean(tree, axes):
-    """`lax.pmean` of every float leaf of `tree` over `axes` (other leaves are left as they are).
+def fused_pmean(tree, axes, mean=lax.pmean):
+    """`lax.pmean` of every float leaf of `tree` over `axes` (other leaves are left as they are);
+    `mean(values, axes)` may average another way (a list of leaves, or one flat buffer).
 
     Across processes the leaves under OWN_BUFFER_BYTES are concatenated into one flat buffer per
     dtype, averaged with one all-reduce, and split back; larger ones go as their own buffers
@@ -87,11 +88,11 @@ def fused_pmean(tree, axes):
     leaves, treedef = jax.tree.flatten(tree)
     floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     if jax.process_count() == 1:
-        averaged = lax.pmean([leaves[i] for i in floats], axes)
+        averaged = mean([leaves[i] for i in floats], axes)
         for i, leaf in zip(floats, averaged, strict=True):
             leaves[i] = leaf
         return jax.tree.unflatten(treedef, leaves)
     for group in transfer_groups([leaves[i] for i in floats]):
         indices = [floats[g] for g in group]
-        split_into(leaves, indices, lax.pmean(concatenated(leaves, indices), axes))
+        split_into(leaves, indices, mean(concatenated(leaves, indices), axes))
     return jax.tree.unflatten(treedef, leaves)

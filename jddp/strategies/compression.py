@@ -40,13 +40,10 @@ from jax.sharding import PartitionSpec as P
 from jddp.errors import ConfigError
 from jddp.sharding.rules import nest_paths, path_str
 from jddp.strategies.collectives import (
-    concatenated,
     fused_pmean,
     gather,
     scatter_sum,
     spans_devices,
-    split_into,
-    transfer_groups,
 )
 
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
@@ -246,10 +243,6 @@ def _from_wire(bits):
     return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
 
 
-def _group_size(axes) -> int:
-    return lax.axis_size(axes)
-
-
 def _sum_received(x, axes, count: int):
     """Rows of `x` (count, ...) go to device i; returns the float32 sum of the rows this device
     received. The rows are added one by one: XLA:CPU ran a reduce over the leading axis of the
@@ -264,7 +257,7 @@ def _sum_received(x, axes, count: int):
 def _reduce_scatter_bf16(x, axes, dim: int):
     """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)` with bfloat16 on the wire
     and a float32 sum."""
-    count = _group_size(axes)
+    count = lax.axis_size(axes)
     moved = jnp.moveaxis(x, dim, 0)
     rows = moved.reshape(count, moved.shape[0] // count, *moved.shape[1:])
     return jnp.moveaxis(_sum_received(rows, axes, count), 0, dim)
@@ -272,7 +265,7 @@ def _reduce_scatter_bf16(x, axes, dim: int):
 
 def psum_bf16(x, axes):
     """`lax.psum(x, axes)` with bfloat16 on the wire: all-to-all, float32 sum, all-gather."""
-    count = _group_size(axes)
+    count = lax.axis_size(axes)
     flat = x.ravel()
     padded = jnp.pad(flat, (0, -flat.size % count))
     mine = _sum_received(padded.reshape(count, -1), axes, count)
@@ -281,16 +274,10 @@ def psum_bf16(x, axes):
 
 
 def pmean_bf16(tree, axes):
-    """`lax.pmean` of every float leaf of `tree` with bfloat16 on the wire. Across processes the
-    leaves go in the buffers of `collectives.transfer_groups` (gloo pays per buffer)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    count = _group_size(axes)
-    if jax.process_count() == 1:
-        for i in floats:
-            leaves[i] = psum_bf16(leaves[i], axes) / count
-        return jax.tree.unflatten(treedef, leaves)
-    for group in transfer_groups([leaves[i] for i in floats]):
-        indices = [floats[g] for g in group]
-        split_into(leaves, indices, psum_bf16(concatenated(leaves, indices), axes) / count)
-    return jax.tree.unflatten(treedef, leaves)
+    """`fused_pmean` of `tree` with bfloat16 on the wire."""
+
+    def mean(values, axes):
+        count = lax.axis_size(axes)
+        return jax.tree.map(lambda x: psum_bf16(x, axes) / count, values)
+
+    return fused_pmean(tree, axes, mean)

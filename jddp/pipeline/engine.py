@@ -35,12 +35,6 @@ from jddp.pipeline.schedule import (
 BUBBLE_FILL = 0.0
 
 
-def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def split_stack(params, path):
     """(the stacked parameters at `path`, every other parameter)."""
     rest = dict(params)
@@ -313,7 +307,7 @@ class Pipeline:
 
 def _vjp_with_aux(fn, *primals):
     """jax.vjp of `fn` returning (value, aux), as ((value, aux), pullback of value)."""
-    value, pullback, aux = jax.vjp(lambda *p: fn(*p), *primals, has_aux=True)
+    value, pullback, aux = jax.vjp(fn, *primals, has_aux=True)
     return (value, aux), pullback
 
 

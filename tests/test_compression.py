@@ -16,7 +16,6 @@ import pytest
 import jddp
 from jddp.checkpoint import Checkpoints
 from jddp.errors import ConfigError
-from jddp.sharding.rules import nest_paths
 from tests.helpers import train_steps
 from tests.reference import (
     GLOBAL_BATCH,
@@ -27,7 +26,7 @@ from tests.reference import (
     per_example_ce,
     plain_training,
 )
-from tests.test_multiprocess import launch
+from tests.test_multiprocess import launch, worker_result
 
 U, EPS = 2.0**-8, 2.0**-24  # unit roundoffs of bfloat16 and float32
 
@@ -340,12 +339,10 @@ def test_two_processes_train_what_two_devices_of_one_process_train(tmp_path, opt
     worker = [sys.executable, "-m", "tests.multiprocess_worker", "ddp", out, json.dumps(options)]
     code, output = launch(2, 1, *worker)
     assert code == 0, output
-    result = np.load(out)
-    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial, final, worker_losses = worker_result(out)
     trainer = trainer_for(num_devices=2, grad_accum_steps=2, **options)
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, initial)
     state, losses = train_steps(trainer, state, make_batches())
     assert_trees_close(final, trainer.host_state(state).params)
-    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(worker_losses, losses, rtol=1e-5)

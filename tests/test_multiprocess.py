@@ -36,6 +36,18 @@ from tests.reference import (
 HARD_TIMEOUT_SEC = 240
 
 
+def worker_result(path):
+    """(initial parameters, final parameters, losses) that tests/multiprocess_worker.py wrote."""
+    result = np.load(path)
+
+    def tree(prefix):
+        return nest_paths(
+            {k[len(prefix) :]: result[k] for k in result.files if k.startswith(prefix)}
+        )
+
+    return tree("initial/"), tree("final/"), result["losses"]
+
+
 def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None):
     """`jddp-launch` in a subprocess; SIGKILLed (with its children) past `timeout`."""
     process = subprocess.Popen(
@@ -73,15 +85,13 @@ def test_processes_train_what_one_process_and_one_device_train(
         nproc, devices_per_proc, sys.executable, "-m", "tests.multiprocess_worker", strategy, out
     )
     assert code == 0, output
-    result = np.load(out)
-    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial, final, worker_losses = worker_result(out)
 
     # The single-device reference loop, from the same initial parameters.
     optimizer, batches = optimizer_for(clip=True), make_batches()
     expected, expected_losses = reference_training(initial, optimizer, batches)
     assert_trees_close(final, expected)
-    np.testing.assert_allclose(result["losses"], expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(worker_losses, expected_losses, rtol=1e-5)
 
     # One process with the same 4 devices.
     options = {"min_shard_size": 1} if strategy != "ddp" else {}
@@ -101,7 +111,7 @@ def test_processes_train_what_one_process_and_one_device_train(
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert_trees_close(final, trainer.host_state(state).params)
-    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(worker_losses, losses, rtol=1e-5)
 
 
 CLI = [

@@ -11,7 +11,6 @@ import pytest
 import jddp
 from experiments.configs import shakespeare_gpt_tiny
 from jddp.experiment import train_and_evaluate
-from jddp.sharding.rules import nest_paths
 from jddp.weights import load_params
 from tests.helpers import save_and_restore
 from tests.reference import (
@@ -24,7 +23,7 @@ from tests.reference import (
     reference_training,
 )
 from tests.test_gpt import local_corpus
-from tests.test_multiprocess import launch
+from tests.test_multiprocess import launch, worker_result
 from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
 
 
@@ -64,13 +63,11 @@ def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path
     worker = ["-m", "tests.multiprocess_worker", "zero3@fsdp:2,tensor:2", out]
     code, output = launch(2, 2, sys.executable, *worker)
     assert code == 0, output
-    result = np.load(out)
-    initial = nest_paths({k[8:]: result[k] for k in result.files if k.startswith("initial/")})
-    final = nest_paths({k[6:]: result[k] for k in result.files if k.startswith("final/")})
+    initial, final, worker_losses = worker_result(out)
     optimizer, batches = optimizer_for(clip=True), make_batches()
     expected, expected_losses = reference_training(initial, optimizer, batches, TensorNet())
     assert_trees_close(final, expected)
-    np.testing.assert_allclose(result["losses"], expected_losses, rtol=1e-5)
+    np.testing.assert_allclose(worker_losses, expected_losses, rtol=1e-5)
 
     trainer = jddp.Trainer(
         TensorNet(),
@@ -87,7 +84,7 @@ def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path
     for batch in batches:
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(worker_losses, losses, rtol=1e-5)
     assert_trees_close(final, trainer.host_state(state).params)
 
 

@@ -257,7 +257,7 @@ class Pipeline:
             out["send_b"] = jnp.where(stage == 0, idle_send, dx)
             return out
 
-        def backward_half(reads, m, h, cotangent):
+        def backward_half(reads, h, cotangent):
             out = nothing()
             pullback = jax.tree.unflatten(trees[h], reads["stash"][h])
             d_half, d_x = pullback(cotangent)
@@ -265,7 +265,7 @@ class Pipeline:
             return out, d_x
 
         def backward_high(reads, m):
-            out, d_x = backward_half(reads, m, 1, reads["inbox_b"])
+            out, d_x = backward_half(reads, 1, reads["inbox_b"])
             if low == 0:  # the whole backward in one tick
                 return send_back(out, m, d_x)
             out["middle"] = d_x
@@ -274,7 +274,7 @@ class Pipeline:
         def backward_low(reads, m):
             if low == 0:
                 return nothing()
-            out, d_x = backward_half(reads, m, 0, reads["middle"])
+            out, d_x = backward_half(reads, 0, reads["middle"])
             return send_back(out, m, d_x)
 
         def idle(reads, m):

@@ -11,7 +11,8 @@ the bubble each implies, and what scan_layers saves in compile time.
   show in wall time here (it would on real devices), only the extra work of the pipeline.
 - `cores`: 2 devices with one core each (XLA's intra-op threading off), stage:2 against ddp on
   the same 2 devices, M in {2, 4, 8}: here a stage that idles leaves its core idle, so the
-  measured slowdown can be held against the bubble formula's (M + S - 1) / M.
+  measured slowdown can be held against the bubble formula's (M + S - 1) / M. ddp with the
+  blocks as one scan (as a stage runs them) shows what XLA:CPU's loop costs alone.
 - `compile`: gpt_124m's train step compiled on one device with its 12 blocks one by one and as
   one scan (scan_layers).
 Writes bench_results/pipeline.json and bench_results/pipeline.png (step time and peak memory
@@ -28,7 +29,9 @@ import time
 CORES_FLAGS = "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
 
 
-def gpt_trainer(layers, width, mesh, strategy, schedule=None, microbatches=0, devices=None):
+def gpt_trainer(
+    layers, width, mesh, strategy, schedule=None, microbatches=0, devices=None, scan=False
+):
     import jax
     import optax
 
@@ -38,10 +41,15 @@ def gpt_trainer(layers, width, mesh, strategy, schedule=None, microbatches=0, de
     from jddp.pipeline.options import PipelineOptions
 
     objective = OBJECTIVES["language_model"]
-    stacked = mesh is not None and "stage" in mesh
-    pipeline = PipelineOptions(microbatches, schedule) if stacked else None
+    staged = mesh is not None and "stage" in mesh
+    pipeline = PipelineOptions(microbatches, schedule) if staged else None
     model = GPT(
-        512, num_layers=layers, num_heads=4, embed_dim=width, max_seq_len=64, scan_layers=stacked
+        512,
+        num_layers=layers,
+        num_heads=4,
+        embed_dim=width,
+        max_seq_len=64,
+        scan_layers=staged or scan,
     )
     return jddp.Trainer(
         model,
@@ -85,14 +93,15 @@ def pipeline_rows(variants, rows, timings, baseline, steps):
     for name, trainer in variants.items():
         row = rows[name] | {"step_s": timings[name]["median_sec"] / steps}
         if name != baseline:
-            pipeline = trainer.strategy.pipeline
-            schedule = pipeline.schedule
+            row["measured_slowdown"] = common.paired_ratio(timings, baseline, name)
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline:
+            bubble = pipeline.schedule.bubble(pipeline.layers_per_stage)
             row |= {
-                "schedule": schedule.name,
-                "M": schedule.microbatches,
-                "bubble": schedule.bubble(pipeline.layers_per_stage),
-                "predicted_slowdown": 1 / (1 - schedule.bubble(pipeline.layers_per_stage)),
-                "measured_slowdown": common.paired_ratio(timings, baseline, name),
+                "schedule": pipeline.schedule.name,
+                "M": pipeline.schedule.microbatches,
+                "bubble": bubble,
+                "predicted_slowdown": 1 / (1 - bubble),
             }
         out.append(row)
     return out
@@ -124,7 +133,11 @@ def cores(repeats, steps):
     tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     assert jax.device_count() == 2
-    variants = {"ddp on 2 devices": gpt_trainer(4, 256, None, "ddp")}
+    # The blocks as one scan, as a pipeline's stage runs them: what XLA:CPU's loop costs alone.
+    variants = {
+        "ddp on 2 devices": gpt_trainer(4, 256, None, "ddp"),
+        "ddp, blocks as one scan": gpt_trainer(4, 256, None, "ddp", scan=True),
+    }
     for schedule in ("gpipe", "1f1b"):
         for m in (2, 4, 8):
             variants[f"{schedule} M={m}"] = gpt_trainer(4, 256, "stage:2", "zero1", schedule, m)

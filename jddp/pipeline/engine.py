@@ -5,10 +5,11 @@ axes; `tensor` stays with the compiler). Every device is one stage and holds tha
 of the `Pipelined` stack; the parts before and after the stack (embedding, head, loss) are
 replicated over the stages and run on the first and last stage only. A `lax.scan` over the
 schedule's ticks does, on every stage at once, what the timetable says (jddp/pipeline/
-schedule.py): a forward keeps `jax.vjp`'s residuals in a stash slot, a backward calls the
-pullback with the cotangent from the next stage; activations go forward and cotangents back by
-one `ppermute` each per tick. Nothing is recomputed: the stash holds what an ordinary backward
-pass would, for the micro-batches in flight (GPipe: all M; 1F1B: at most S).
+schedule.py): a forward keeps `jax.vjp`'s residuals (less the stage's weights, which every
+micro-batch shares) in a stash slot, a backward calls the pullback with the cotangent from the
+next stage; activations go forward and cotangents back by one `ppermute` each per tick.
+Nothing is recomputed: the stash holds what an ordinary backward pass would, for the
+micro-batches in flight (GPipe: all M; 1F1B: at most S).
 
 Gradients are summed over micro-batches on each stage, the replicated parts' summed over the
 stages, and returned unreduced over the batch axes: the strategy reduces them once per step.
@@ -25,7 +26,6 @@ from jddp.pipeline.schedule import (
     BACKWARD_HIGH,
     BACKWARD_LOW,
     FORWARD,
-    IDLE,
     Schedule,
     bubble_fraction,
 )
@@ -173,29 +173,50 @@ class Pipeline:
             return jax.random.fold_in(rng, m)
 
         def half_vjp(h, x, m):
-            """(output, pullback) of half `h` (0: first layers, 1: the rest) on `x`."""
+            """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) on `x`:
+            the pullback's leaves less the half's own parameters, which every micro-batch
+            shares (stashing them copied the stage's weights into every slot)."""
             offset = low if h else 0
-            return jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
+            y, pullback = jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
+            params = {id(p): i for i, p in enumerate(jax.tree.leaves(halves[h]))}
+            leaves, tree = jax.tree.flatten(pullback)
+            which = [params.get(id(leaf)) for leaf in leaves]
+            # Traced alike each time: the stash is laid out from the first trace.
+            first = shared.setdefault(h, (which, tree))[0]
+            assert first == which, "the pullback's parameters changed between traces"
+            return y, [leaf for leaf, i in zip(leaves, which, strict=True) if i is None]
+
+        def pullback_of(h, residuals):
+            """The pullback of half `h` from its stashed residuals and its parameters."""
+            which, tree = shared[h]
+            params, residuals = jax.tree.leaves(halves[h]), iter(residuals)
+            leaves = [next(residuals) if i is None else params[i] for i in which]
+            return jax.tree.unflatten(tree, leaves)
 
         self._find_call(rest, take(0), key(0))
         # Shapes of what moves and what is kept, from one abstract micro-batch.
         x_shape = jax.eval_shape(self._pre, rest, take(0), key(0))
         used = [1] if low == 0 else [0, 1]
-        pullbacks = {h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0)[1], x_shape) for h in used}
-        trees = {h: jax.tree.structure(pullbacks[h]) for h in used}
+        shared = {}  # per half: (for each pullback leaf, the parameter it is or None; treedef)
+        residual_shapes = {
+            h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0)[1], x_shape) for h in used
+        }
 
-        # Every buffer has one spare slot past the schedule's: a tick that stores nothing
-        # stores there. The buffers never enter the tick's lax.switch (only slices read from
-        # them, and what the branch computed, cross it): a branch handing a whole buffer back
-        # made XLA copy it, every tick (GPipe at M = 8 took 6.8x ddp's step, now 2.05x).
-        def fill(shape, slots):
-            return jnp.full((slots + 1, *shape.shape), BUBBLE_FILL, shape.dtype)
+        # The big buffers (stash, gradients) go through a tick's conditionals and are updated
+        # in place by the branch that computes (XLA leaves a buffer that a branch returns
+        # unchanged where it is). Branches return no zeros the size of a micro-batch's
+        # residuals or of the parameters: only sends and activations. The small buffers
+        # (inboxes, middle) take what arrives after the conditionals, at a spare slot when
+        # nothing arrives.
+        def fill(shape, slots, spare=1):
+            return jnp.full((slots + spare, *shape.shape), BUBBLE_FILL, shape.dtype)
 
         zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
         add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)  # noqa: E731
-        residual_shapes = {h: jax.tree.leaves(pullbacks[h]) for h in used}
         carry = {
-            "stash": {h: [fill(r, sched.stash_slots) for r in residual_shapes[h]] for h in used},
+            "stash": {
+                h: [fill(r, sched.stash_slots, spare=0) for r in residual_shapes[h]] for h in used
+            },
             "inbox_f": fill(x_shape, sched.forward_slots),
             "inbox_b": fill(x_shape, sched.backward_slots),
             "middle": fill(x_shape, sched.middle_slots),
@@ -205,81 +226,60 @@ class Pipeline:
         }
         idle_send = jnp.full(x_shape.shape, BUBBLE_FILL, x_shape.dtype)
 
-        def nothing():
-            """A branch's result before it does anything: no residuals, gradients, metrics,
-            cotangent for the middle buffer or sends."""
-            return {
-                "residuals": {
-                    h: [jnp.zeros(r.shape, r.dtype) for r in residual_shapes[h]] for h in used
-                },
-                "grad_halves": [zeros(halves[0]), zeros(halves[1])],
-                "grad_rest": zeros(rest),
-                "metrics": jax.tree.map(jnp.zeros_like, carry["metrics"]),
-                "middle": idle_send,
-                "send_f": idle_send,
-                "send_b": idle_send,
-                "own_cotangent": idle_send,
-            }
-
-        def forward(reads, m):
-            out = nothing()
+        def forward(kept, x_in, slot, m):
+            """Forward of micro-batch `m`: residuals into the stash at `slot`; on the last
+            stage, head and loss too. Returns (kept, send forward, own output cotangent)."""
+            stash, grad_rest, metrics = kept
             batch = take(m)
-            x = lax.cond(
-                stage == 0, lambda: self._pre(rest, batch, key(m)), lambda: reads["inbox_f"]
-            )
+            x = lax.cond(stage == 0, lambda: self._pre(rest, batch, key(m)), lambda: x_in)
+            stash = dict(stash)
             for h in used:
-                x, pullback = half_vjp(h, x, m)
-                out["residuals"][h] = jax.tree.leaves(pullback)
+                x, residuals = half_vjp(h, x, m)
+                stash[h] = [buf.at[slot].set(r) for buf, r in zip(stash[h], residuals, strict=True)]
 
-            def head():  # the last stage: head, loss, and the cotangent it sends itself
-                (loss, metrics), post_pullback = _vjp_with_aux(
+            def head(grad_rest, metrics):  # the cotangent the last stage sends itself
+                (loss, means), post_pullback = _vjp_with_aux(
                     lambda rest, y: self._post(rest, y, batch, key(m)), rest, x
                 )
                 d_rest, dy = post_pullback(jnp.asarray(1.0 / M, loss.dtype))
-                metrics = jax.tree.map(lambda v: v / M, metrics)
-                return add(zeros(rest), d_rest), metrics, dy.astype(x_shape.dtype)
+                means = jax.tree.map(lambda v: v / M, means)
+                return add(grad_rest, d_rest), add(metrics, means), dy.astype(x_shape.dtype)
 
-            def not_last():
-                return out["grad_rest"], out["metrics"], idle_send
+            def not_last(grad_rest, metrics):
+                return grad_rest, metrics, idle_send
 
-            out["grad_rest"], out["metrics"], out["own_cotangent"] = lax.cond(last, head, not_last)
-            out["send_f"] = jnp.where(last, idle_send, x)
-            return out
+            grad_rest, metrics, own = lax.cond(last, head, not_last, grad_rest, metrics)
+            return (stash, grad_rest, metrics), jnp.where(last, idle_send, x), own
 
-        def send_back(out, m, dx):
-            """The first stage takes `dx` into the embedding's gradients; the others send it."""
+        def no_forward(kept, x_in, slot, m):
+            del x_in, slot, m
+            return kept, idle_send, idle_send
 
-            def embedding():
-                _, pre_pullback = jax.vjp(lambda rest: self._pre(rest, take(m), key(m)), rest)
-                return add(zeros(rest), pre_pullback(dx)[0])
+        def backward(h):
+            """The backward of half `h` of micro-batch `m` from its residuals at `slot` and
+            `cotangent`, its gradients added in place. Returns (grads, grad_rest, d_x for the
+            middle buffer, send back)."""
 
-            out["grad_rest"] = lax.cond(stage == 0, embedding, lambda: out["grad_rest"])
-            out["send_b"] = jnp.where(stage == 0, idle_send, dx)
-            return out
+            def run(grads, grad_rest, stash, cotangent, slot, m):
+                pullback = pullback_of(h, [buf[slot] for buf in stash[h]])
+                d_half, d_x = pullback(cotangent)
+                grads = list(grads)
+                grads[h] = add(grads[h], d_half)
+                if h == 1 and low > 0:  # the first of two backward ticks
+                    return grads, grad_rest, d_x, idle_send
 
-        def backward_half(reads, h, cotangent):
-            out = nothing()
-            pullback = jax.tree.unflatten(trees[h], reads["stash"][h])
-            d_half, d_x = pullback(cotangent)
-            out["grad_halves"][h] = add(out["grad_halves"][h], d_half)
-            return out, d_x
+                def embedding(grad_rest):  # the first stage: into the embedding's gradients
+                    _, pre_pullback = jax.vjp(lambda r: self._pre(r, take(m), key(m)), rest)
+                    return add(grad_rest, pre_pullback(d_x)[0])
 
-        def backward_high(reads, m):
-            out, d_x = backward_half(reads, 1, reads["inbox_b"])
-            if low == 0:  # the whole backward in one tick
-                return send_back(out, m, d_x)
-            out["middle"] = d_x
-            return out
+                grad_rest = lax.cond(stage == 0, embedding, lambda g: g, grad_rest)
+                return grads, grad_rest, idle_send, jnp.where(stage == 0, idle_send, d_x)
 
-        def backward_low(reads, m):
-            if low == 0:
-                return nothing()
-            out, d_x = backward_half(reads, 0, reads["middle"])
-            return send_back(out, m, d_x)
+            return run
 
-        def idle(reads, m):
-            del reads, m
-            return nothing()
+        def no_backward(grads, grad_rest, stash, cotangent, slot, m):
+            del stash, cotangent, slot, m
+            return grads, grad_rest, idle_send, idle_send
 
         def stored(buffer, slot, value, store):
             """`buffer` with `value` at `slot` where `store`, else at the spare slot."""
@@ -287,39 +287,62 @@ class Pipeline:
 
         def tick(carry, t):
             op, read = tables["op"][t, stage], tables["read"][t, stage]
-            slot = tables["stash"][t, stage]
-            reads = {
-                "stash": {h: [buf[slot] for buf in carry["stash"][h]] for h in used},
-                "inbox_f": carry["inbox_f"][read],
-                "inbox_b": carry["inbox_b"][read],
-                "middle": carry["middle"][read],
-            }
-            branches = [idle, forward, backward_high, backward_low]
-            out = lax.switch(op, branches, reads, tables["microbatch"][t, stage])
-            received_f = lax.ppermute(out["send_f"], axis, [(i, i + 1) for i in range(S - 1)])
-            received_b = lax.ppermute(out["send_b"], axis, [(i + 1, i) for i in range(S - 1)])
+            slot, m = tables["stash"][t, stage], tables["microbatch"][t, stage]
+            kept, send_f, own = lax.cond(
+                op == FORWARD,
+                forward,
+                no_forward,
+                (carry["stash"], carry["grad_rest"], carry["metrics"]),
+                carry["inbox_f"][read],
+                slot,
+                m,
+            )
+            stash, grad_rest, metrics = kept
+            # Two conditionals of two branches, not one switch of three: XLA copied every
+            # buffer that a three-way switch passed through. BACKWARD_HIGH: the later half's
+            # backward (or the whole one); BACKWARD_LOW: the first half's, from the middle.
+            grads, grad_rest, middle, send_b = lax.cond(
+                op == BACKWARD_HIGH,
+                backward(1),
+                no_backward,
+                carry["grad_halves"],
+                grad_rest,
+                stash,
+                carry["inbox_b"][read],
+                slot,
+                m,
+            )
+            if low > 0:
+                grads, grad_rest, _, send_b_low = lax.cond(
+                    op == BACKWARD_LOW,
+                    backward(0),
+                    no_backward,
+                    grads,
+                    grad_rest,
+                    stash,
+                    carry["middle"][read],
+                    slot,
+                    m,
+                )
+                send_b = jnp.where(op == BACKWARD_LOW, send_b_low, send_b)
+            received_f = lax.ppermute(send_f, axis, [(i, i + 1) for i in range(S - 1)])
+            received_b = lax.ppermute(send_b, axis, [(i + 1, i) for i in range(S - 1)])
             slot_f, slot_b = tables["arrive_forward"][t, stage], tables["arrive_backward"][t, stage]
             # The last stage's own output cotangent (from its forward) arrives in its inbox.
-            arrived_b = jnp.where(last, out["own_cotangent"], received_b)
+            arrived_b = jnp.where(last, own, received_b)
             carry = {
-                "stash": {
-                    h: [
-                        stored(buf, slot, value, op == FORWARD)
-                        for buf, value in zip(carry["stash"][h], out["residuals"][h], strict=True)
-                    ]
-                    for h in used
-                },
+                "stash": stash,
                 "inbox_f": stored(carry["inbox_f"], slot_f, received_f, slot_f >= 0),
                 "inbox_b": stored(carry["inbox_b"], slot_b, arrived_b, slot_b >= 0),
                 "middle": stored(
                     carry["middle"],
                     tables["middle"][t, stage],
-                    out["middle"],
+                    middle,
                     (op == BACKWARD_HIGH) & (low > 0),
                 ),
-                "grad_halves": add(carry["grad_halves"], out["grad_halves"]),
-                "grad_rest": add(carry["grad_rest"], out["grad_rest"]),
-                "metrics": add(carry["metrics"], out["metrics"]),
+                "grad_halves": grads,
+                "grad_rest": grad_rest,
+                "metrics": metrics,
             }
             return carry, None
 
@@ -334,7 +357,3 @@ def _vjp_with_aux(fn, *primals):
     """jax.vjp of `fn` returning (value, aux), as ((value, aux), pullback of value)."""
     value, pullback, aux = jax.vjp(fn, *primals, has_aux=True)
     return (value, aux), pullback
-
-
-# The order lax.switch takes the branches in.
-assert (IDLE, FORWARD, BACKWARD_HIGH, BACKWARD_LOW) == (0, 1, 2, 3)

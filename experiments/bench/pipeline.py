@@ -7,9 +7,9 @@ the bubble each implies, and what scan_layers saves in compile time.
 - `simulated`: a GPT of 8 layers x 256 on 8 simulated devices, stage:4,data:2 under each
   schedule and M in {4, 8, 16}, against the model on data:2,fsdp:4 (no stage axis; blocks
   one by one, and as one scan): step time (interleaved medians), compiled peak and state per
-  device, the timetable's bubble. The 8
-  devices share 2 cores, so an idle stage frees a core for the others: the bubble does not
-  show in wall time here (it would on real devices), only the extra work of the pipeline.
+  device, the timetable's bubble. The 8 devices share 2 cores, so an idle stage frees a core
+  for the others: the bubble does not show in wall time here (it would on real devices), only
+  the extra work of the pipeline.
 - `cores`: 2 devices with one core each (XLA's intra-op threading off), stage:2 against ddp on
   the same 2 devices, M in {2, 4, 8}: here a stage that idles leaves its core idle, so the
   slowdown can be held against the bubble formula's (M + S - 1) / M. Against two baselines:

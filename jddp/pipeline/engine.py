@@ -106,10 +106,9 @@ class Pipeline:
         return means["loss"], means
 
     def _stage(self, stage_params, x, rng, offset: int = 0):
-        """Layers of this stage, from its `offset`-th on (as many as `stage_params` holds), in
-        order, on `x`."""
+        """Layers of this stage, from its `offset`-th on (as many as `stage_params`, already in
+        the compute dtype, holds), in order, on `x`."""
         first = lax.axis_index(self.axis) * self.layers_per_stage + offset
-        params = cast_floats(stage_params, self.task.compute_dtype)
         call = self._call
 
         def layer(x, inputs):
@@ -119,7 +118,7 @@ class Pipeline:
             return y, None
 
         count = jax.tree.leaves(stage_params)[0].shape[0]
-        x, _ = lax.scan(layer, x, (jnp.arange(count), params))
+        x, _ = lax.scan(layer, x, (jnp.arange(count), stage_params))
         return x
 
     # ------------------------------------------------------------------------- gradients
@@ -159,9 +158,12 @@ class Pipeline:
         last = stage == S - 1
         stacked, rest = split_stack(params, self.stack.path)
         # The stage's layers in two halves: the backward of each is one tick (schedule.py).
+        # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
+        # copies of the weights among each micro-batch's stashed residuals.
         low = self.layers_per_stage // 2 if sched.split_backward else 0
         halves = [
-            jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked) for a, b in ((0, low), (low, None))
+            cast_floats(jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked), self.task.compute_dtype)
+            for a, b in ((0, low), (low, None))
         ]
         names = ("op", "microbatch", "stash", "read", "middle", "arrive_forward", "arrive_backward")
         tables = {name: jnp.asarray(getattr(sched, name)) for name in names}

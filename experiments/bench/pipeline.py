@@ -29,7 +29,10 @@ import subprocess
 import sys
 import time
 
+from jddp.cli import fail
+
 CORES_FLAGS = "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
+PARTS = ("simulated", "cores", "compile")
 
 
 def gpt_trainer(
@@ -245,15 +248,20 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed window")
     parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--parts", default="simulated,cores,compile")
+    parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--child", choices=["cores"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown:
+        fail(f"--parts names {','.join(unknown)}; choose from {','.join(PARTS)}")
+    if args.repeats < 1 or args.steps < 1:
+        fail(f"--repeats {args.repeats} --steps {args.steps}: both must be at least 1")
     if args.child == "cores":  # a process of its own: 2 devices, one core each
         print(json.dumps(cores(args.repeats, args.steps)))
         return
     from experiments.bench import common
 
-    parts = args.parts.split(",")
     result = {}
     if "cores" in parts:
         child = subprocess.run(

@@ -22,3 +22,30 @@ def shared_digits_prepared():
     from jddp import data
 
     data.open_dataset(data.get_dataset("digits"))
+
+
+# The longest files (worker seconds, `pytest --durations=0`, 2 workers), started first: with
+# `--dist loadfile` each file runs on one worker, so a long file handed out last would leave
+# the other worker idle while it finishes.
+LONGEST_FIRST = (
+    "test_fashion_mnist.py",
+    "test_pipeline.py",
+    "test_cli_errors.py",
+    "test_multiprocess.py",
+    "test_tensor_parallel.py",
+    "test_checkpoint.py",
+    "test_tensor_parallel_runs.py",
+    "test_sequence_parallel.py",
+    "test_compression.py",
+    "test_resume_kill.py",
+    "test_pipeline_runs.py",
+    "test_experiment.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside each file is kept

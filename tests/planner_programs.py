@@ -26,7 +26,9 @@ def tiny_model(heads: int, layers: int = LAYERS, **mesh_fields) -> GPT:
     )  # fmt: skip
 
 
-def tiny_workload(heads: int = 4, layers: int = LAYERS, microbatches: int = 0):
+def tiny_workload(
+    heads: int = 4, layers: int = LAYERS, microbatches: int = 0, grad_comm_dtype="float32"
+):
     """The planner's view of the tiny GPT as `compiled_text` trains it (Megatron's rules on
     every mesh, every tensor sharded however small)."""
     return model_workload(
@@ -37,15 +39,17 @@ def tiny_workload(heads: int = 4, layers: int = LAYERS, microbatches: int = 0):
         rules_for=lambda mesh: fit_preset(TENSOR_PARALLEL_RULES, mesh),
         min_shard_size=1,
         microbatches=microbatches,
+        grad_comm_bytes=2 if grad_comm_dtype == "bfloat16" else 0,
     )
 
 
 def compiled_text(
-    layout, heads: int = 4, layers: int = LAYERS, microbatches: int = 0
+    layout, heads: int = 4, layers: int = LAYERS, microbatches: int = 0, grad_comm_dtype="float32"
 ) -> tuple[str, list[str], np.ndarray]:
     """(the compiled train step's HLO text, the mesh's axis names, its device ids shaped like
     the mesh) of the tiny GPT under `layout` on the first devices; a stage axis pipelines
-    `layers` layers over `microbatches` micro-batches (0: as many as stages)."""
+    `layers` layers over `microbatches` micro-batches (0: as many as stages); gradients
+    reduced in `grad_comm_dtype`."""
     devices = jax.devices()[: layout.devices]
     lm = OBJECTIVES["language_model"]
     if layout.strategy == "ddp":
@@ -64,7 +68,7 @@ def compiled_text(
         names, shape = list(mesh.axis_names), [mesh.size(a) for a in mesh.axis_names]
     trainer = jddp.Trainer(
         model, lm.loss_fn, adamw(), metrics=dict(lm.metrics), input_key="inputs",
-        strategy=layout.strategy, **kwargs,
+        strategy=layout.strategy, grad_comm_dtype=grad_comm_dtype, **kwargs,
     )  # fmt: skip
     batch = token_batches(steps=1)[0]
     state = trainer.abstract_state(batch)

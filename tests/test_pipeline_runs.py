@@ -27,7 +27,6 @@ def trainer_for(strategy, mesh):
     "source,target",
     [
         (("zero1", "stage:2,fsdp:2"), ("ddp", None)),
-        (("ddp", None), ("zero1", "data:2,stage:4")),
         (("zero3", "fsdp:8"), ("zero2", "stage:4,fsdp:2")),
     ],
 )

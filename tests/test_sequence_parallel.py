@@ -5,9 +5,9 @@ import pytest
 
 from tests.tiny_gpt import (
     BATCH,
-    CASES,
     LAYERS,
     SEQ,
+    SEQUENCE_CASES,
     WIDTH,
     assert_copies_identical,
     gpt_trainer,
@@ -17,7 +17,7 @@ from tests.tiny_gpt import (
 )
 
 
-@pytest.mark.parametrize("mesh,strategy", CASES)
+@pytest.mark.parametrize("mesh,strategy", SEQUENCE_CASES)
 def test_gpt_with_sequence_parallelism_matches_one_device(mesh, strategy):
     _, state = train_and_compare(mesh, strategy, sp=True)
     assert_copies_identical(state)

@@ -26,9 +26,9 @@ from tests.reference import (
 )
 from tests.tiny_gpt import (
     BATCH,
-    CASES,
     LAYERS,
     SEQ,
+    TENSOR_CASES,
     VOCAB,
     WIDTH,
     assert_copies_identical,
@@ -39,7 +39,7 @@ from tests.tiny_gpt import (
 )
 
 
-@pytest.mark.parametrize("mesh,strategy", CASES)
+@pytest.mark.parametrize("mesh,strategy", TENSOR_CASES)
 def test_gpt_matches_one_device(mesh, strategy):
     """Every loss, the parameters and the optimizer state after 20 steps of AdamW with clipping
     and 2 accumulation steps equal the single-device loop's; copies agree bit for bit."""

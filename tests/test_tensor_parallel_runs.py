@@ -31,8 +31,7 @@ from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
 @pytest.mark.parametrize(
     "source,target",
     [
-        (("zero3", "data:2,fsdp:2,tensor:2"), ("ddp", None)),
-        (("ddp", None), ("zero1", "fsdp:2,tensor:4")),
+        # (ddp <-> pipelined layouts: tests/test_pipeline_runs.py)
         (("zero2", "fsdp:4,tensor:2"), ("zero3", "fsdp:2,tensor:4")),
         (("zero3", "tensor:8"), ("zero3", "fsdp:8")),
     ],

@@ -9,13 +9,17 @@
                     ring formulas of jddp/planner/network.py
     inter-host      the same between 2 processes over gloo (started with jddp.launch on
                     127.0.0.1): what crosses "hosts" when a job runs as several processes
-    efficiency      a small GPT's measured step on one device: its model FLOPs over (step time
-                    less the optimizer's predicted time) x the matmul rate
+    efficiency      a small GPT trained by every simulated device at once, each its own copy
+                    with no communication: the model FLOPs over (step time less the memory-bound
+                    time the planner predicts: non-matmul ops, optimizer) x the matmul rate;
+                    again with the layers stacked and scanned (as pipeline stages run them):
+                    the ratio is the profile's `stacked_layers_slowdown`
 
 On a shared machine every number moves with the load: calibrate in the same run as what you
 compare against (experiments/bench/planner.py does).
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -28,7 +32,7 @@ import numpy as np
 SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes per device: a small model's parameters
 REPEATS = 5
 CALIBRATION_GPT = dict(num_layers=4, num_heads=8, embed_dim=256, max_seq_len=128)
-CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 16
+CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 32  # rows over all devices
 
 
 def _median_seconds(fn, repeats: int = REPEATS) -> float:
@@ -109,37 +113,72 @@ def fit_link(seconds: dict[str, dict[int, float]], n: int) -> tuple[float, float
     return 1 / inverse_bw, latency
 
 
-def gpt_efficiency(rate: float, bandwidth: float) -> tuple[float, float]:
-    """(efficiency, measured step seconds) of the calibration GPT on one device."""
+def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, float]:
+    """(efficiency, measured step seconds) of the calibration GPT with every device busy
+    (`scan_layers`: its layers stacked and run as one scan, as pipeline stages run them):
+    each of `devices` trains its own copy on its own rows (AdamW), none waits for another, as
+    no layout's compute does. Efficiency: the model FLOPs of all of them over (step time less
+    the memory-bound time the planner predicts for them) x the matmul rate. One device alone
+    gets less out of a machine's cores than several at once, so it would mispredict every
+    layout that runs them all."""
     import jax
     import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    import jddp
-    from jddp.flops import gpt_train_flops
+    from jddp.losses import token_cross_entropy
     from jddp.models import GPT
-    from jddp.objectives import OBJECTIVES
+    from jddp.planner.layouts import Layout
+    from jddp.planner.timing import memory_bound_seconds
+    from jddp.planner.workload import model_workload
 
-    lm = OBJECTIVES["language_model"]
-    model = GPT(CALIBRATION_VOCAB, **CALIBRATION_GPT)
-    trainer = jddp.Trainer(
-        model, lm.loss_fn, optax.adamw(1e-3), input_key="inputs", devices=jax.devices()[:1]
-    )
-    seq = CALIBRATION_GPT["max_seq_len"]
-    tokens = np.random.default_rng(0).integers(0, CALIBRATION_VOCAB, (CALIBRATION_BATCH, seq + 1))
+    n, seq = len(devices), CALIBRATION_GPT["max_seq_len"]
+    model = GPT(CALIBRATION_VOCAB, **CALIBRATION_GPT, scan_layers=scan_layers)
+    optimizer = optax.adamw(1e-3)
+    rows = CALIBRATION_BATCH // n * n
+    tokens = np.random.default_rng(0).integers(0, CALIBRATION_VOCAB, (rows, seq + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
-    state = trainer.init(seed=0, sample_batch=batch)
-    placed = trainer.place_batch(batch)
-    holder = [state]
 
-    def step():
-        holder[0], metrics = trainer.step(holder[0], placed)
-        metrics["loss"].block_until_ready()
+    def init():
+        params = model.init(jax.random.key(0), batch["inputs"][:1])["params"]
+        return params, optimizer.init(params)
 
-    seconds = _median_seconds(step)
-    params = sum(x.size for x in jax.tree.leaves(holder[0].params))
-    optimizer = (2 * 3 * 4 * params + 4 * params) / bandwidth  # params, 2 moments; grads
-    flops = gpt_train_flops(model, CALIBRATION_BATCH, seq)
-    return min(1.0, flops / ((seconds - optimizer) * rate)), seconds
+    def own_step(params, opt_state, rows):  # one device's copy: no collective anywhere
+        def loss(p):
+            return token_cross_entropy(model.apply({"params": p}, rows["inputs"]), rows).mean()
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    mesh = Mesh(np.asarray(devices), ("x",))
+    per_device = NamedSharding(mesh, P("x"))
+    copies = jax.jit(
+        lambda: jax.tree.map(lambda x: jax.numpy.stack([x] * n), init()), out_shardings=per_device
+    )()
+    unstacked = jax.shard_map(
+        lambda state, rows: jax.tree.map(
+            lambda x: x[None], own_step(*jax.tree.map(lambda x: x[0], state), rows)
+        ),
+        mesh=mesh,
+        in_specs=(P("x"), P("x")),
+        out_specs=P("x"),
+    )
+    step = jax.jit(unstacked, donate_argnums=0)
+    placed = jax.device_put(batch, per_device)
+    holder = [copies]
+
+    def run():
+        holder[0] = step(holder[0], placed)
+        jax.block_until_ready(holder[0])
+
+    seconds = _median_seconds(run)
+    workload = model_workload(
+        model, batch["inputs"][:1], rows, optimizer, min_shard_size=1
+    )  # the planner's view of the same training, on data:n
+    elementwise, update = memory_bound_seconds(workload, Layout("ddp", data=n), profile)
+    matmul_seconds = max(seconds - elementwise - update, 1e-9)
+    return min(1.0, workload.hardware_flops() / (matmul_seconds * profile.peak_flops)), seconds
 
 
 def _launch_gloo_worker(timeout: int = 300) -> dict:
@@ -175,7 +214,6 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
          *fit_link({kind: inter_times[kind]}, 2))
         for kind in intra_times
     )  # fmt: skip
-    efficiency, gpt_seconds = gpt_efficiency(rate, bandwidth)
     pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = DeviceProfile(
         "cpu",
@@ -186,7 +224,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         bw_inter=bw_inter,
         latency_intra=lat_intra,
         latency_inter=lat_inter,
-        efficiency=efficiency,
+        efficiency=1.0,  # measured below, with the rest of the profile in place
         devices_per_host=len(devices),
         overlap=False,  # XLA:CPU runs a device's collectives in line with its compute
         combined_kinds=("all-reduce",),  # seen in its HLO: one tuple all-reduce, many gathers
@@ -198,12 +236,18 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
             "gloo across 2 processes",
         ),
     )
+    efficiency, gpt_seconds = gpt_efficiency(profile, devices)
+    scanned, scanned_seconds = gpt_efficiency(profile, devices, scan_layers=True)
+    profile = dataclasses.replace(
+        profile, efficiency=efficiency, stacked_layers_slowdown=efficiency / scanned
+    )
     measurements = {
         "matmul_flops": rate,
         "memory_bandwidth": bandwidth,
         "intra_seconds": intra_times,
         "inter_seconds": inter_times,
         "gpt_step_seconds": gpt_seconds,
+        "gpt_scanned_step_seconds": scanned_seconds,
         "load_average": os.getloadavg()[0],
     }
     return save_cpu_profile(profile, measurements, path), measurements

@@ -5,12 +5,13 @@ out op by op. The byte totals per (axes, kind) equal those read from the compile
 (tests/test_planner_comm.py; all of them: experiments/bench/planner.py).
 
 Bytes are per device, counted as the HLO counts them: the result of each op (an all-gather's
-whole array, a reduce-scatter's shard, an all-reduce's buffer). Scalars (metrics, norms) are
-left out, as `bytes_by_axes` leaves them out.
+whole array, a reduce-scatter's shard, an all-reduce's buffer, an all-to-all's array). Scalars
+(metrics, norms) are left out, as `bytes_by_axes` leaves them out.
 """
 
 import dataclasses
 import functools
+import math
 
 from jddp.planner.layouts import Layout
 from jddp.planner.shards import param_shards
@@ -27,7 +28,7 @@ UPDATE = "update"  # after the optimizer update (zero1/2 gather the updated para
 class Collective:
     """`count` ops of one kind over mesh `axes`, each with a result of `nbytes` per device."""
 
-    kind: str  # all-reduce, all-gather, reduce-scatter, collective-permute
+    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
     axes: tuple[str, ...]
     nbytes: float
     count: float
@@ -68,17 +69,31 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         if axes and nbytes:
             out.append(Collective(kind, axes, nbytes, count, phase, what))
 
+    def reduce(kind, axes, nbytes, count, what):  # a gradient reduction
+        if not workload.grad_comm_bytes:
+            return add(kind, axes, nbytes, count, BACKWARD, what)
+        # bfloat16 crosses as bit patterns (jddp/strategies/compression.py): an all-to-all of
+        # the whole gradient and a float32 sum; an all-reduce gathers the rounded sums back.
+        whole = (
+            nbytes * math.prod(layout.sizes[a] for a in axes) if kind != "all-reduce" else nbytes
+        )
+        add("all-to-all", axes, whole, count, BACKWARD, what)
+        if kind == "all-reduce":
+            add("all-gather", axes, nbytes, count, BACKWARD, what)
+
     for p in param_shards(workload, layout):
         # One tensor rank's part, in the dtype that crosses the wire.
-        b = p.elements * (workload.comm_bytes or p.itemsize)
-        b //= tensor if p.split_over("tensor") else 1
+        wire = workload.comm_bytes or p.itemsize
+        split = tensor if p.split_over("tensor") else 1
+        b = p.elements * wire // split
+        g = p.elements * (workload.grad_comm_bytes or wire) // split  # reduced gradients
         sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
         if layout.strategy in ("ddp", "zero1") or not sharded:
-            add("all-reduce", batch, b, 1, BACKWARD, "gradients")
+            reduce("all-reduce", batch, g, 1, "gradients")
         else:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
             count = accum if layout.strategy == "zero3" else 1
-            add("reduce-scatter", ("fsdp",), b // fsdp, count, BACKWARD, "gradients")
-            add("all-reduce", data, b // fsdp, 1, BACKWARD, "gradient shards")
+            reduce("reduce-scatter", ("fsdp",), g // fsdp, count, "gradients")
+            reduce("all-reduce", data, g // fsdp, 1, "gradient shards")
         if sharded and layout.strategy == "zero3":
             add("all-gather", ("fsdp",), b, gathers, FORWARD, "parameters")
         elif sharded:  # zero1, zero2: the updated parameters, from the sharded update

@@ -37,6 +37,9 @@ class DeviceProfile:
     overlap: bool = True  # collectives can run while compute runs (async collectives)
     float32_peak_flops: float = 0.0  # 0: as bfloat16 (TPUs run float32 matmuls as bf16 passes)
     shared_compute: bool = False  # simulated devices: `peak_flops` is the whole machine's
+    # A step of layers stacked and run as one scan (what pipeline stages run) over the same
+    # step with the layers one by one; 1 where the compiler makes them equal. Measured on cpu.
+    stacked_layers_slowdown: float = 1.0
     # Collectives XLA combines across parameters (XLA:CPU combines all-reduces only).
     combined_kinds: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter")
     # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency) where a kind
@@ -95,7 +98,7 @@ _SCALING_BOOK = (
     "DCN ~2.5e10 B/s per host (4 chips on v4/v5p, 8 on v5e); ~1 us per ICI hop"
 )
 A100_MAMF, H100_MAMF, B200_MAMF = 0.869, 0.803, 0.776
-A100_EFFICIENCY = 0.586  # solved from Megatron-LM 310B (a calibration run of published.py)
+A100_EFFICIENCY = 0.638  # solved from Megatron-LM 310B (a calibration run of published.py)
 
 
 def _gpu(name, peak, memory, hbm, nvlink, ib, efficiency, *sources) -> DeviceProfile:
@@ -168,19 +171,19 @@ PRESETS: dict[str, DeviceProfile] = {
     ),
     # efficiency solved from MaxText 22B on 1x v4-128 (a calibration run of published.py)
     "tpu-v4": _tpu(
-        "tpu-v4", 275e12, 32 * 2**30, 1.2e12, 9e10, 2.5e10 / 4, 0.775, 64,
+        "tpu-v4", 275e12, 32 * 2**30, 1.2e12, 9e10, 2.5e10 / 4, 0.808, 64,
         "Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 1,200 GB/s",
         "efficiency: solved from the calibration run, MaxText 22B on 1x v4-128 (MaxText "
         "configs/v4/README.md: 56.7% MFU, full remat)",
     ),
     "tpu-v5p": _tpu(
-        "tpu-v5p", 459e12, 95 * 2**30, 2.765e12, 2e11, 2.5e10 / 4, 0.775, 64,
+        "tpu-v5p", 459e12, 95 * 2**30, 2.765e12, 2e11, 2.5e10 / 4, 0.808, 64,
         "Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM 2,765 GB/s, DCN 50 Gb/s per chip",
         "efficiency: TPU v4's (same XLA TPU software; no v5p calibration run)",
     ),
     # efficiency solved from MaxText 16B on 1x v5e-256 (a calibration run of published.py)
     "tpu-v5e": _tpu(
-        "tpu-v5e", 197e12, 16 * GB, 8.19e11, 1e11, 2.5e10 / 8, 0.846, 256,
+        "tpu-v5e", 197e12, 16 * GB, 8.19e11, 1e11, 2.5e10 / 8, 0.884, 256,
         "Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 819 GB/s, DCN 6.4 Tbps per "
         "256-chip pod",
         "efficiency: solved from the calibration run, MaxText 16B on 1x v5e-256 (MaxText "

@@ -6,8 +6,8 @@ Transformer Models", section 4; 16-bit activations, b rows of s tokens, width h,
 tensor size t): s b h (34 + 5 a s / h) bytes without tensor parallelism, s b h (10 + 24/t +
 5 a s / (h t)) with it, s b h (34 + 5 a s / h) / t with sequence parallelism; 2 s b h with
 every layer recomputed (only the layer's input is kept) plus one layer's worth while it is
-recomputed (any recomputation is planned this way: only layer inputs are kept). Scaled by bytes
-per activation / 2; the float32 logits (and their gradient) added.
+recomputed, once (any recomputation is planned this way: only layer inputs are kept). Scaled by
+bytes per activation / 2; the float32 logits (and their gradient) added.
 """
 
 import dataclasses
@@ -78,14 +78,15 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
         per_layer = sbh * (10 + 24 / tensor + heads_term / tensor)
     per_layer *= workload.compute_bytes / 2
     layers = t.layers // layout.stage
-    if workload.recompute:  # only each layer's input is kept (split over tensor with SP)
-        kept_input = sbh * workload.compute_bytes / (tensor if layout.sequence_parallel else 1)
-        kept = layers * kept_input + per_layer
-    else:
-        kept = layers * per_layer
     in_flight = min(m, layout.stage)  # 1F1B: the first stage holds S micro-batches
+    if workload.recompute:  # only each layer's input is kept (split over tensor with SP);
+        # one layer's activations exist while it is recomputed, for one micro-batch at a time
+        kept_input = sbh * workload.compute_bytes / (tensor if layout.sequence_parallel else 1)
+        kept = layers * kept_input * in_flight + per_layer
+    else:
+        kept = layers * per_layer * in_flight
     logits = 2 * rows * t.seq_len * t.vocab / tensor * 4
-    return int(kept * in_flight + logits)
+    return int(kept + logits)
 
 
 def gathered_bytes(workload: Workload, layout: Layout) -> int:

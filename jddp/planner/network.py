@@ -6,6 +6,7 @@ latency per ring step:
 
     all-reduce                  2 (n-1)/n V/B + 2 (n-1) a
     all-gather, reduce-scatter    (n-1)/n V/B +   (n-1) a
+    all-to-all                    (n-1)/n V/B +   (n-1) a   (V/n to each other device)
     collective-permute                    V/B +         a
 
 Devices are numbered as the mesh lays them out (the last axis fastest) and filled into hosts of
@@ -35,7 +36,7 @@ def ring_time(kind: str, volume: float, n: int, link: Link) -> float:
         return 0.0
     if kind == "all-reduce":
         return 2 * (n - 1) / n * volume / link.bandwidth + 2 * (n - 1) * link.latency
-    if kind in ("all-gather", "reduce-scatter"):
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
         return (n - 1) / n * volume / link.bandwidth + (n - 1) * link.latency
     if kind == "collective-permute":
         return volume / link.bandwidth + link.latency
@@ -75,6 +76,9 @@ def collective_time(
         return ring_time(kind, volume, n, intra)
     if local == 1:
         return ring_time(kind, volume, n, inter)
+    if kind == "all-to-all":  # V/n to each other device: local - 1 inside, the rest across
+        inside = (local - 1) / n * volume / intra.bandwidth + (local - 1) * intra.latency
+        return inside + (n - local) / n * volume / inter.bandwidth + (n - local) * inter.latency
     across = volume / local  # each local device's ring across hosts carries 1/k of it
     if kind == "all-reduce":
         inside = ring_time("reduce-scatter", volume, local, intra)

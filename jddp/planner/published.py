@@ -72,7 +72,9 @@ class PublishedRun:
             recompute=self.recompute,
             compute_bytes=2,
             comm_bytes=2 if self.convention != "maxtext" else 0,
-            microbatches=self.microbatches,
+            # Without stages Megatron's micro-batches are gradient accumulation steps.
+            microbatches=self.microbatches if self.layout.stage > 1 else 0,
+            grad_accum_steps=(self.microbatches or 1) if self.layout.stage == 1 else 1,
             virtual_stages=self.virtual_stages,
             lockstep_pipeline=False,
             regather_in_backward=self.regather_in_backward,
@@ -118,7 +120,9 @@ def _megatron(name, h, layers, heads, tp, pp, mbs, gbs, gpus, percent, vpp_layer
         quote=f"{name}: {gpus} A100, tensor {tp} x pipeline {pp}, batch {gbs}: {percent}% of "
         "theoretical peak",
         device="a100-80gb",
-        transformer=Transformer(layers, h, heads, 4 * h, 51200, 2048),
+        transformer=Transformer(
+            layers, h, heads, 4 * h, 51200, 2048, dropout=True, attention_dropout=True
+        ),
         layout=Layout("zero3", data=data, tensor=tp, stage=pp),
         global_batch=gbs,
         devices_per_host=8,

@@ -1,7 +1,10 @@
 """A step's predicted time: compute, exposed communication per mesh axis, pipeline bubble.
 
 compute     executed FLOPs per device (model FLOPs, plus the recomputed forward with remat)
-            / (peak x efficiency); the optimizer update as memory traffic / bandwidth
+            / (peak x efficiency), plus the memory traffic of the non-matmul ops (norms,
+            residual adds, activations, softmax, dropout: jddp/planner/workload.py) / memory
+            bandwidth: what makes a narrow model's step slower per FLOP than a wide one's;
+            the optimizer update as memory traffic / bandwidth
 overlap     each collective by when it runs (jddp/planner/comm.py phases):
               forward   zero3's parameter gathers, hidden under the forward's compute
               backward  gradient reductions, hidden under the backward's compute
@@ -12,9 +15,11 @@ overlap     each collective by when it runs (jddp/planner/comm.py phases):
             collectives (`overlap=False`, the CPU) everything is exposed, as it is for the
             axes a workload names in `exposed_axes`.
 bubble      compute and critical communication run inside the pipeline, so its idle share
-            b (jddp/planner/pipeline.py) stretches them by b / (1 - b) (also on simulated
-            devices sharing a machine's cores: an idle stage's cores do not serve the busy
-            ones, experiments/bench/planner.py)
+            b (jddp/planner/pipeline.py) stretches them by b / (1 - b); on simulated devices
+            sharing a machine's cores (`shared_compute`) an idle stage's ticks do no work and
+            its cores serve the busy stages, so the bubble costs nothing there (measured:
+            stage:4 and stage:2 steps within 4%, experiments/bench/planner.py), and the
+            stages' stacked layers cost the profile's `stacked_layers_slowdown`
 """
 
 import dataclasses
@@ -71,6 +76,20 @@ def peak_per_device(profile: DeviceProfile, workload: Workload, layout: Layout) 
     return peak / layout.devices if profile.shared_compute else peak
 
 
+def memory_bound_seconds(
+    workload: Workload, layout: Layout, profile: DeviceProfile
+) -> tuple[float, float]:
+    """(non-matmul ops, optimizer update): one device's memory traffic per step over its
+    memory bandwidth (simulated devices share the machine's: each gets 1 / devices of it)."""
+    bandwidth = profile.memory_bandwidth / (layout.devices if profile.shared_compute else 1)
+    elementwise = workload.elementwise_bytes(
+        layout.tensor, layout.sequence_parallel, layout.batch_shards, layout.stage
+    )
+    state = state_bytes(workload, layout)
+    optimizer = 2 * (state.params + state.optimizer) + state.grads
+    return elementwise / bandwidth, optimizer / bandwidth
+
+
 def predict(
     workload: Workload,
     layout: Layout,
@@ -80,7 +99,11 @@ def predict(
 ) -> Prediction:
     """The predicted step of `workload` under `layout` on `profile`'s devices."""
     peak = peak_per_device(profile, workload, layout)
+    elementwise, optimizer = memory_bound_seconds(workload, layout, profile)
     compute = workload.hardware_flops() / layout.devices / (peak * profile.efficiency)
+    compute += elementwise
+    if layout.stage > 1:  # the stages run their layers stacked, as one scan
+        compute *= profile.stacked_layers_slowdown
     forward_share = 1 / (3 + workload.recompute)
     windows = {
         comm.FORWARD: compute * forward_share,
@@ -88,8 +111,6 @@ def predict(
         comm.CRITICAL: 0.0,
         comm.UPDATE: 0.0,
     }
-    state = state_bytes(workload, layout)
-    optimizer = (2 * (state.params + state.optimizer) + state.grads) / profile.memory_bandwidth
 
     times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
     ops: dict[str, float] = {}  # phase -> collectives run in it
@@ -123,7 +144,7 @@ def predict(
             total[axis] = total.get(axis, 0.0) + seconds
             exposed[axis] = exposed.get(axis, 0.0) + seconds * (1 - hidden_share)
 
-    bubble = bubble_fraction(workload, layout)
+    bubble = 0.0 if profile.shared_compute else bubble_fraction(workload, layout)
     bubble_s = (compute + pipelined) * bubble / (1 - bubble)
     step = compute + bubble_s + sum(exposed.values()) + optimizer
     peak_all = peak * layout.devices

@@ -39,6 +39,8 @@ class Transformer:
     biases: bool = True
     head_size: int = 0  # 0: width / heads
     fused_attention: bool = False  # flash attention: no attention probabilities kept
+    dropout: bool = False  # dropout on each branch's output (before the residual add)
+    attention_dropout: bool = False  # dropout on the attention probabilities
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +65,23 @@ class Transformer:
         matmul = self.layers * self.layer_matmul_params() + self.width * self.vocab
         attention = 12 * self.layers * self.attention_width * self.seq_len
         return (6 * matmul + attention) * sequences * self.seq_len
+
+    def elementwise_elements(self, tensor: int = 1, sequence_parallel: bool = False) -> float:
+        """Elements one device reads and writes per token and layer in the forward's
+        non-matmul ops (memory-bound: they cost bytes, not FLOPs). Each op one read and one
+        write per element: the norms and residual adds over the width (split over tensor only
+        with sequence parallelism), the MLP activation and the attention probabilities
+        (softmax, unless flash attention keeps none) split over tensor, dropout a pass over
+        what it drops."""
+        h = self.width
+        if self.parallel_block:  # one norm; one add of attention, MLP and the residual
+            whole = 2 * h + 4 * h + (4 * h if self.dropout else 0)
+        else:  # two norms, two residual adds
+            whole = 2 * 2 * h + 2 * 3 * h + (2 * 2 * h if self.dropout else 0)
+        split = (3 if self.gated_mlp else 2) * self.mlp_dim
+        if not self.fused_attention:
+            split += 2 * self.heads * self.seq_len * (2 if self.attention_dropout else 1)
+        return whole / (tensor if sequence_parallel else 1) + split / tensor
 
     def tensor_reductions_per_layer(self) -> int:
         """Activation reductions over tensor per layer and pass (forward or backward):
@@ -126,6 +145,7 @@ class Workload:
     compute_bytes: int = 4  # bytes per activation element (bfloat16 compute: 2)
     opt_state: Any = None  # ShapeDtypeStructs of the optimizer state; None: Adam's two moments
     comm_bytes: int = 0  # bytes per parameter / gradient element on the wire; 0: their own
+    grad_comm_bytes: int = 0  # bytes per gradient element reduced (grad_comm_dtype); 0: as above
     microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/pipeline.py)
     virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
     pipeline_schedule: str = "1f1b"  # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
@@ -154,6 +174,19 @@ class Workload:
         head = 6 * t.width * t.vocab * self.global_batch * t.seq_len
         blocks = self.model_flops - head
         return head + blocks * (3 + self.recompute) / 3
+
+    def elementwise_bytes(
+        self, tensor: int, sequence_parallel: bool, batch_shards: int, stages: int
+    ) -> float:
+        """Bytes one device moves per step in the blocks' non-matmul ops
+        (`Transformer.elementwise_elements`): the forward's, again in the recomputed forward,
+        twice in the backward; 0 without a transformer."""
+        t = self.transformer
+        if t is None:
+            return 0.0
+        tokens = self.global_batch * t.seq_len / batch_shards
+        per_pass = tokens * t.layers / stages * t.elementwise_elements(tensor, sequence_parallel)
+        return per_pass * self.compute_bytes * (3 + self.recompute)
 
 
 def block_index(path: str) -> int | None:
@@ -187,6 +220,8 @@ def model_workload(
             seq_len=shape.shape[1],
             tied=model.tie_embeddings,
             learned_positions=model.positions == "learned",
+            fused_attention=model.attention_impl == "cudnn",
+            dropout=model.dropout_rate > 0,
         )
         fields = {"vocab_parallel_loss": True, "recompute": float(model.remat)} | fields
     global_input = jax.ShapeDtypeStruct((global_batch, *shape.shape[1:]), shape.dtype)
@@ -239,6 +274,7 @@ def from_config(config) -> Workload:
         min_shard_size=config.parallel.min_shard_size,
         grad_accum_steps=config.grad_accum_steps,
         compute_bytes=2 if config.compute_dtype == "bfloat16" else 4,
+        grad_comm_bytes=2 if config.parallel.grad_comm_dtype == "bfloat16" else 0,
         microbatches=config.parallel.pipeline.microbatches,
         pipeline_schedule=config.parallel.pipeline.schedule,
     )

@@ -219,7 +219,7 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
     if not os.path.exists(path):
         raise ConfigError(
             f"no cpu profile at {path}; run `python -m jddp.plan --calibrate` first (it measures "
-            "this machine's matmul rate and collectives, ~1 min), or give every number "
+            "this machine's matmul rate and collectives, ~2 min), or give every number "
             "(--peak_flops, --bw_intra, ...)"
         )
     try:

@@ -189,9 +189,13 @@ def run_calibrate() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
+    from jddp.errors import JddpError
     from jddp.planner.calibrate import calibrate
 
-    path, m = calibrate()
+    try:
+        path, m = calibrate()
+    except JddpError as e:
+        fail(str(e))
     print(
         f"cpu profile written to {path}: matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, memory "
         f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, load average {m['load_average']:.1f}"

@@ -215,6 +215,20 @@ def test_cpu_profile_round_trips(tmp_path):
     assert json.load(open(path))["measurements"] == {"matmul_flops": 1.0}
 
 
+def test_an_unwritable_profile_path_is_refused_before_measuring_and_nothing_changes(tmp_path):
+    """`--calibrate` checks where it will write before it measures (calibrate() calls
+    `check_profile_path` first): a file in the way, or a folder at the path, is one
+    ConfigError naming the path; a profile already there is left as it was."""
+    (tmp_path / "afile").write_text("keep")
+    for path, reason in ((tmp_path / "afile" / "cpu.json", "is a file"), (tmp_path, "folder")):
+        with pytest.raises(ConfigError, match=f"{path}.*{reason}.*JDDP_CPU_PROFILE"):
+            devices.check_profile_path(str(path))
+        with pytest.raises(ConfigError, match=reason):
+            devices.save_cpu_profile(PROFILE, {}, str(path))
+    assert (tmp_path / "afile").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 # ----------------------------------------------------------------------------- published
 RUNS = {run.name: run for run in published.RUNS}
 # Within 15% of the published figure, one efficiency per device type; three parallelism mixes:

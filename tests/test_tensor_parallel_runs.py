@@ -31,7 +31,7 @@ from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
 @pytest.mark.parametrize(
     "source,target",
     [
-        # (ddp <-> pipelined layouts: tests/test_pipeline_runs.py)
+        # (into ddp: tests/test_pipeline_runs.py; ddp and ZeRO: tests/test_checkpoint.py)
         (("zero2", "fsdp:4,tensor:2"), ("zero3", "fsdp:2,tensor:4")),
         (("zero3", "tensor:8"), ("zero3", "fsdp:8")),
     ],

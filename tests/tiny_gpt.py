@@ -117,9 +117,9 @@ def reference_from(positions, tie, initial, layers=LAYERS, batches=None):
     return result
 
 
-# Meshes on 8 devices. Each ZeRO stage meets each mesh with fsdp once across the tensor- and
-# sequence-parallel tests (6 of the 9 pairs; every stage twice, every mesh twice); on meshes
-# without fsdp every ZeRO stage is the same layout.
+# Meshes on 8 devices. Across the tensor- and sequence-parallel tests no (ZeRO stage, mesh with
+# fsdp) pair repeats: 6 of the 9, every stage on two of the meshes, every mesh under two stages;
+# on meshes without fsdp every ZeRO stage is the same layout.
 TENSOR_CASES = [
     ("tensor:4", "zero3"),
     ("data:2,tensor:2", "zero3"),

@@ -126,6 +126,7 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jddp.core import jit_init
     from jddp.losses import token_cross_entropy
     from jddp.models import GPT
     from jddp.planner.layouts import Layout
@@ -135,7 +136,7 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     n, seq = len(devices), CALIBRATION_GPT["max_seq_len"]
     model = GPT(CALIBRATION_VOCAB, **CALIBRATION_GPT, scan_layers=scan_layers)
     optimizer = optax.adamw(1e-3)
-    rows = CALIBRATION_BATCH // n * n
+    rows = max(1, CALIBRATION_BATCH // n) * n
     tokens = np.random.default_rng(0).integers(0, CALIBRATION_VOCAB, (rows, seq + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
 
@@ -153,9 +154,9 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
 
     mesh = Mesh(np.asarray(devices), ("x",))
     per_device = NamedSharding(mesh, P("x"))
-    copies = jax.jit(
+    copies = jit_init(
         lambda: jax.tree.map(lambda x: jax.numpy.stack([x] * n), init()), out_shardings=per_device
-    )()
+    )
     unstacked = jax.shard_map(
         lambda state, rows: jax.tree.map(
             lambda x: x[None], own_step(*jax.tree.map(lambda x: x[0], state), rows)
@@ -199,8 +200,9 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     import jax
 
     from jddp.device_peak import measured_matmul_rate
-    from jddp.planner.devices import DeviceProfile, save_cpu_profile
+    from jddp.planner.devices import DeviceProfile, check_profile_path, save_cpu_profile
 
+    path = check_profile_path(path)  # before minutes of measuring
     devices = jax.devices()
     rate = measured_matmul_rate(devices[0])
     bandwidth = memory_bandwidth()

@@ -73,13 +73,12 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         if not workload.grad_comm_bytes:
             return add(kind, axes, nbytes, count, BACKWARD, what)
         # bfloat16 crosses as bit patterns (jddp/strategies/compression.py): an all-to-all of
-        # the whole gradient and a float32 sum; an all-reduce gathers the rounded sums back.
-        whole = (
-            nbytes * math.prod(layout.sizes[a] for a in axes) if kind != "all-reduce" else nbytes
-        )
-        add("all-to-all", axes, whole, count, BACKWARD, what)
-        if kind == "all-reduce":
-            add("all-gather", axes, nbytes, count, BACKWARD, what)
+        # the whole gradient and a float32 sum of the slice each device keeps ...
+        if kind == "reduce-scatter":  # (`nbytes` is that slice)
+            whole = nbytes * math.prod(layout.sizes[a] for a in axes)
+            return add("all-to-all", axes, whole, count, BACKWARD, what)
+        add("all-to-all", axes, nbytes, count, BACKWARD, what)
+        add("all-gather", axes, nbytes, count, BACKWARD, what)  # ... and an all-reduce's gather
 
     for p in param_shards(workload, layout):
         # One tensor rank's part, in the dtype that crosses the wire.

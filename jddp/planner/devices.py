@@ -202,14 +202,44 @@ def profile_path() -> str:
     return os.path.join(cache, "jddp", "cpu_profile.json")
 
 
-def save_cpu_profile(profile: DeviceProfile, measurements: dict, path: str | None = None) -> str:
+def check_profile_path(path: str | None = None) -> str:
+    """`path` (default `profile_path()`) once its folder exists and can be written; a
+    ConfigError naming the path otherwise."""
     path = path or profile_path()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ConfigError(_unwritable(path, f"{e.filename} is a file, not a folder")) from None
+    except OSError as e:
+        raise ConfigError(_unwritable(path, f"{folder}: {e.strerror}")) from None
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        reason = f"{path} is a folder" if os.path.isdir(path) else f"{folder} is read-only"
+        raise ConfigError(_unwritable(path, reason))
+    return path
+
+
+def _unwritable(path: str, reason: str) -> str:
+    return (
+        f"cannot store the cpu profile at {path} ({reason}); set JDDP_CPU_PROFILE to a file in "
+        "a writable folder"
+    )
+
+
+def save_cpu_profile(profile: DeviceProfile, measurements: dict, path: str | None = None) -> str:
+    """Writes the profile whole or not at all (a temporary file, then a rename): a profile
+    that was there stays intact if the write fails."""
+    path = check_profile_path(path)
     record = dataclasses.asdict(profile) | {"measurements": measurements}
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(_unwritable(path, e.strerror or str(e))) from None
     return path
 
 

@@ -61,7 +61,7 @@ class PublishedRun:
 
     @functools.cached_property
     def workload(self) -> Workload:
-        t = self.transformer
+        t, staged = self.transformer, self.layout.stage > 1
         return Workload(
             name=self.name,
             params=transformer_params(t),
@@ -73,8 +73,8 @@ class PublishedRun:
             compute_bytes=2,
             comm_bytes=2 if self.convention != "maxtext" else 0,
             # Without stages Megatron's micro-batches are gradient accumulation steps.
-            microbatches=self.microbatches if self.layout.stage > 1 else 0,
-            grad_accum_steps=(self.microbatches or 1) if self.layout.stage == 1 else 1,
+            microbatches=self.microbatches if staged else 0,
+            grad_accum_steps=1 if staged else (self.microbatches or 1),
             virtual_stages=self.virtual_stages,
             lockstep_pipeline=False,
             regather_in_backward=self.regather_in_backward,

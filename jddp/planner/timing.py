@@ -18,7 +18,7 @@ bubble      compute and critical communication run inside the pipeline, so its i
             b (jddp/planner/pipeline.py) stretches them by b / (1 - b); on simulated devices
             sharing a machine's cores (`shared_compute`) an idle stage's ticks do no work and
             its cores serve the busy stages, so the bubble costs nothing there (measured:
-            stage:4 and stage:2 steps within 4%, experiments/bench/planner.py), and the
+            stage:4's step within 8% of stage:2's, experiments/bench/planner.py), and the
             stages' stacked layers cost the profile's `stacked_layers_slowdown`
 """
 

@@ -1,4 +1,5 @@
-"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported."""
+"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported;
+programs compiled in the test processes without LLVM optimization (see below)."""
 
 import os
 import tempfile
@@ -13,6 +14,23 @@ os.environ.setdefault("TFDS_DATA_DIR", os.path.join(tempfile.gettempdir(), "jddp
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
+
+# Most tests compile far longer than they run (a tiny GPT's step: 7 s to compile, 20 steps in
+# under a second), so the test processes compile as `jax_disable_most_optimizations` says: the
+# same HLO program, its machine code from LLVM unoptimized (tensor- and sequence-parallel tests
+# ~25% faster). References are compiled the same way, in the same process. Tests that train for
+# real use the `optimized` fixture; child processes (the CLI, multi-process runs) compile as
+# users' runs do.
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture
+def optimized():
+    """`optimized_compiles()` around one test."""
+    from tests.helpers import optimized_compiles
+
+    with optimized_compiles():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,17 +47,17 @@ def shared_digits_prepared():
 # the other worker idle while it finishes.
 LONGEST_FIRST = (
     "test_fashion_mnist.py",
+    "test_multiprocess.py",
     "test_pipeline.py",
     "test_cli_errors.py",
-    "test_multiprocess.py",
-    "test_tensor_parallel.py",
+    "test_resume_kill.py",
+    "test_sequence_parallel.py",
+    "test_pipeline_runs.py",
     "test_checkpoint.py",
     "test_tensor_parallel_runs.py",
-    "test_sequence_parallel.py",
-    "test_compression.py",
-    "test_resume_kill.py",
-    "test_pipeline_runs.py",
     "test_experiment.py",
+    "test_tensor_parallel.py",
+    "test_compression.py",
 )
 
 

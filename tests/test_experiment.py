@@ -19,7 +19,7 @@ def test_default_experiment_converges(tmp_path):
     assert summary["eval_accuracy"] >= 0.95
 
 
-def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path):
+def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path, optimized):
     config = digits_cnn.get_config()
     config.compute_dtype = "bfloat16"
     config.grad_accum_steps = 2

@@ -17,6 +17,7 @@ from experiments.configs import fashion_mnist_cnn
 from jddp import data
 from jddp.data.mnist import FashionMnist
 from jddp.experiment import train_and_evaluate
+from tests.helpers import optimized_compiles
 from tests.test_multiprocess import launch
 
 FILES = os.path.join(FashionMnist.DEBIAN_DIR, "train-images-idx3-ubyte.gz")
@@ -48,7 +49,7 @@ def test_eval_counts_each_test_image_once(fashion_mnist):
     np.testing.assert_array_equal(np.concatenate(labels), expected)
 
 
-def test_fashion_mnist_cnn_reaches_90_percent(fashion_mnist, tmp_path):
+def test_fashion_mnist_cnn_reaches_90_percent(fashion_mnist, tmp_path, optimized):
     summary = train_and_evaluate(fashion_mnist_cnn.get_config(), str(tmp_path / "run"))
     # 700 steps of 128 (1.5 epochs) on 8 simulated devices reached 0.909 here.
     assert summary["eval_accuracy"] >= 0.90
@@ -83,14 +84,15 @@ def short_run_flags(workdir, **parallel) -> list[str]:
 @pytest.fixture(scope="module")
 def float32_accuracy(fashion_mnist, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("float32") / "run"
-    return train_and_evaluate(short_config(), str(workdir))["eval_accuracy"]
+    with optimized_compiles():
+        return train_and_evaluate(short_config(), str(workdir))["eval_accuracy"]
 
 
 @pytest.mark.parametrize(
     "parallel,points", [(BFLOAT16, 0.3), (POWERSGD, 0.5)], ids=["bfloat16", "powersgd"]
 )
 def test_compressed_gradients_reach_float32_accuracy_on_8_devices(
-    float32_accuracy, tmp_path, parallel, points
+    float32_accuracy, tmp_path, parallel, points, optimized
 ):
     summary = train_and_evaluate(short_config(**parallel), str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= float32_accuracy - points / 100, float32_accuracy

@@ -247,7 +247,11 @@ def _sum_received(x, axes, count: int):
     """Rows of `x` (count, ...) go to device i; returns the float32 sum of the rows this device
     received. The rows are added one by one: XLA:CPU ran a reduce over the leading axis of the
     converted values 10x slower than these elementwise adds."""
-    received = lax.all_to_all(_to_wire(x), axes, 0, 0, tiled=True)
+    # Each destination's rows converted on their own: XLA:CPU splits an all-to-all's operand
+    # into one buffer per destination, and converted the whole operand first, one more pass
+    # over the gradient (compiled HLO; bfloat16 step of the communication benchmark 2.4% faster).
+    wire = jnp.concatenate([_to_wire(x[row : row + 1]) for row in range(count)])
+    received = lax.all_to_all(wire, axes, 0, 0, tiled=True)
     total = _from_wire(received[0])
     for row in range(1, count):
         total = total + _from_wire(received[row])

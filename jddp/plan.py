@@ -275,6 +275,8 @@ def main(argv: list[str]) -> None:
     per_host = _DEVICES_PER_HOST.value
     if per_host < 0 or (per_host and _DEVICES.value % min(per_host, _DEVICES.value)):
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
+    if _TOP.value < 0:
+        fail(f"--top={_TOP.value} must be a number of plans to show, or 0 for all of them")
     quiet_library_logs()
     if _CALIBRATE.value:
         run_calibrate()

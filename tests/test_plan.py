@@ -134,3 +134,16 @@ def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: fits nowhere: the closest plan is ")
     assert " over the 1.9 GiB of a device" in lines[0]
+
+
+def test_a_negative_top_is_refused_in_one_line():
+    """`--top=-3` once showed every plan but the last three, silently."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--top=-3", "--compile=no"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert (
+        result.stderr.strip()
+        == "error: --top=-3 must be a number of plans to show, or 0 for all of them"
+    )

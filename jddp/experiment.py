@@ -171,8 +171,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     sample_batch = splits.sample_batch()
     check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
     trainer.check_layout(sample_batch, config.global_batch_size)
-    # Each process reads only its rows of every global batch (see jddp/data/pipeline.py).
-    processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    # Each process reads only its block of every global batch (see jddp/data/pipeline.py):
+    # block `part` of `parts`; pipeline stages on other hosts read the same block.
+    part, parts = trainer.batch_part
+    processes = {"process_index": part, "process_count": parts}
     batches = data.train_batches(
         splits.train,
         splits.transform,
@@ -246,7 +248,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     throughput = _throughput(config, trainer, objective, sample_batch)
     memory = {}
     if start_step < config.num_train_steps:
-        memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config))
+        memory = trainer.memory_report(state, _zeros_like_rows(sample_batch, config, trainer))
         logging.info(
             "per device: state (parameters + optimizer state) %s, compiled step peak %s, "
             "collectives %s per step",
@@ -387,9 +389,9 @@ def _checksum(state) -> float:
     )
 
 
-def _zeros_like_rows(sample_batch, config) -> dict:
+def _zeros_like_rows(sample_batch, config, trainer) -> dict:
     """Zeros shaped like this process's rows of a global batch: the step compiled for its report."""
-    rows = config.global_batch_size // jax.process_count()
+    rows = config.global_batch_size // trainer.batch_part[1]
     return {
         k: np.zeros((rows, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in sample_batch.items()
     }

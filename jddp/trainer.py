@@ -154,6 +154,15 @@ class Trainer:
         """Into how many slices each global batch is split (devices along `tensor` share one)."""
         return self.device_mesh.batch_shards if self.device_mesh else self.num_devices
 
+    @property
+    def batch_part(self) -> tuple[int, int]:
+        """(part, parts): the rows of every global batch this process passes to `step`,
+        `place_batch` and `evaluate` are block `part` of `parts` equal consecutive blocks.
+        Usually (process index, process count); processes that differ only along tensor or
+        stage (pipeline stages on different hosts) hold the same batch slices, so they pass the
+        same block: a stage:2 mesh over 2 processes has parts = 1, and both read every row."""
+        return self.strategy.batch_part()
+
     def init(self, seed: int, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
         """The initial state from `seed`, placed on the devices (one example shapes the model)."""
         self.abstract_state(sample_batch)
@@ -239,7 +248,7 @@ class Trainer:
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        global_rows = self._check_entries(batch) * jax.process_count()  # equal rows each
+        global_rows = self._check_entries(batch) * self.batch_part[1]
         check_divisible(
             global_rows, self.batch_shards * self.microbatches, self.task.grad_accum_steps
         )

@@ -46,12 +46,12 @@ def main(strategy: str, out: str, more_options: str = "{}") -> None:
         grad_accum_steps=2,
         **options,
     )
-    process, count = jax.process_index(), jax.process_count()
+    part, parts = trainer.batch_part
     batches = make_batches()
-    rows = len(batches[0]["label"]) // count
+    rows = len(batches[0]["label"]) // parts
 
     def mine(batch):
-        return {k: v[process * rows : (process + 1) * rows] for k, v in batch.items()}
+        return {k: v[part * rows : (part + 1) * rows] for k, v in batch.items()}
 
     state = trainer.init(seed=0, sample_batch=mine(batches[0]))
     initial = trainer.host_state(state).params
@@ -60,7 +60,7 @@ def main(strategy: str, out: str, more_options: str = "{}") -> None:
         state, metrics = trainer.step(state, mine(batch))
         losses.append(float(metrics["loss"]))
     final = trainer.host_state(state).params
-    if process == 0:
+    if jax.process_index() == 0:
         np.savez(
             out,
             losses=np.array(losses),

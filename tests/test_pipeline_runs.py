@@ -1,6 +1,10 @@
 """Pipelined runs beyond one layout: checkpoints move between pipelined (stacked layers) and
-plain (per-layer) runs exactly, both ways, and the experiment path logs the schedule and starts
-from another layout's weights."""
+plain (per-layer) runs exactly, both ways; the experiment path logs the schedule and starts
+from another layout's weights; and stages on different processes train what one process
+trains."""
+
+import json
+import sys
 
 import jax
 import numpy as np
@@ -12,6 +16,7 @@ from jddp.pipeline.options import PipelineOptions
 from jddp.weights import load_params
 from tests.helpers import save_and_restore
 from tests.reference import assert_trees_close
+from tests.test_multiprocess import launch
 from tests.test_tensor_parallel_runs import gpt_config
 from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
 
@@ -87,3 +92,40 @@ def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(tmp_path):
             target_params,
             as_target(source_params),
         )
+
+
+def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
+    """The CLI on stage:2,data:-1 over 2 processes x 2 devices, one stage per process: both
+    processes read every row of each global batch (their devices hold the same batch slices),
+    and the losses and eval loss equal the same run's in this process (8 devices: data:4)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(32 + i * 7 % 90) for i in range(3_000)))
+    # The config gpt_config gives, as a file the CLI reads before jax.distributed starts.
+    config_file = tmp_path / "config.py"
+    config_file.write_text(
+        "from experiments.configs import shakespeare_gpt_tiny\n\n\ndef get_config():\n"
+        "    c = shakespeare_gpt_tiny.get_config()\n"
+        f"    c.dataset, c.data.text_file, c.data.seq_len = 'text_file', {str(text)!r}, 16\n"
+        "    c.model_args.update(num_layers=2, embed_dim=32, max_seq_len=16, vocab_size=128)\n"
+        "    c.global_batch_size, c.num_train_steps, c.warmup_steps = 16, 4, 0\n"
+        "    c.log_every, c.eval_every, c.checkpoint_every = 4, 4, 0\n"
+        "    c.parallel.update(strategy='zero1', mesh='stage:2,data:-1')\n    return c\n"
+    )
+    command = ["-m", "experiments.train", f"--config={config_file}"]
+    # Compiled as the test process compiles (conftest): what is checked is values, not speed.
+    code, output = launch(
+        2, 2, sys.executable, *command, f"--workdir={tmp_path / 'two'}",
+        env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"},
+    )  # fmt: skip
+    assert code == 0, output
+    config = gpt_config(str(text), strategy="zero1", mesh="stage:2,data:-1")
+    config.model_args.num_layers, config.checkpoint_every = 2, 0
+    train_and_evaluate(config, str(tmp_path / "one"))
+
+    def records(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"], r["eval_loss"]) for r in map(json.loads, lines)]
+
+    two, one = records("two"), records("one")
+    assert [r[0] for r in two] == [r[0] for r in one] == [4]
+    np.testing.assert_allclose([r[1:] for r in two], [r[1:] for r in one], rtol=1e-5)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jddp
+from jddp.errors import ConfigError
 from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.models import create_model
 from jddp.sharding.mesh import DeviceMesh
@@ -245,3 +246,32 @@ def test_a_tensor_axis_across_processes_is_detected(axes, crosses):
         SimpleNamespace(devices=devices, axis_names=axes, shape=dict.fromkeys(axes, 2))
     )
     assert mesh.tensor_crosses_processes() == crosses
+
+
+def fake_mesh(axes: dict[str, int], devices_per_process: int) -> DeviceMesh:
+    """A mesh over fake devices numbered in order, `devices_per_process` to a process."""
+    count = int(np.prod(list(axes.values())))
+    devices = [SimpleNamespace(process_index=i // devices_per_process) for i in range(count)]
+    array = np.array(devices).reshape(tuple(axes.values()))
+    return DeviceMesh(SimpleNamespace(devices=array, axis_names=tuple(axes), shape=axes))
+
+
+@pytest.mark.parametrize(
+    "axes,devices_per_process,parts",
+    [
+        ({"data": 2, "fsdp": 2}, 2, [(0, 2), (1, 2)]),  # the batch split across processes
+        ({"stage": 2, "data": 2}, 2, [(0, 1), (0, 1)]),  # a stage per process: all rows each
+        ({"tensor": 2, "fsdp": 2}, 2, [(0, 1), (0, 1)]),  # tensor across processes
+        ({"stage": 2, "data": 2}, 1, [(0, 2), (1, 2), (0, 2), (1, 2)]),
+    ],
+)
+def test_each_process_reads_the_rows_its_devices_hold(axes, devices_per_process, parts):
+    mesh = fake_mesh(axes, devices_per_process)
+    assert [mesh.batch_part(p) for p in range(len(parts))] == parts
+
+
+def test_a_mesh_whose_processes_share_parts_of_blocks_is_refused():
+    """data:3,stage:2 over 2 processes x 3 devices: process 0 holds data slices 0 and 1,
+    process 1 slices 1 and 2; no split of the rows feeds both."""
+    with pytest.raises(ConfigError, match=r"process 1 batch slices \[1, 2\]"):
+        fake_mesh({"data": 3, "stage": 2}, 3).batch_part(0)

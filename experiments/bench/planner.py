@@ -148,9 +148,9 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
     from experiments.bench import common
 
     trainer = make_trainer(strategy, mesh, jax.devices())
-    rows = GLOBAL_BATCH // jax.process_count()
-    local = {k: v[jax.process_index() * rows : (jax.process_index() + 1) * rows] for k, v in
-             batch().items()}  # fmt: skip
+    part, parts = trainer.batch_part  # a stage axis across the processes: both read all rows
+    rows = GLOBAL_BATCH // parts
+    local = {k: v[part * rows : (part + 1) * rows] for k, v in batch().items()}
     state = trainer.init(seed=0, sample_batch=local)
     placed = trainer.place_batch(local)
 

@@ -130,6 +130,34 @@ class DeviceMesh:
     def describe(self) -> str:
         return ",".join(f"{name}:{size}" for name, size in self.mesh.shape.items())
 
+    def batch_part(self, process_index: int | None = None) -> tuple[int, int]:
+        """(part, parts): every global batch is cut into `parts` equal consecutive blocks of
+        rows, and the devices of process `process_index` (default: this one) hold the slices
+        of block `part`, so that block is the rows the process reads. Processes that differ
+        only along tensor or stage (pipeline stages on different hosts) hold the same slices
+        and read the same rows; with the batch axes across processes, parts = processes."""
+        process = jax.process_index() if process_index is None else process_index
+        batch_dims = [self.axis_names.index(a) for a in self.batch_axes]
+        slices: dict[int, set[int]] = {}
+        for position, device in np.ndenumerate(self.mesh.devices):
+            coordinates = [position[d] for d in batch_dims]
+            shape = [self.mesh.devices.shape[d] for d in batch_dims]
+            index = int(np.ravel_multi_index(coordinates, shape)) if batch_dims else 0
+            slices.setdefault(device.process_index, set()).add(index)
+        held = sorted(slices.get(process, ()))
+        if not held:
+            raise ConfigError(f"process {process} holds no device of parallel.mesh")
+        count = len(held)
+        for p, mine in slices.items():
+            block = list(range(min(mine), min(mine) + count))
+            if sorted(mine) != block or block[0] % count:
+                raise ConfigError(
+                    f"parallel.mesh {self.describe()!r} gives process {p} batch slices "
+                    f"{sorted(mine)}, not one block of {count} consecutive ones like every other "
+                    "process; put the batch axes (data, fsdp) before tensor and stage"
+                )
+        return held[0] // count, self.batch_shards // count
+
     def tensor_crosses_processes(self) -> bool:
         """Whether some group of devices along the tensor axis spans several processes (its
         per-layer activation reductions would then cross the network)."""

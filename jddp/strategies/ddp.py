@@ -109,6 +109,9 @@ class DDP:
         with one local device per process (jax 0.10.2)."""
         return jax.device_put(jax.device_get(state), self._replicated)
 
+    def batch_part(self) -> tuple[int, int]:
+        return jax.process_index(), jax.process_count()  # every device has its own slice
+
     def place_batch(self, batch):
         """This process's rows of a global batch, one contiguous slice per local device (process
         p's slices are devices p*L .. p*L+L-1 of the global device axis)."""

@@ -95,6 +95,7 @@ class ZeroStrategy:
         self.pipeline = None  # the engine, when the mesh has a stage axis (set by prepare)
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
+        self._batch_part = mesh.batch_part()  # checked now: a mesh that cannot be fed fails here
 
     @property
     def num_devices(self) -> int:
@@ -289,14 +290,20 @@ class ZeroStrategy:
             jax.random.key(seed), sample_input
         )
 
+    def batch_part(self) -> tuple[int, int]:
+        return self._batch_part
+
     def place_batch(self, batch):
-        """This process's rows of a global batch, as global arrays split over the batch axes."""
-        local = len(self.mesh.local_devices) // (self.num_devices // self.device_mesh.batch_shards)
+        """This process's rows of a global batch (its `batch_part`), as global arrays split over
+        the batch axes."""
+        _, parts = self.batch_part()
+        local_slices = self.device_mesh.batch_shards // parts
 
         def place(x):
             x = np.asarray(x)
-            check_rows_divide(x.shape[0], max(local, 1))
-            return jax.make_array_from_process_local_data(self._batch_sharding, x)
+            check_rows_divide(x.shape[0], local_slices)
+            global_shape = (x.shape[0] * parts, *x.shape[1:])
+            return jax.make_array_from_process_local_data(self._batch_sharding, x, global_shape)
 
         return jax.tree.map(place, batch)
 

@@ -23,8 +23,7 @@ def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path, optimized):
     config = digits_cnn.get_config()
     config.compute_dtype = "bfloat16"
     config.grad_accum_steps = 2
-    config.num_train_steps = 150
-    config.eval_every = 150
+    config.num_train_steps = config.eval_every = 80  # 0.978 here (as at 150 steps)
     summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= 0.9
 

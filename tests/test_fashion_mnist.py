@@ -99,11 +99,12 @@ def test_compressed_gradients_reach_float32_accuracy_on_8_devices(
 
 
 def test_bfloat16_gradients_reach_float32_accuracy_on_2_processes(float32_accuracy, tmp_path):
-    """bfloat16 across 2 processes (gloo) against the float32 run, which is the same on any
-    device count (tests/test_multiprocess.py): the 8-device one above."""
+    """bfloat16 across 2 processes x 2 devices (gloo between them) against the float32 run,
+    which is the same on any device count (tests/test_multiprocess.py): the 8-device one above.
+    Measured here: 0.8735 against float32's 0.8751 (2 x 1 devices: 0.8754, in 85 s, not 52)."""
     workdir = tmp_path / "bfloat16"
     command = [sys.executable, "-m", "experiments.train", *short_run_flags(workdir, **BFLOAT16)]
-    code, output = launch(2, 1, *command)
+    code, output = launch(2, 2, *command)
     assert code == 0, output
     accuracy = json.loads((workdir / "summary.json").read_text())["eval_accuracy"]
     assert accuracy >= float32_accuracy - 0.003, (accuracy, float32_accuracy)

@@ -146,7 +146,10 @@ class DeviceMesh:
             slices.setdefault(device.process_index, set()).add(index)
         held = sorted(slices.get(process, ()))
         if not held:
-            raise ConfigError(f"process {process} holds no device of parallel.mesh")
+            raise ConfigError(
+                f"process {process} holds no device of the mesh; give the trainer devices of "
+                "every process"
+            )
         count = len(held)
         for p, mine in slices.items():
             block = list(range(min(mine), min(mine) + count))
@@ -154,7 +157,8 @@ class DeviceMesh:
                 raise ConfigError(
                     f"parallel.mesh {self.describe()!r} gives process {p} batch slices "
                     f"{sorted(mine)}, not one block of {count} consecutive ones like every other "
-                    "process; put the batch axes (data, fsdp) before tensor and stage"
+                    "process, so no split of the rows feeds them; order or size the axes so each "
+                    "process holds whole blocks (e.g. 'stage:2,data:3', not 'data:3,stage:2')"
                 )
         return held[0] // count, self.batch_shards // count
 

@@ -17,8 +17,8 @@ from jddp.weights import load_params
 from tests.helpers import save_and_restore
 from tests.reference import assert_trees_close
 from tests.test_multiprocess import launch
-from tests.test_tensor_parallel_runs import gpt_config
 from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
+from tests.tiny_gpt_config import gpt_config
 
 LAYERS, BATCH = 4, 32
 
@@ -100,16 +100,15 @@ def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
     and the losses and eval loss equal the same run's in this process (8 devices: data:4)."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(chr(32 + i * 7 % 90) for i in range(3_000)))
-    # The config gpt_config gives, as a file the CLI reads before jax.distributed starts.
+    # A config file for the CLI; tests.tiny_gpt_config makes no JAX call at import, which
+    # would come before jax.distributed starts.
+    settings = f"{str(text)!r}, strategy='zero1', mesh='stage:2,data:-1'"
     config_file = tmp_path / "config.py"
     config_file.write_text(
-        "from experiments.configs import shakespeare_gpt_tiny\n\n\ndef get_config():\n"
-        "    c = shakespeare_gpt_tiny.get_config()\n"
-        f"    c.dataset, c.data.text_file, c.data.seq_len = 'text_file', {str(text)!r}, 16\n"
-        "    c.model_args.update(num_layers=2, embed_dim=32, max_seq_len=16, vocab_size=128)\n"
-        "    c.global_batch_size, c.num_train_steps, c.warmup_steps = 16, 4, 0\n"
-        "    c.log_every, c.eval_every, c.checkpoint_every = 4, 4, 0\n"
-        "    c.parallel.update(strategy='zero1', mesh='stage:2,data:-1')\n    return c\n"
+        "from tests.tiny_gpt_config import gpt_config\n\n\ndef get_config():\n"
+        f"    config = gpt_config({settings})\n"
+        "    config.model_args.num_layers, config.checkpoint_every = 2, 0\n"
+        "    return config\n"
     )
     command = ["-m", "experiments.train", f"--config={config_file}"]
     # Compiled as the test process compiles (conftest): what is checked is values, not speed.

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import jddp
-from experiments.configs import shakespeare_gpt_tiny
 from jddp.experiment import train_and_evaluate
 from jddp.weights import load_params
 from tests.helpers import save_and_restore
@@ -25,6 +24,7 @@ from tests.reference import (
 from tests.test_gpt import local_corpus
 from tests.test_multiprocess import launch, worker_result
 from tests.tiny_gpt import gpt_trainer, reference_from, token_batches
+from tests.tiny_gpt_config import gpt_config
 
 
 # ------------------------------------------------------------- checkpoints and processes
@@ -85,18 +85,6 @@ def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(worker_losses, losses, rtol=1e-5)
     assert_trees_close(final, trainer.host_state(state).params)
-
-
-def gpt_config(text_file, workdir_of_start="", **parallel):
-    config = shakespeare_gpt_tiny.get_config()
-    config.dataset, config.data.text_file, config.data.seq_len = "text_file", text_file, 16
-    config.model_args.update(num_layers=1, embed_dim=32, max_seq_len=16, vocab_size=128)
-    config.global_batch_size, config.num_train_steps, config.warmup_steps = 16, 4, 0
-    config.log_every = config.eval_every = config.checkpoint_every = 4
-    config.parallel.update(parallel)
-    if workdir_of_start:  # a step too small to move a parameter: export = what was loaded
-        config.init_from, config.learning_rate, config.num_train_steps = workdir_of_start, 1e-30, 1
-    return config
 
 
 def test_experiment_trains_a_3d_mesh_and_init_from_crosses_layouts_both_ways(tmp_path):

@@ -123,13 +123,15 @@ def test_bad_input_is_one_line_naming_the_problem():
         search.plan(gpt_124m(), 7, devices.PRESETS["h100"], 7)
 
 
+def run_plan(*flags: str) -> subprocess.CompletedProcess:
+    """`python -m jddp.plan` on GPT-124M without compiling, in a subprocess."""
+    command = [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--compile=no", *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
     """The command line end to end (a subprocess): GPT-124M on 8 devices of 2 GB."""
-    result = subprocess.run(
-        [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--devices=8",
-         "--device_memory=2GB", "--compile=no", "--device=h100"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_plan("--devices=8", "--device_memory=2GB", "--device=h100")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: fits nowhere: the closest plan is ")
@@ -138,10 +140,7 @@ def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
 
 def test_a_negative_top_is_refused_in_one_line():
     """`--top=-3` once showed every plan but the last three, silently."""
-    result = subprocess.run(
-        [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--top=-3", "--compile=no"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_plan("--top=-3")
     assert result.returncode == 2, result.stderr
     assert (
         result.stderr.strip()

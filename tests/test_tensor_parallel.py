@@ -238,22 +238,18 @@ def test_cli_refuses_a_tensor_axis_the_model_cannot_use_and_touches_nothing(tmp_
     assert not workdir.exists()
 
 
-@pytest.mark.parametrize("axes,crosses", [(("fsdp", "tensor"), False), (("tensor", "fsdp"), True)])
-def test_a_tensor_axis_across_processes_is_detected(axes, crosses):
-    """2 processes x 2 devices: tensor as the minor axis stays inside each process."""
-    devices = np.array([SimpleNamespace(process_index=i // 2) for i in range(4)]).reshape(2, 2)
-    mesh = DeviceMesh(
-        SimpleNamespace(devices=devices, axis_names=axes, shape=dict.fromkeys(axes, 2))
-    )
-    assert mesh.tensor_crosses_processes() == crosses
-
-
 def fake_mesh(axes: dict[str, int], devices_per_process: int) -> DeviceMesh:
     """A mesh over fake devices numbered in order, `devices_per_process` to a process."""
     count = int(np.prod(list(axes.values())))
     devices = [SimpleNamespace(process_index=i // devices_per_process) for i in range(count)]
     array = np.array(devices).reshape(tuple(axes.values()))
     return DeviceMesh(SimpleNamespace(devices=array, axis_names=tuple(axes), shape=axes))
+
+
+@pytest.mark.parametrize("axes,crosses", [(("fsdp", "tensor"), False), (("tensor", "fsdp"), True)])
+def test_a_tensor_axis_across_processes_is_detected(axes, crosses):
+    """2 processes x 2 devices: tensor as the minor axis stays inside each process."""
+    assert fake_mesh(dict.fromkeys(axes, 2), 2).tensor_crosses_processes() == crosses
 
 
 @pytest.mark.parametrize(

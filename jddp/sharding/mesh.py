@@ -138,11 +138,11 @@ class DeviceMesh:
         and read the same rows; with the batch axes across processes, parts = processes."""
         process = jax.process_index() if process_index is None else process_index
         batch_dims = [self.axis_names.index(a) for a in self.batch_axes]
+        batch_shape = [self.mesh.devices.shape[d] for d in batch_dims]
         slices: dict[int, set[int]] = {}
         for position, device in np.ndenumerate(self.mesh.devices):
             coordinates = [position[d] for d in batch_dims]
-            shape = [self.mesh.devices.shape[d] for d in batch_dims]
-            index = int(np.ravel_multi_index(coordinates, shape)) if batch_dims else 0
+            index = int(np.ravel_multi_index(coordinates, batch_shape)) if batch_dims else 0
             slices.setdefault(device.process_index, set()).add(index)
         held = sorted(slices.get(process, ()))
         if not held:

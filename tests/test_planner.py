@@ -142,6 +142,29 @@ def test_zero3_across_hosts_by_hand():
     assert p.exposed_s == p.comm_s
 
 
+def test_xla_cpu_rings_every_group_of_a_multiprocess_job_over_gloo():
+    """data:2 x fsdp:2 over 2 hosts of 2 (both kernels, 8 MiB, one combined op per kind): the
+    fsdp pairs sit inside a host, but on XLA:CPU (every_group_crosses_hosts) a job of several
+    processes rings them over the inter-host link too: the gather (1/2 x 8 MiB) and the
+    gradients' reduce-scatter (1/2 x 8 MiB) at 10 GB/s instead of 100."""
+    w, layout = mlp_workload(), Layout("zero3", data=2, fsdp=2)
+    cpu_like = dataclasses.replace(PROFILE, overlap=False, every_group_crosses_hosts=True)
+    mib8, shard_all_reduce = 8 * 2**20, 2 * 1 / 2 * 4 * 2**20 / 10e9
+    p = timing.predict(w, layout, cpu_like, 2)
+    assert p.comm_s == {
+        "fsdp": pytest.approx(2 * 1 / 2 * mib8 / 10e9),
+        "data": pytest.approx(shard_all_reduce),
+    }
+    other = dataclasses.replace(cpu_like, every_group_crosses_hosts=False)
+    assert timing.predict(w, layout, other, 2).comm_s["fsdp"] == pytest.approx(
+        2 * 1 / 2 * mib8 / 100e9
+    )
+    # one process: its own devices' link, as before
+    assert timing.predict(w, layout, cpu_like, 4).comm_s["fsdp"] == pytest.approx(
+        2 * 1 / 2 * mib8 / 100e9
+    )
+
+
 def test_tensor_parallel_time_by_hand():
     """A transformer's activation all-reduces sit on the critical path: (4 layers x 2 + 2
     per pass... ) 4 L + 2 of B x T x width, never hidden."""
@@ -213,6 +236,12 @@ def test_cpu_profile_round_trips(tmp_path):
     devices.save_cpu_profile(profile, {"matmul_flops": 1.0}, path)
     assert devices.get_profile("cpu", path) == profile
     assert json.load(open(path))["measurements"] == {"matmul_flops": 1.0}
+    # a profile stored before every_group_crosses_hosts existed: XLA:CPU's behaviour, not a
+    # measurement, so it loads as true
+    record = json.load(open(path))
+    del record["every_group_crosses_hosts"]
+    json.dump(record, open(path, "w"))
+    assert devices.get_profile("cpu", path).every_group_crosses_hosts
 
 
 def test_an_unwritable_profile_path_is_refused_before_measuring_and_nothing_changes(tmp_path):

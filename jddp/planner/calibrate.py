@@ -232,6 +232,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         combined_kinds=("all-reduce",),  # seen in its HLO: one tuple all-reduce, many gathers
         per_kind=per_kind,
         shared_compute=True,
+        every_group_crosses_hosts=True,  # gloo carries every collective of a multi-process job
         sources=(
             f"measured by `python -m jddp.plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')}"
             f", load average {os.getloadavg()[0]:.1f}: {len(devices)} simulated devices, "

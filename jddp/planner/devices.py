@@ -42,6 +42,11 @@ class DeviceProfile:
     stacked_layers_slowdown: float = 1.0
     # Collectives XLA combines across parameters (XLA:CPU combines all-reduces only).
     combined_kinds: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter")
+    # A job of several processes rings every collective over the inter-host link, even one
+    # among a single process's devices: XLA:CPU sends all collectives through gloo once
+    # jax.distributed has started (a 64 KB all-gather between one process's 2 devices: 3.7 ms
+    # in a 2-process job, 0.18 ms in a 1-process one).
+    every_group_crosses_hosts: bool = False
     # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency) where a kind
     # departs from the common link (XLA:CPU's all-gather is far slower per byte than its
     # all-reduce: one fitted link per kind).
@@ -259,6 +264,7 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
         record["sources"] = tuple(record.get("sources", ()))
         record["combined_kinds"] = tuple(record.get("combined_kinds", ()))
         record["per_kind"] = tuple(tuple(k) for k in record.get("per_kind", ()))
+        record.setdefault("every_group_crosses_hosts", True)  # XLA:CPU's, not a measurement
         return DeviceProfile(**record)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(

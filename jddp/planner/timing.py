@@ -20,6 +20,10 @@ bubble      compute and critical communication run inside the pipeline, so its i
             its cores serve the busy stages, so the bubble costs nothing there (measured:
             stage:4's step within 8% of stage:2's, experiments/bench/planner.py), and the
             stages' stacked layers cost the profile's `stacked_layers_slowdown`
+links       a group of devices inside one host uses the intra-host link, a group spanning
+            hosts runs hierarchically (jddp/planner/network.py); except on XLA:CPU
+            (`every_group_crosses_hosts`): in a job of several processes every group, even
+            one process's own devices, rings over gloo
 """
 
 import dataclasses
@@ -98,6 +102,8 @@ def predict(
     exposed_axes: tuple[str, ...] = (),
 ) -> Prediction:
     """The predicted step of `workload` under `layout` on `profile`'s devices."""
+    if profile.every_group_crosses_hosts and layout.devices > devices_per_host:
+        devices_per_host = 1  # every group rings over the inter-host link (gloo on XLA:CPU)
     peak = peak_per_device(profile, workload, layout)
     elementwise, optimizer = memory_bound_seconds(workload, layout, profile)
     compute = workload.hardware_flops() / layout.devices / (peak * profile.efficiency)

@@ -7,7 +7,9 @@ modelled collective bytes against every compiled program's HLO.
 Calibrates the `cpu` profile first, in the same run (bench_results/cpu_profile.json: the
 machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tokens, vocabulary
 1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
-simulated devices (one process; interleaved windows, medians), and on 2 processes x 2 devices
+simulated devices (one process; interleaved windows, medians; the calibration GPT's step, flat
+and stacked, is timed again in windows among theirs and sets the profile's efficiency and
+stacked-layers slowdown), and on 2 processes x 2 devices
 (gloo between them; one launch per layout per round, rounds alternating the order), and
 prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
 1F1B over 4 micro-batches per step. `--bytes` compiles every
@@ -16,6 +18,7 @@ parallelism) and checks that jddp/planner/comm.py's bytes per (axes, kind) equal
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -120,8 +123,9 @@ def name_of(strategy, mesh):
 
 
 # ------------------------------------------------------------------------- measurements
-def in_process_seconds(repeats: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each in-process layout (interleaved windows)."""
+def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str, float]:
+    """Median seconds per step of each in-process layout and of each of `extra_windows` ({name:
+    a window of `steps` steps returning its seconds}), all windows interleaved."""
     import jax
 
     from experiments.bench import common
@@ -131,7 +135,7 @@ def in_process_seconds(repeats: int, steps: int) -> dict[str, float]:
         trainer = make_trainer(strategy, mesh, jax.devices())
         state = trainer.init(seed=0, sample_batch=batch())
         runs[name_of(strategy, mesh)] = [trainer, state, trainer.place_batch(batch())]
-    windows = common.trainer_windows(runs, steps)
+    windows = common.trainer_windows(runs, steps) | (extra_windows or {})
     for window in windows.values():
         window()  # compile and warm up
     timings = common.interleaved_medians(windows, repeats)
@@ -255,15 +259,25 @@ def main():
         )
         return
 
-    from jddp.planner.calibrate import calibrate
+    from jddp.planner.calibrate import calibrate, gpt_copies_step
     from jddp.planner.devices import load_cpu_profile
 
     load = os.getloadavg()[0]
     profile_file = os.path.join(args.out, "cpu_profile.json")
     calibrate(profile_file)
     profile = load_cpu_profile(profile_file)
+    start_efficiency = profile.efficiency
+    calibration = {
+        name: gpt_copies_step(jax.devices(), scan_layers)
+        for name, scan_layers in (("calibration GPT", False), ("calibration GPT stacked", True))
+    }
+    measured = in_process_seconds(
+        args.repeats,
+        args.steps,
+        {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()},
+    )
+    profile = interleaved_profile(profile, profile_file, calibration, measured)
     rows = []
-    measured = in_process_seconds(args.repeats, args.steps)
     for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
         rows.append(_row(name, "1 x 8", measured[name], p))
     if not args.no_processes:
@@ -278,12 +292,46 @@ def main():
             "global_batch": GLOBAL_BATCH,
             "matmul_gflops": profile.peak_flops / 1e9,
             "efficiency": profile.efficiency,
+            "efficiency_at_calibration": start_efficiency,
             "load_average_start": load,
             "load_average_end": os.getloadavg()[0],
             "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
         },
         args.out,
     )
+
+
+def steps_window(run, steps: int):
+    """A window of `steps` calls of `run()`, returning its seconds."""
+
+    def window() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        return time.perf_counter() - start
+
+    return window
+
+
+def interleaved_profile(profile, path: str, calibration: dict, measured: dict):
+    """`profile` with the efficiency and stacked-layers slowdown of the calibration GPT's
+    windows timed among the layouts' (stored back to `path`). The machine's speed drifts within
+    a run (two runs' calibrations, each timed once before the layouts, gave efficiencies of
+    0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate the
+    machine had while it was measured."""
+    from jddp.planner.calibrate import efficiency_of
+    from jddp.planner.devices import save_cpu_profile
+
+    flat, stacked = (
+        efficiency_of(measured[name], workload, 8, profile)
+        for name, (_, workload) in calibration.items()
+    )
+    profile = dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
+    with open(path) as f:
+        measurements = json.load(f)["measurements"]
+    measurements["interleaved_gpt_step_seconds"] = [measured[name] for name in calibration]
+    save_cpu_profile(profile, measurements, path)
+    return profile
 
 
 def _row(name, processes, measured, prediction) -> dict:

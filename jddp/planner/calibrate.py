@@ -121,6 +121,26 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     the memory-bound time the planner predicts for them) x the matmul rate. One device alone
     gets less out of a machine's cores than several at once, so it would mispredict every
     layout that runs them all."""
+    run, workload = gpt_copies_step(devices, scan_layers)
+    seconds = _median_seconds(run)
+    return efficiency_of(seconds, workload, len(devices), profile), seconds
+
+
+def efficiency_of(seconds: float, workload, devices: int, profile) -> float:
+    """The efficiency of a step of `workload` on `devices` devices (each its own copy) that
+    took `seconds`: its FLOPs over (the time less its memory-bound part) x the matmul rate."""
+    from jddp.planner.layouts import Layout
+    from jddp.planner.timing import memory_bound_seconds
+
+    elementwise, update = memory_bound_seconds(workload, Layout("ddp", data=devices), profile)
+    matmul_seconds = max(seconds - elementwise - update, 1e-9)
+    return min(1.0, workload.hardware_flops() / (matmul_seconds * profile.peak_flops))
+
+
+def gpt_copies_step(devices, scan_layers: bool = False):
+    """(run, workload): `run()` is one step of every device training its own copy of the
+    calibration GPT (see `gpt_efficiency`), finished when it returns; `workload` is the
+    planner's view of the same training."""
     import jax
     import optax
     from jax.sharding import Mesh, NamedSharding
@@ -129,8 +149,6 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     from jddp.core import jit_init
     from jddp.losses import token_cross_entropy
     from jddp.models import GPT
-    from jddp.planner.layouts import Layout
-    from jddp.planner.timing import memory_bound_seconds
     from jddp.planner.workload import model_workload
 
     n, seq = len(devices), CALIBRATION_GPT["max_seq_len"]
@@ -173,13 +191,7 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
         holder[0] = step(holder[0], placed)
         jax.block_until_ready(holder[0])
 
-    seconds = _median_seconds(run)
-    workload = model_workload(
-        model, batch["inputs"][:1], rows, optimizer, min_shard_size=1
-    )  # the planner's view of the same training, on data:n
-    elementwise, update = memory_bound_seconds(workload, Layout("ddp", data=n), profile)
-    matmul_seconds = max(seconds - elementwise - update, 1e-9)
-    return min(1.0, workload.hardware_flops() / (matmul_seconds * profile.peak_flops)), seconds
+    return run, model_workload(model, batch["inputs"][:1], rows, optimizer, min_shard_size=1)
 
 
 def _launch_gloo_worker(timeout: int = 300) -> dict:

@@ -9,7 +9,8 @@ machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tok
 1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
 simulated devices (one process; interleaved windows, medians; the calibration GPT's step, flat
 and stacked, is timed again in windows among theirs and sets the profile's efficiency and
-stacked-layers slowdown), and on 2 processes x 2 devices
+stacked-layers slowdown; after every 2-process launch it is timed again, and those medians
+set the 2-process predictions), and on 2 processes x 2 devices
 (gloo between them; one launch per layout per round, rounds alternating the order), and
 prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
 1F1B over 4 micro-batches per step. `--bytes` compiles every
@@ -171,8 +172,9 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
         print(f"RESULT {statistics.median(times)}", flush=True)
 
 
-def process_seconds(rounds: int, repeats: int, steps: int) -> dict[str, list[float]]:
-    """{layout: [median seconds per step of each launch]}, launches alternating per round."""
+def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> dict[str, list]:
+    """{layout: [median seconds per step of each launch]}, launches alternating per round;
+    `after_each()` runs after every launch."""
     out = {name_of(s, m): [] for s, m in PROCESSES}
     for round_index in range(rounds):
         order = PROCESSES if round_index % 2 == 0 else PROCESSES[::-1]
@@ -187,6 +189,8 @@ def process_seconds(rounds: int, repeats: int, steps: int) -> dict[str, list[flo
             if not lines:
                 raise RuntimeError(f"{strategy} {mesh} failed:\n{result.stdout[-3000:]}")
             out[name_of(strategy, mesh)].append(float(lines[-1].split()[-1]))
+            if after_each:
+                after_each()
     return out
 
 
@@ -276,13 +280,27 @@ def main():
         args.steps,
         {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()},
     )
-    profile = interleaved_profile(profile, profile_file, calibration, measured)
+    profile = calibrated(profile, calibration, measured)
+    store_profile(profile, profile_file, [measured[name] for name in calibration])
     rows = []
     for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
         rows.append(_row(name, "1 x 8", measured[name], p))
+    across = profile
     if not args.no_processes:
-        launches = process_seconds(args.rounds, args.repeats, args.steps)
-        for name, p in predictions(profile, PROCESSES, 4, 2).items():
+        # The calibration GPT again after every launch: the launches run later than the
+        # in-process windows, and the machine's speed drifts between the two parts.
+        windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
+        between = {name: [] for name in calibration}
+
+        def time_calibration():
+            for name, window in windows.items():
+                between[name].append(window() / args.steps)
+
+        launches = process_seconds(args.rounds, args.repeats, args.steps, time_calibration)
+        across = calibrated(
+            profile, calibration, {n: statistics.median(t) for n, t in between.items()}
+        )
+        for name, p in predictions(across, PROCESSES, 4, 2).items():
             rows.append(_row(name, "2 x 2", statistics.median(launches[name]), p))
     common.report(
         "planner",
@@ -293,6 +311,7 @@ def main():
             "matmul_gflops": profile.peak_flops / 1e9,
             "efficiency": profile.efficiency,
             "efficiency_at_calibration": start_efficiency,
+            "efficiency_between_launches": across.efficiency,
             "load_average_start": load,
             "load_average_end": os.getloadavg()[0],
             "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
@@ -313,25 +332,29 @@ def steps_window(run, steps: int):
     return window
 
 
-def interleaved_profile(profile, path: str, calibration: dict, measured: dict):
+def calibrated(profile, calibration: dict, seconds: dict):
     """`profile` with the efficiency and stacked-layers slowdown of the calibration GPT's
-    windows timed among the layouts' (stored back to `path`). The machine's speed drifts within
-    a run (two runs' calibrations, each timed once before the layouts, gave efficiencies of
-    0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate the
-    machine had while it was measured."""
+    step `seconds` ({name: seconds}), timed among the layouts' own. The machine's speed drifts
+    within a run (two runs' calibrations, each timed once before the layouts, gave efficiencies
+    of 0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate
+    the machine had while it was measured."""
     from jddp.planner.calibrate import efficiency_of
-    from jddp.planner.devices import save_cpu_profile
 
     flat, stacked = (
-        efficiency_of(measured[name], workload, 8, profile)
+        efficiency_of(seconds[name], workload, 8, profile)
         for name, (_, workload) in calibration.items()
     )
-    profile = dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
+    return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
+
+
+def store_profile(profile, path: str, interleaved_seconds: list[float]) -> None:
+    """Stores the profile the in-process predictions use back to `path`, with its measurements."""
+    from jddp.planner.devices import save_cpu_profile
+
     with open(path) as f:
         measurements = json.load(f)["measurements"]
-    measurements["interleaved_gpt_step_seconds"] = [measured[name] for name in calibration]
+    measurements["interleaved_gpt_step_seconds"] = interleaved_seconds
     save_cpu_profile(profile, measurements, path)
-    return profile
 
 
 def _row(name, processes, measured, prediction) -> dict:

@@ -264,32 +264,28 @@ def main():
         return
 
     from jddp.planner.calibrate import calibrate, gpt_copies_step
-    from jddp.planner.devices import load_cpu_profile
+    from jddp.planner.devices import load_cpu_profile, save_cpu_profile
 
     load = os.getloadavg()[0]
     profile_file = os.path.join(args.out, "cpu_profile.json")
-    calibrate(profile_file)
+    _, measurements = calibrate(profile_file)
     profile = load_cpu_profile(profile_file)
-    start_efficiency = profile.efficiency
+    start_efficiency, across_efficiency = profile.efficiency, None
     calibration = {
         name: gpt_copies_step(jax.devices(), scan_layers)
         for name, scan_layers in (("calibration GPT", False), ("calibration GPT stacked", True))
     }
-    measured = in_process_seconds(
-        args.repeats,
-        args.steps,
-        {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()},
-    )
+    windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
+    measured = in_process_seconds(args.repeats, args.steps, windows)
     profile = calibrated(profile, calibration, measured)
-    store_profile(profile, profile_file, [measured[name] for name in calibration])
+    measurements["interleaved_gpt_step_seconds"] = [measured[name] for name in calibration]
+    save_cpu_profile(profile, measurements, profile_file)  # the profile the predictions use
     rows = []
     for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
         rows.append(_row(name, "1 x 8", measured[name], p))
-    across = profile
     if not args.no_processes:
         # The calibration GPT again after every launch: the launches run later than the
         # in-process windows, and the machine's speed drifts between the two parts.
-        windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
         between = {name: [] for name in calibration}
 
         def time_calibration():
@@ -300,6 +296,7 @@ def main():
         across = calibrated(
             profile, calibration, {n: statistics.median(t) for n, t in between.items()}
         )
+        across_efficiency = across.efficiency
         for name, p in predictions(across, PROCESSES, 4, 2).items():
             rows.append(_row(name, "2 x 2", statistics.median(launches[name]), p))
     common.report(
@@ -311,7 +308,7 @@ def main():
             "matmul_gflops": profile.peak_flops / 1e9,
             "efficiency": profile.efficiency,
             "efficiency_at_calibration": start_efficiency,
-            "efficiency_between_launches": across.efficiency,
+            "efficiency_between_launches": across_efficiency,
             "load_average_start": load,
             "load_average_end": os.getloadavg()[0],
             "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
@@ -345,16 +342,6 @@ def calibrated(profile, calibration: dict, seconds: dict):
         for name, (_, workload) in calibration.items()
     )
     return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
-
-
-def store_profile(profile, path: str, interleaved_seconds: list[float]) -> None:
-    """Stores the profile the in-process predictions use back to `path`, with its measurements."""
-    from jddp.planner.devices import save_cpu_profile
-
-    with open(path) as f:
-        measurements = json.load(f)["measurements"]
-    measurements["interleaved_gpt_step_seconds"] = interleaved_seconds
-    save_cpu_profile(profile, measurements, path)
 
 
 def _row(name, processes, measured, prediction) -> dict:

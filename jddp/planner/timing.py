@@ -18,7 +18,8 @@ bubble      compute and critical communication run inside the pipeline, so its i
             b (jddp/planner/pipeline.py) stretches them by b / (1 - b); on simulated devices
             sharing a machine's cores (`shared_compute`) an idle stage's ticks do no work and
             its cores serve the busy stages, so the bubble costs nothing there (measured:
-            stage:4's step within 8% of stage:2's, experiments/bench/planner.py), and the
+            stage:4's step 3-18% slower than stage:2's in four runs of
+            experiments/bench/planner.py, where a costed bubble gives 1.4x), and the
             stages' stacked layers cost the profile's `stacked_layers_slowdown`
 links       a group of devices inside one host uses the intra-host link, a group spanning
             hosts runs hierarchically (jddp/planner/network.py); except on XLA:CPU

@@ -9,7 +9,7 @@ whole global batch under every strategy. `mesh="data:2,fsdp:2,tensor:2"` (with p
 lays the mesh strategies out over replicas, ZeRO shards and tensor parallelism.
 """
 
-from jddp import losses
+from jddp import host_memory, losses
 from jddp.config import default_config
 from jddp.core import Task
 from jddp.errors import (
@@ -27,6 +27,9 @@ from jddp.sharding.mesh import DeviceMesh
 from jddp.state import TrainState
 from jddp.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.trainer import PlacedBatch, Trainer
+
+# Importing jddp starts no JAX backend, so this runs before JAX starts its threads.
+host_memory.keep_freed_memory()
 
 __version__ = "0.1.0"
 

@@ -13,6 +13,8 @@ os.environ.setdefault("TFDS_DATA_DIR", os.path.join(tempfile.gettempdir(), "jddp
 
 import jax  # noqa: E402
 
+import jddp  # noqa: E402, F401  (before the backend starts: jddp/host_memory.py)
+
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
 
 # Most tests compile far longer than they run (a tiny GPT's step: 7 s to compile, 20 steps in

@@ -7,7 +7,8 @@ against PyTorch DDP with the same compressions as communication hooks.
 An MLP 1024-2048-2048-2048-10 (10.5M parameters: 42 MB of float32 gradients a step), Adam,
 global batch 128 of synthetic data, in two settings:
 - 2 processes x 1 CPU device over gloo, started by jddp-launch, process r pinned to core r
-  (PyTorch: `torch.set_num_threads(1)`). One launch runs every variant of one framework: a
+  (PyTorch: `torch.set_num_threads(1)`), both with the glibc malloc settings `import jddp`
+  makes (`launch`). One launch runs every variant of one framework: a
   warm-up, then `--steps` timed steps per variant, the variants' order reversed every other
   launch; jddp and PyTorch launches alternate; medians over `--repeats` launches. PyTorch DDP
   (gloo, default 25 MB buckets): no hook (float32), the body of `bf16_compress_hook` (its

@@ -132,7 +132,11 @@ def torch_worker(steps: int) -> float:
 # --------------------------------------------------------------------------- parent
 def launch(worker_args: list[str], module: str = "experiments.bench.multiprocess") -> str:
     """`python -m MODULE WORKER_ARGS` as 2 processes of 1 device under jddp-launch; returns
-    what process 0 printed after `RESULT `."""
+    what process 0 printed after `RESULT `. Either framework's processes start with the glibc
+    malloc settings `import jddp` makes (jddp/host_memory.py): PyTorch's steps page-fault the
+    same way without them (2,500-19,000 faults a step of the communication benchmark's MLP)."""
+    from jddp.host_memory import ENVIRONMENT
+
     command = [
         sys.executable,
         "-m",
@@ -145,7 +149,8 @@ def launch(worker_args: list[str], module: str = "experiments.bench.multiprocess
         module,
         *worker_args,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    env = {**os.environ, **ENVIRONMENT}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     for line in result.stdout.splitlines():
         if line.startswith("[0] RESULT "):
             return line[len("[0] RESULT ") :]

@@ -15,7 +15,7 @@ neither. The cost: a process keeps its peak host memory instead of returning it 
 Applied at `import jddp`, before JAX starts its threads (an arena is chosen by a thread's first
 allocation). Left alone where glibc is not the C library, where the user set glibc's malloc
 options already (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, or
-glibc.malloc tunables in GLIBC_TUNABLES), or with JDDP_MALLOC_TUNING=0.
+glibc.malloc tunables in GLIBC_TUNABLES), or with JDDP_MALLOC_TUNING=0 (or false, off, no).
 """
 
 import ctypes
@@ -35,7 +35,7 @@ ENVIRONMENT = {name: str(value) for name, _, value in _SETTINGS}
 
 def user_chose() -> bool:
     """True when this process's environment already decides glibc's malloc behaviour."""
-    if os.environ.get(OPT_OUT, "1") == "0":
+    if os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "off", "no"):
         return True
     if any(name in os.environ for name in ENVIRONMENT):
         return True

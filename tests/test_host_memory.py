@@ -78,5 +78,8 @@ def test_settings_the_user_made_are_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert host_memory.user_chose()
     monkeypatch.delenv("MALLOC_ARENA_MAX")
-    monkeypatch.setenv(host_memory.OPT_OUT, "0")
-    assert host_memory.user_chose() and not host_memory.keep_freed_memory()
+    for off in ("0", "false", "Off", " no "):
+        monkeypatch.setenv(host_memory.OPT_OUT, off)
+        assert host_memory.user_chose() and not host_memory.keep_freed_memory()
+    monkeypatch.setenv(host_memory.OPT_OUT, "1")
+    assert not host_memory.user_chose()

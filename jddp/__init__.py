@@ -28,7 +28,8 @@ from jddp.state import TrainState
 from jddp.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.trainer import PlacedBatch, Trainer
 
-# Importing jddp starts no JAX backend, so this runs before JAX starts its threads.
+# Importing jddp starts no JAX backend: unless the program ran JAX before importing jddp, this
+# precedes JAX's threads (jddp/host_memory.py says why that matters).
 host_memory.keep_freed_memory()
 
 __version__ = "0.1.0"

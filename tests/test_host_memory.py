@@ -19,7 +19,7 @@ FAULTS_PER_EXECUTION = """
 import json, resource
 import jddp, jax, jax.numpy as jnp
 from jax._src import xla_bridge
-started = bool(xla_bridge._backends)
+started = xla_bridge.backends_are_initialized()
 twice = jax.jit(lambda x: x * 2.0 + 1.0)
 x = jnp.ones((4096, 4096), jnp.float32)
 def execute():
@@ -38,8 +38,10 @@ PAGES_OF_RESULT = 4096 * 4096 * 4 // 4096
 
 
 def faults_per_execution(**env) -> dict:
+    # Without any malloc setting of the caller's: the child decides only by `env`.
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    environ.pop(host_memory.OPT_OUT, None)
+    for name in (host_memory.OPT_OUT, "GLIBC_TUNABLES"):
+        environ.pop(name, None)
     environ["XLA_FLAGS"] = ""  # one device is enough
     result = subprocess.run(
         [sys.executable, "-c", FAULTS_PER_EXECUTION],

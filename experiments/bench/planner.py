@@ -51,6 +51,8 @@ PROCESSES = [  # 2 processes x 2 devices; the last mesh axis stays inside a proc
     ("zero1", "stage:2,data:2"),  # the stage axis across the processes
 ]
 MICROBATCHES, SCHEDULE = 4, "1f1b"
+# The calibration GPT's windows timed among the layouts': its layers one by one, and stacked.
+CALIBRATION_FLAT, CALIBRATION_STACKED = "calibration GPT", "calibration GPT stacked"
 
 
 def layout_of(strategy: str, mesh: str | None, devices: int):
@@ -273,7 +275,7 @@ def main():
     start_efficiency, across_efficiency = profile.efficiency, None
     calibration = {
         name: gpt_copies_step(jax.devices(), scan_layers)
-        for name, scan_layers in (("calibration GPT", False), ("calibration GPT stacked", True))
+        for name, scan_layers in ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))
     }
     windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
     measured = in_process_seconds(args.repeats, args.steps, windows)
@@ -337,10 +339,10 @@ def calibrated(profile, calibration: dict, seconds: dict):
     the machine had while it was measured."""
     from jddp.planner.calibrate import efficiency_of
 
-    flat, stacked = (
-        efficiency_of(seconds[name], workload, 8, profile)
-        for name, (_, workload) in calibration.items()
-    )
+    def efficiency(name):
+        return efficiency_of(seconds[name], calibration[name][1], 8, profile)
+
+    flat, stacked = efficiency(CALIBRATION_FLAT), efficiency(CALIBRATION_STACKED)
     return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
 
 

@@ -199,6 +199,55 @@ def test_non_matmul_traffic_by_hand():
 
 
 # ------------------------------------------------------------------------------- layouts
+def test_link_fit_recovers_the_ring_formulas():
+    """`--calibrate` fits a link's bandwidth and latency to measured times: times made from the
+    ring formulas give them back; a near-zero time for a small collective (what a small
+    in-process one adds between matmuls) barely moves the fit (absolute, not relative, error)."""
+    from jddp.planner.calibrate import fit_link
+
+    link, n, sizes = network.Link(2e9, 1e-3), 4, (2**16, 2**20, 2**22)
+
+    def times(kind):
+        return {
+            s: network.ring_time(kind, s * n if kind == "all-gather" else s, n, link) for s in sizes
+        }
+
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+    measured = {kind: times(kind) for kind in kinds}
+    assert fit_link(measured, n) == pytest.approx((2e9, 1e-3))
+    measured["reduce-scatter"][2**16] = 0.0
+    bandwidth, latency = fit_link(measured, n)
+    assert bandwidth == pytest.approx(2e9, rel=0.1) and latency == pytest.approx(1e-3, rel=0.5)
+
+
+def test_narrow_matmuls_by_hand():
+    """A measured shape curve slows each matmul by the rate of its smallest dimension (log2
+    interpolation, ends held); tensor:8 narrows this model's projections to 32-128 columns.
+    Without a curve (the accelerator presets) nothing changes."""
+    curve = dataclasses.replace(PROFILE, matmul_shape_rates=((32, 0.25), (128, 0.5), (512, 1.0)))
+    assert [curve.shape_rate(d) for d in (16, 32, 64, 128, 256, 512, 4096)] == pytest.approx(
+        [0.25, 0.25, 0.375, 0.5, 0.75, 1.0, 1.0]
+    )
+    assert PROFILE.shape_rate(32) == 1.0
+    t = Transformer(2, 256, 8, 1024, 1024, 128)  # head_dim 32
+    assert t.matmul_dims(8) == (
+        (2 * 256 * 96, 96), (2 * 32 * 256, 32), (2 * 2 * 256 * 128, 128),
+        (2 * 2 * 32 * 128, 32), (256 * 128, 128),
+    )  # fmt: skip
+    w = Workload("gpt", transformer_params(t), 8, 1e12, transformer=t, min_shard_size=1)
+    weights = [(m, curve.shape_rate(d)) for m, d in t.matmul_dims(8)]
+    slowdown = sum(m / r for m, r in weights) / sum(m for m, _ in weights)
+    layout = Layout("zero3", tensor=8)
+    assert timing.shape_slowdown(w, layout, curve) == pytest.approx(slowdown)
+    assert timing.shape_slowdown(w, layout, PROFILE) == 1.0
+    flat, narrow = timing.predict(w, layout, PROFILE, 8), timing.predict(w, layout, curve, 8)
+    elementwise, _ = timing.memory_bound_seconds(w, layout, PROFILE)
+    assert narrow.compute_s - elementwise == pytest.approx(
+        (flat.compute_s - elementwise) * slowdown
+    )
+    assert timing.shape_slowdown(mlp_workload(), Layout("ddp", data=8), curve) == 1.0
+
+
 def test_factorizations_and_candidates():
     meshes = factorizations(8, tensor_limit=4)
     assert {(m["data"], m["fsdp"], m["tensor"]) for m in meshes} == {
@@ -228,11 +277,19 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
         devices.get_profile("cpu", str(tmp_path / "none.json"))
     with pytest.raises(ConfigError, match="bw_intra=0"):
         dataclasses.replace(PROFILE, bw_intra=0).check()
+    for curve in (((64, 0.5), (32, 1.0)), ((32, "fast"),), ((32,),), ((0, 0.5),)):
+        with pytest.raises(ConfigError, match="matmul_shape_rates=.*--calibrate"):
+            dataclasses.replace(PROFILE, matmul_shape_rates=curve).check()
 
 
 def test_cpu_profile_round_trips(tmp_path):
     path = str(tmp_path / "cpu.json")
-    profile = dataclasses.replace(PROFILE, name="cpu", per_kind=(("all-gather", 1, 2, 3, 4),))
+    profile = dataclasses.replace(
+        PROFILE,
+        name="cpu",
+        per_kind=(("all-gather", 1, 2, 3, 4),),
+        matmul_shape_rates=((32, 0.5), (512, 1.0)),
+    )
     devices.save_cpu_profile(profile, {"matmul_flops": 1.0}, path)
     assert devices.get_profile("cpu", path) == profile
     assert json.load(open(path))["measurements"] == {"matmul_flops": 1.0}

@@ -3,12 +3,16 @@
     matmul rate     the best of a few 2048^3 float32 matmuls through XLA: the whole machine's
                     rate, which the simulated devices share (`shared_compute`)
     memory          DRAM bandwidth from a large elementwise add (what the optimizer update pays)
-    intra-host      all-reduce, all-gather, reduce-scatter and collective-permute among the
-                    in-process simulated
-                    devices (XLA:CPU), a few sizes each; latency and bandwidth fitted to the
-                    ring formulas of jddp/planner/network.py
-    inter-host      the same between 2 processes over gloo (started with jddp.launch on
-                    127.0.0.1): what crosses "hosts" when a job runs as several processes
+    intra-host      what an all-reduce, all-gather, reduce-scatter and collective-permute
+                    among the in-process simulated devices (XLA:CPU) adds to a step, timed
+                    between matmul layers as a step runs them, a few sizes each; latency and
+                    bandwidth fitted to the ring formulas of jddp/planner/network.py
+    inter-host      the same over 2 processes x 2 devices, gloo between them (started with
+                    jddp.launch on 127.0.0.1): what crosses "hosts" when a job runs as several
+                    processes (every collective of such a job, on XLA:CPU)
+    matmul shapes   every device at once through matmuls whose smallest dimension is 32 to
+                    512: the rate by that dimension, relative to the widest (a tensor split
+                    narrows a small model's projections; the planner weights each matmul by it)
     efficiency      a small GPT trained by every simulated device at once, each its own copy
                     with no communication: the model FLOPs over (step time less the memory-bound
                     time the planner predicts: non-matmul ops, optimizer) x the matmul rate;
@@ -31,6 +35,12 @@ import numpy as np
 
 SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes per device: a small model's parameters
 REPEATS = 5
+# Collectives are timed between matmul layers (see `collective_seconds`): each device's layer
+# is (rows, width) @ (width, width), the size of a calibration GPT layer's on 8 devices.
+LAYERS_BETWEEN, LAYER_BETWEEN, REPEATS_BETWEEN = 6, (512, 256), 7
+# Matmul rates by their smallest dimension d: (rows, wide) @ (wide, d) @ (d, wide) per device.
+SHAPE_DIMS, SHAPE_OPERAND = (32, 64, 128, 256, 512), (2048, 512)
+GLOO_PROCESSES, GLOO_DEVICES_PER_PROCESS = 2, 2  # devices share the cores, as in a job
 CALIBRATION_GPT = dict(num_layers=4, num_heads=8, embed_dim=256, max_seq_len=128)
 CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 32  # rows over all devices
 
@@ -46,23 +56,37 @@ def _median_seconds(fn, repeats: int = REPEATS) -> float:
 
 
 def memory_bandwidth(megabytes: int = 64) -> float:
-    """Bytes/s of `c = a + b` over float32 arrays of `megabytes` (3 arrays' traffic)."""
+    """Bytes/s of `c = a + b` over two float32 arrays of `megabytes` (3 arrays' traffic; `a + a`
+    reads one, a third less than it counts), the best of `REPEATS` after a warm-up: a stream's
+    rate is its best, a slower repeat measures what else ran (one median read 9 GB/s where the
+    best of the same run was 40)."""
     import jax
     import jax.numpy as jnp
 
     n = megabytes * 2**20 // 4
-    a = jax.device_put(jnp.ones((n,), jnp.float32), jax.devices()[0])
+    a, b = (jax.device_put(jnp.full((n,), v, jnp.float32), jax.devices()[0]) for v in (1, 2))
     add = jax.jit(lambda x, y: x + y)
-    seconds = _median_seconds(lambda: add(a, a).block_until_ready())
-    return 3 * n * 4 / seconds
+    add(a, b).block_until_ready()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        add(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 3 * n * 4 / min(times)
 
 
 def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
-    """{kind: {bytes per device: median seconds}} for all-reduce, all-gather and reduce-scatter
-    over `devices` (every process calls this with the same global devices)."""
+    """{kind: {bytes per device: seconds}}: what one all-reduce, all-gather, reduce-scatter or
+    collective-permute over `devices` adds to a step (every process calls this with the same
+    global devices). Timed as a step runs them, each after a matmul layer on every device: a
+    program of `LAYERS_BETWEEN` layers with the collective after each, less the same layers
+    without it, over `LAYERS_BETWEEN`. On XLA:CPU a collective's copies, gloo's sockets and the
+    thread hand-offs run on the cores the compute uses, so it costs more in a step than on idle
+    devices (gloo's 64 KB all-reduce between 2 processes x 2 devices: 0.4 ms alone, 3-5 ms
+    between matmuls), and the planner predicts steps. Windows interleaved, medians."""
     import jax
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(devices), ("x",))
@@ -74,42 +98,111 @@ def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
         # a pipeline's send to the next stage
         "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
     }
-    out = {}
-    for kind, op in ops.items():
+    rows, width = LAYER_BETWEEN
+    activations, weights = _per_device(mesh, rows, width), _per_device(mesh, width, width)
+
+    def program(op, elements):
+        def layers(x, w, v):
+            x, w, v, seen = x[0], w[0], v[0], jax.numpy.zeros((), np.float32)
+            for _ in range(LAYERS_BETWEEN):
+                x = jax.numpy.tanh(x @ w)
+                if op is not None:  # its input depends on the layer, as a step's do
+                    seen = seen + op(v + x[0, 0])[0]
+            return (x + seen)[None]
+
         step = jax.jit(
-            jax.shard_map(op, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+            jax.shard_map(layers, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
         )
-        out[kind] = {}
+        v = _per_device(mesh, elements)
+        return lambda: jax.block_until_ready(step(activations, weights, v))
+
+    runs = {None: program(None, n)}
+    for kind, op in ops.items():
         for size in sizes:
-            elements = size // 4 // n * n  # divisible for the scatter
-            local = np.ones((elements,), np.float32)
-            sharding = NamedSharding(mesh, P("x"))
-            x = jax.make_array_from_process_local_data(
-                sharding, np.concatenate([local] * (len(mesh.local_devices)))
-            )
-            out[kind][size] = _median_seconds(lambda x=x, step=step: step(x).block_until_ready())
+            runs[kind, size] = program(op, size // 4 // n * n)  # divisible for the scatter
+    seconds = _interleaved_medians(runs)
+    layers_alone = seconds.pop(None)
+    out = {kind: {} for kind in ops}
+    for (kind, size), median in seconds.items():
+        out[kind][size] = max((median - layers_alone) / LAYERS_BETWEEN, 0.0)
     return out
+
+
+def _per_device(mesh, *shape):
+    """A float32 array of `shape` on each device of 1-D `mesh` (stacked along its axis)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    local = np.full((len(mesh.local_devices), *shape), 0.01, np.float32)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+
+
+def _interleaved_medians(runs: dict) -> dict:
+    """{key: median seconds of `runs[key]()`}: each compiled and warmed up, then timed in
+    `REPEATS_BETWEEN` rounds that take every run in turn (the machine's drift hits them all)."""
+    times = {key: [] for key in runs}
+    for run in runs.values():
+        run()
+    for _ in range(REPEATS_BETWEEN):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            run()
+            times[key].append((time.perf_counter() - start) / 2)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def matmul_shape_rates(devices) -> tuple[tuple[int, float], ...]:
+    """((d, rate), ...) for each d of `SHAPE_DIMS`: every device at once runs the forward and
+    backward of `(rows, wide) @ (wide, d)`, tanh, `@ (d, wide)` (a layer's projections split
+    over tensor); the rate in FLOP/s relative to that at the widest d. Interleaved windows,
+    medians."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(devices), ("x",))
+    rows, wide = SHAPE_OPERAND
+
+    def loss(x, a, b):
+        return jax.numpy.sum(jax.numpy.tanh(x @ a) @ b)
+
+    def grads(x, a, b):
+        return jax.tree.map(lambda g: g[None], jax.grad(loss, (0, 1, 2))(x[0], a[0], b[0]))
+
+    step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = _per_device(mesh, rows, wide)
+    runs = {}
+    for d in SHAPE_DIMS:
+        a, b = _per_device(mesh, wide, d), _per_device(mesh, d, wide)
+        runs[d] = lambda a=a, b=b: jax.block_until_ready(step(x, a, b))
+    rates = {d: d / t for d, t in _interleaved_medians(runs).items()}  # FLOPs: linear in d
+    return tuple((d, rates[d] / rates[SHAPE_DIMS[-1]]) for d in SHAPE_DIMS)
 
 
 def fit_link(seconds: dict[str, dict[int, float]], n: int) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) fitting the ring formulas of jddp/planner/network.py
-    to the measured times, least squares on relative error, both terms kept non-negative."""
-    rows = []
+    to the measured times, least squares, both terms kept non-negative. Absolute error, not
+    relative: between matmuls a small in-process collective adds next to nothing (its copies
+    hide among the other devices' compute on the shared cores), and a relative fit would let
+    that noisy near-zero time decide the bandwidth."""
+    rows, times = [], []
     for kind, by_size in seconds.items():
         steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
         for size, t in by_size.items():
             volume = size * n if kind == "all-gather" else size  # the buffer the formula takes
             if kind == "collective-permute":  # V/B + a
-                rows.append([volume / t, 1 / t])
+                rows.append([volume, 1])
             else:
-                rows.append([steps / n * volume / t, steps / t])
-    rows = np.array(rows)
-    ones = np.ones(len(rows))
-    (inverse_bw, latency), *_ = np.linalg.lstsq(rows, ones, rcond=None)
+                rows.append([steps / n * volume, steps])
+            times.append(t)
+    rows, times = np.array(rows, float), np.array(times, float)
+    (inverse_bw, latency), *_ = np.linalg.lstsq(rows, times, rcond=None)
     if latency < 0:  # bandwidth alone
-        inverse_bw, latency = float(rows[:, 0] @ ones / (rows[:, 0] @ rows[:, 0])), 0.0
+        inverse_bw, latency = float(rows[:, 0] @ times / (rows[:, 0] @ rows[:, 0])), 0.0
     if inverse_bw <= 0:  # latency alone: bandwidth beyond measuring
-        inverse_bw, latency = 1e-15, float(rows[:, 1] @ ones / (rows[:, 1] @ rows[:, 1]))
+        inverse_bw, latency = 1e-15, float(rows[:, 1] @ times / (rows[:, 1] @ rows[:, 1]))
     return 1 / inverse_bw, latency
 
 
@@ -117,8 +210,9 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     """(efficiency, measured step seconds) of the calibration GPT with every device busy
     (`scan_layers`: its layers stacked and run as one scan, as pipeline stages run them):
     each of `devices` trains its own copy on its own rows (AdamW), none waits for another, as
-    no layout's compute does. Efficiency: the model FLOPs of all of them over (step time less
-    the memory-bound time the planner predicts for them) x the matmul rate. One device alone
+    no layout's compute does. Efficiency: the model FLOPs of all of them (each weighted by its
+    shape's rate, as the planner weights them) over (step time less the memory-bound time the
+    planner predicts for them) x the matmul rate. One device alone
     gets less out of a machine's cores than several at once, so it would mispredict every
     layout that runs them all."""
     run, workload = gpt_copies_step(devices, scan_layers)
@@ -130,11 +224,13 @@ def efficiency_of(seconds: float, workload, devices: int, profile) -> float:
     """The efficiency of a step of `workload` on `devices` devices (each its own copy) that
     took `seconds`: its FLOPs over (the time less its memory-bound part) x the matmul rate."""
     from jddp.planner.layouts import Layout
-    from jddp.planner.timing import memory_bound_seconds
+    from jddp.planner.timing import memory_bound_seconds, shape_slowdown
 
-    elementwise, update = memory_bound_seconds(workload, Layout("ddp", data=devices), profile)
+    layout = Layout("ddp", data=devices)
+    elementwise, update = memory_bound_seconds(workload, layout, profile)
     matmul_seconds = max(seconds - elementwise - update, 1e-9)
-    return min(1.0, workload.hardware_flops() / (matmul_seconds * profile.peak_flops))
+    flops = workload.hardware_flops() * shape_slowdown(workload, layout, profile)
+    return min(1.0, flops / (matmul_seconds * profile.peak_flops))
 
 
 def gpt_copies_step(devices, scan_layers: bool = False):
@@ -196,7 +292,8 @@ def gpt_copies_step(devices, scan_layers: bool = False):
 
 def _launch_gloo_worker(timeout: int = 300) -> dict:
     command = [
-        sys.executable, "-m", "jddp.launch", "--nproc=2", "--devices_per_proc=1", "--",
+        sys.executable, "-m", "jddp.launch", f"--nproc={GLOO_PROCESSES}",
+        f"--devices_per_proc={GLOO_DEVICES_PER_PROCESS}", "--",
         sys.executable, "-m", "jddp.planner.calibrate", "--worker",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -218,14 +315,16 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     devices = jax.devices()
     rate = measured_matmul_rate(devices[0])
     bandwidth = memory_bandwidth()
+    shape_rates = matmul_shape_rates(devices)
     intra_times = collective_seconds(devices)
     inter_times = {k: {int(s): t for s, t in v.items()} for k, v in _launch_gloo_worker().items()}
     rings = ("all-reduce", "all-gather", "reduce-scatter")  # the common link: ring collectives
     bw_intra, lat_intra = fit_link({k: intra_times[k] for k in rings}, len(devices))
-    bw_inter, lat_inter = fit_link({k: inter_times[k] for k in rings}, 2)
+    gloo_devices = GLOO_PROCESSES * GLOO_DEVICES_PER_PROCESS
+    bw_inter, lat_inter = fit_link({k: inter_times[k] for k in rings}, gloo_devices)
     per_kind = tuple(
         (kind, *fit_link({kind: intra_times[kind]}, len(devices)),
-         *fit_link({kind: inter_times[kind]}, 2))
+         *fit_link({kind: inter_times[kind]}, gloo_devices))
         for kind in intra_times
     )  # fmt: skip
     pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -243,12 +342,14 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         overlap=False,  # XLA:CPU runs a device's collectives in line with its compute
         combined_kinds=("all-reduce",),  # seen in its HLO: one tuple all-reduce, many gathers
         per_kind=per_kind,
+        matmul_shape_rates=shape_rates,
         shared_compute=True,
         every_group_crosses_hosts=True,  # gloo carries every collective of a multi-process job
         sources=(
             f"measured by `python -m jddp.plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')}"
             f", load average {os.getloadavg()[0]:.1f}: {len(devices)} simulated devices, "
-            "gloo across 2 processes",
+            f"gloo across {GLOO_PROCESSES} processes x {GLOO_DEVICES_PER_PROCESS} devices; "
+            "collectives timed between matmul layers",
         ),
     )
     efficiency, gpt_seconds = gpt_efficiency(profile, devices)
@@ -259,6 +360,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     measurements = {
         "matmul_flops": rate,
         "memory_bandwidth": bandwidth,
+        "matmul_shape_rates": shape_rates,
         "intra_seconds": intra_times,
         "inter_seconds": inter_times,
         "gpt_step_seconds": gpt_seconds,

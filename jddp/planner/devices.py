@@ -14,7 +14,10 @@ is not a fact to commit to the repository, and every checkout on the machine sha
 
 import dataclasses
 import json
+import math
 import os
+
+import numpy as np
 
 from jddp.errors import ConfigError
 from jddp.planner.network import Link
@@ -51,6 +54,12 @@ class DeviceProfile:
     # departs from the common link (XLA:CPU's all-gather is far slower per byte than its
     # all-reduce: one fitted link per kind).
     per_kind: tuple[tuple[str, float, float, float, float], ...] = ()
+    # Measured profiles: a matmul's rate by its smallest dimension, relative to a wide one's
+    # ((dimension, relative rate), ...; empty: every shape at the full rate). On XLA:CPU a
+    # 128-wide operand runs at ~3/4 of the rate, a 32-wide one at ~0.4 (`--calibrate`): what
+    # a tensor split does to a small model's projections. The accelerator presets stay flat
+    # (no datasheet gives the curve).
+    matmul_shape_rates: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
 
     def links(self, kind: str) -> tuple[Link, Link]:
@@ -59,6 +68,14 @@ class DeviceProfile:
             if name == kind:
                 return Link(bw_intra, lat_intra), Link(bw_inter, lat_inter)
         return Link(self.bw_intra, self.latency_intra), Link(self.bw_inter, self.latency_inter)
+
+    def shape_rate(self, dimension: float) -> float:
+        """The rate of a matmul whose smallest dimension is `dimension`, relative to a wide
+        one's: interpolated in log2(dimension) between the measured points, the ends held."""
+        if not self.matmul_shape_rates:
+            return 1.0
+        dims, rates = zip(*self.matmul_shape_rates, strict=True)
+        return float(np.interp(math.log2(dimension), [math.log2(d) for d in dims], rates))
 
     def peak_for(self, compute_bytes: int) -> float:
         """Peak FLOP/s for bfloat16 (2) or float32 (4) matmuls."""
@@ -78,6 +95,16 @@ class DeviceProfile:
             raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
         if self.latency_intra < 0 or self.latency_inter < 0:
             raise ConfigError(f"device {self.name!r}: latencies must be >= 0")
+        points = self.matmul_shape_rates
+        numbers = all(
+            len(p) == 2 and all(isinstance(v, int | float) and v > 0 for v in p) for p in points
+        )
+        if not numbers or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
+            raise ConfigError(
+                f"device {self.name!r}: matmul_shape_rates={points} must be (dimension, rate) "
+                "pairs of positive numbers, dimensions increasing; run `python -m jddp.plan "
+                "--calibrate` again"
+            )
 
 
 _FLAG = {"memory": "device_memory", "peak_flops": "peak_flops"}
@@ -264,6 +291,7 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
         record["sources"] = tuple(record.get("sources", ()))
         record["combined_kinds"] = tuple(record.get("combined_kinds", ()))
         record["per_kind"] = tuple(tuple(k) for k in record.get("per_kind", ()))
+        record["matmul_shape_rates"] = tuple(tuple(k) for k in record.get("matmul_shape_rates", ()))
         record.setdefault("every_group_crosses_hosts", True)  # XLA:CPU's, not a measurement
         return DeviceProfile(**record)
     except (OSError, ValueError, TypeError) as e:

@@ -1,10 +1,12 @@
 """A step's predicted time: compute, exposed communication per mesh axis, pipeline bubble.
 
 compute     executed FLOPs per device (model FLOPs, plus the recomputed forward with remat)
-            / (peak x efficiency), plus the memory traffic of the non-matmul ops (norms,
-            residual adds, activations, softmax, dropout: jddp/planner/workload.py) / memory
-            bandwidth: what makes a narrow model's step slower per FLOP than a wide one's;
-            the optimizer update as memory traffic / bandwidth
+            / (peak x efficiency), slower where the profile measured narrow matmuls to be
+            (`shape_slowdown`: a tensor split narrows a small model's projections); plus the
+            memory traffic of the non-matmul ops (norms, residual adds, activations,
+            softmax, dropout: jddp/planner/workload.py) / memory bandwidth: what makes a
+            narrow model's step slower per FLOP than a wide one's; the optimizer update as
+            memory traffic / bandwidth
 overlap     each collective by when it runs (jddp/planner/comm.py phases):
               forward   zero3's parameter gathers, hidden under the forward's compute
               backward  gradient reductions, hidden under the backward's compute
@@ -81,6 +83,17 @@ def peak_per_device(profile: DeviceProfile, workload: Workload, layout: Layout) 
     return peak / layout.devices if profile.shared_compute else peak
 
 
+def shape_slowdown(workload: Workload, layout: Layout, profile: DeviceProfile) -> float:
+    """How much slower the step's matmuls run than wide ones would on `profile`: their
+    multiply-adds weighted by 1 / the rate of their smallest dimension (1 without a measured
+    curve or without a transformer to take the shapes from)."""
+    t = workload.transformer
+    if t is None or not profile.matmul_shape_rates:
+        return 1.0
+    dims = t.matmul_dims(layout.tensor)
+    return sum(m / profile.shape_rate(d) for m, d in dims) / sum(m for m, _ in dims)
+
+
 def memory_bound_seconds(
     workload: Workload, layout: Layout, profile: DeviceProfile
 ) -> tuple[float, float]:
@@ -108,7 +121,7 @@ def predict(
     peak = peak_per_device(profile, workload, layout)
     elementwise, optimizer = memory_bound_seconds(workload, layout, profile)
     compute = workload.hardware_flops() / layout.devices / (peak * profile.efficiency)
-    compute += elementwise
+    compute = compute * shape_slowdown(workload, layout, profile) + elementwise
     if layout.stage > 1:  # the stages run their layers stacked, as one scan
         compute *= profile.stacked_layers_slowdown
     forward_share = 1 / (3 + workload.recompute)

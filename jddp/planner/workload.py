@@ -58,6 +58,22 @@ class Transformer:
         mlp = (3 if self.gated_mlp else 2) * self.width * self.mlp_dim
         return self.width * self.qkv_columns + self.attention_width * self.width + mlp
 
+    def matmul_dims(self, tensor: int = 1) -> tuple[tuple[float, int], ...]:
+        """(multiply-adds per token, smallest dimension) of each matmul one device runs with
+        the model split `tensor` ways as Megatron splits it (projections by heads and MLP
+        columns, the head by vocabulary); a product's token dimension is never its smallest,
+        and its backward products have the same three dimensions."""
+        h, per_head = self.width, self.attention_width // tensor
+        mlp = (3 if self.gated_mlp else 2) * h * self.mlp_dim / tensor
+        layer = (
+            (h * self.qkv_columns / tensor, min(h, self.qkv_columns // tensor)),
+            (per_head * h, min(h, per_head)),
+            (mlp, min(h, self.mlp_dim // tensor)),
+            (2 * per_head * self.seq_len, min(self.head_dim, self.seq_len)),  # QK^T and PV
+        )
+        head = (h * self.vocab / tensor, min(h, self.vocab // tensor))
+        return (*((macs * self.layers, dim) for macs, dim in layer), head)
+
     def train_flops(self, sequences: int) -> float:
         """Model FLOPs of a training step on `sequences` sequences (jddp/flops.py's
         convention: 6 x matmul parameters x tokens + 12 x layers x heads x head size x

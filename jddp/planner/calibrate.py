@@ -5,8 +5,9 @@
     memory          DRAM bandwidth from a large elementwise add (what the optimizer update pays)
     intra-host      what an all-reduce, all-gather, reduce-scatter and collective-permute
                     among the in-process simulated devices (XLA:CPU) adds to a step, timed
-                    between matmul layers as a step runs them, a few sizes each; latency and
-                    bandwidth fitted to the ring formulas of jddp/planner/network.py
+                    between the calibration GPT's blocks as a step runs them, a few sizes
+                    each; latency and bandwidth fitted to the ring formulas of
+                    jddp/planner/network.py
     inter-host      the same over 2 processes x 2 devices, gloo between them (started with
                     jddp.launch on 127.0.0.1): what crosses "hosts" when a job runs as several
                     processes (every collective of such a job, on XLA:CPU)
@@ -35,11 +36,9 @@ import numpy as np
 
 SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes per device: a small model's parameters
 REPEATS = 5
-# Collectives are timed between matmul layers (see `collective_seconds`): each device's layer
-# is one (rows, width) @ (width, width) matmul on the calibration GPT's activations on 8
-# devices (512 tokens x 256), ~1/12 of that GPT's block. Measured over gloo: 8x more compute
-# between them made each collective cost 1.0-1.6x as much.
-LAYERS_BETWEEN, LAYER_BETWEEN, REPEATS_BETWEEN = 6, (512, 256), 7
+# Collectives are timed between blocks of the calibration GPT (see `collective_seconds`), as
+# many as a step of it has, on its tokens spread over the devices measured.
+REPEATS_BETWEEN = 7
 # Matmul rates by their smallest dimension d: (rows, wide) @ (wide, d) @ (d, wide) per device.
 SHAPE_DIMS, SHAPE_OPERAND = (32, 64, 128, 256, 512), (2048, 512)
 GLOO_PROCESSES, GLOO_DEVICES_PER_PROCESS = 2, 2  # devices share the cores, as in a job
@@ -80,12 +79,14 @@ def memory_bandwidth(megabytes: int = 64) -> float:
 def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
     """{kind: {bytes per device: seconds}}: what one all-reduce, all-gather, reduce-scatter or
     collective-permute over `devices` adds to a step (every process calls this with the same
-    global devices). Timed as a step runs them, each after a matmul layer on every device: a
-    program of `LAYERS_BETWEEN` layers with the collective after each, less the same layers
-    without it, over `LAYERS_BETWEEN`. On XLA:CPU a collective's copies, gloo's sockets and the
-    thread hand-offs run on the cores the compute uses, so it costs more in a step than on idle
-    devices (gloo's 64 KB all-reduce between 2 processes x 2 devices: 0.4 ms alone, 3-5 ms
-    between matmuls), and the planner predicts steps. Windows interleaved, medians."""
+    global devices). Timed as a step runs them: every device runs the calibration GPT's blocks
+    (their norms, projections and MLP; attention's products left out) on its share of that
+    GPT's tokens, with the collective after each block, its input depending on the block; less
+    the same blocks without it, over the number of blocks. On XLA:CPU a collective's copies,
+    gloo's sockets and the thread hand-offs run on the cores the compute uses, so it costs more
+    in a step than on idle devices (gloo's 64 KB all-reduce between 2 processes x 2 devices:
+    0.4 ms alone, 2-5 ms between blocks), and the planner predicts steps. Windows interleaved,
+    medians."""
     import jax
     from jax import lax
     from jax.sharding import Mesh
@@ -100,34 +101,53 @@ def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
         # a pipeline's send to the next stage
         "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
     }
-    rows, width = LAYER_BETWEEN
-    activations, weights = _per_device(mesh, rows, width), _per_device(mesh, width, width)
+    width, blocks = CALIBRATION_GPT["embed_dim"], CALIBRATION_GPT["num_layers"]
+    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // n
+    weights = [_per_device(mesh, *shape) for shape in _block_shapes(width)]
+    activations = _per_device(mesh, rows, width)
 
     def program(op, elements):
-        def layers(x, w, v):
-            x, w, v, seen = x[0], w[0], v[0], jax.numpy.zeros((), np.float32)
-            for _ in range(LAYERS_BETWEEN):
-                x = jax.numpy.tanh(x @ w)
-                if op is not None:  # its input depends on the layer, as a step's do
+        def run_blocks(x, v, *w):
+            x, v, w, seen = x[0], v[0], [k[0] for k in w], jax.numpy.zeros((), np.float32)
+            for _ in range(blocks):
+                x = _block(x, *w)
+                if op is not None:  # its input depends on the block, as a step's do
                     seen = seen + op(v + x[0, 0])[0]
             return (x + seen)[None]
 
         step = jax.jit(
-            jax.shard_map(layers, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+            jax.shard_map(run_blocks, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
         )
         v = _per_device(mesh, elements)
-        return lambda: jax.block_until_ready(step(activations, weights, v))
+        return lambda: jax.block_until_ready(step(activations, v, *weights))
 
     runs = {None: program(None, n)}
     for kind, op in ops.items():
         for size in sizes:
             runs[kind, size] = program(op, size // 4 // n * n)  # divisible for the scatter
     seconds = _interleaved_medians(runs)
-    layers_alone = seconds.pop(None)
+    blocks_alone = seconds.pop(None)
     out = {kind: {} for kind in ops}
     for (kind, size), median in seconds.items():
-        out[kind][size] = max((median - layers_alone) / LAYERS_BETWEEN, 0.0)
+        out[kind][size] = max((median - blocks_alone) / blocks, 0.0)
     return out
+
+
+def _block_shapes(width: int) -> list[tuple[int, int]]:
+    """The kernels of one calibration GPT block: qkv, out, the MLP's fc and proj."""
+    return [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
+
+
+def _block(x, qkv, out, fc, proj):
+    """A GPT block's work without attention's products: norm, projections, norm, MLP."""
+    import jax
+
+    def norm(y):
+        centered = y - y.mean(-1, keepdims=True)
+        return centered * jax.lax.rsqrt((centered**2).mean(-1, keepdims=True) + 1e-6)
+
+    x = x + (norm(x) @ qkv)[:, : x.shape[-1]] @ out
+    return x + jax.nn.gelu(norm(x) @ fc) @ proj
 
 
 def _per_device(mesh, *shape):

@@ -199,6 +199,29 @@ def test_non_matmul_traffic_by_hand():
 
 
 # ------------------------------------------------------------------------------- layouts
+def test_a_failed_gloo_measurement_is_one_line(monkeypatch):
+    """`--calibrate`'s 2-process measurement: a worker that dies (a killed peer, a port in use)
+    or hangs is a JddpError of one line (the CLI prints it and exits 2), not a traceback with
+    the workers' output."""
+    import subprocess
+
+    from jddp.errors import JddpError
+    from jddp.planner import calibrate
+
+    def died(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "[0] starting\n", "Traceback ...\nboom\n")
+
+    def hung(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    for run, reason in ((died, "exit code 1; last line: boom"), (hung, "no result within 5 s")):
+        monkeypatch.setattr(calibrate.subprocess, "run", run)
+        with pytest.raises(JddpError) as error:
+            calibrate._launch_gloo_worker(timeout=5)
+        assert reason in str(error.value) and "nothing was stored" in str(error.value)
+        assert "\n" not in str(error.value)
+
+
 def test_link_fit_recovers_the_ring_formulas():
     """`--calibrate` fits a link's bandwidth and latency to measured times: times made from the
     ring formulas give them back; a near-zero time for a small collective (what a small
@@ -277,7 +300,11 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
         devices.get_profile("cpu", str(tmp_path / "none.json"))
     with pytest.raises(ConfigError, match="bw_intra=0"):
         dataclasses.replace(PROFILE, bw_intra=0).check()
-    for curve in (((64, 0.5), (32, 1.0)), ((32, "fast"),), ((32,),), ((0, 0.5),)):
+    bad_curves = (
+        ((64, 0.5), (32, 1.0)), ((32, "fast"),), ((32,),), ((0, 0.5),), ((32, float("nan")),),
+        ((32, 0.5), (float("inf"), 1.0)),
+    )  # fmt: skip
+    for curve in bad_curves:
         with pytest.raises(ConfigError, match="matmul_shape_rates=.*--calibrate"):
             dataclasses.replace(PROFILE, matmul_shape_rates=curve).check()
 

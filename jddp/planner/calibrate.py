@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from jddp.errors import JddpError
+
 SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes per device: a small model's parameters
 REPEATS = 5
 # Collectives are timed between blocks of the calibration GPT (see `collective_seconds`), as
@@ -46,14 +48,19 @@ CALIBRATION_GPT = dict(num_layers=4, num_heads=8, embed_dim=256, max_seq_len=128
 CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 32  # rows over all devices
 
 
-def _median_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()  # compile and warm up
+def _seconds(fn, repeats: int = REPEATS) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, after one that compiles and warms up."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_seconds(fn, repeats: int = REPEATS) -> float:
+    return statistics.median(_seconds(fn, repeats))
 
 
 def memory_bandwidth(megabytes: int = 64) -> float:
@@ -67,13 +74,7 @@ def memory_bandwidth(megabytes: int = 64) -> float:
     n = megabytes * 2**20 // 4
     a, b = (jax.device_put(jnp.full((n,), v, jnp.float32), jax.devices()[0]) for v in (1, 2))
     add = jax.jit(lambda x, y: x + y)
-    add(a, b).block_until_ready()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        add(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 3 * n * 4 / min(times)
+    return 3 * n * 4 / min(_seconds(lambda: add(a, b).block_until_ready()))
 
 
 def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
@@ -206,9 +207,9 @@ def matmul_shape_rates(devices) -> tuple[tuple[int, float], ...]:
 def fit_link(seconds: dict[str, dict[int, float]], n: int) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) fitting the ring formulas of jddp/planner/network.py
     to the measured times, least squares, both terms kept non-negative. Absolute error, not
-    relative: between matmuls a small in-process collective adds next to nothing (its copies
-    hide among the other devices' compute on the shared cores), and a relative fit would let
-    that noisy near-zero time decide the bandwidth."""
+    relative: in a step a small in-process collective adds next to nothing (its copies hide
+    among the other devices' compute on the shared cores), and a relative fit would let that
+    noisy near-zero time decide the bandwidth."""
     rows, times = [], []
     for kind, by_size in seconds.items():
         steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
@@ -318,11 +319,23 @@ def _launch_gloo_worker(timeout: int = 300) -> dict:
         f"--devices_per_proc={GLOO_DEVICES_PER_PROCESS}", "--",
         sys.executable, "-m", "jddp.planner.calibrate", "--worker",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise JddpError(_gloo_failed(f"no result within {timeout} s")) from None
     for line in result.stdout.splitlines():
         if line.startswith("[0] RESULT "):
             return json.loads(line.removeprefix("[0] RESULT "))
-    raise RuntimeError(f"gloo calibration failed:\n{(result.stdout + result.stderr)[-2000:]}")
+    output = (result.stdout + result.stderr).strip().splitlines()
+    last = output[-1].strip() if output else "no output"
+    raise JddpError(_gloo_failed(f"exit code {result.returncode}; last line: {last}"))
+
+
+def _gloo_failed(reason: str) -> str:
+    return (
+        f"--calibrate: the gloo measurement between {GLOO_PROCESSES} processes failed ({reason}); "
+        "nothing was stored. Check that the processes can use ports on 127.0.0.1, then rerun"
+    )
 
 
 def calibrate(path: str | None = None) -> tuple[str, dict]:
@@ -371,7 +384,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
             f"measured by `python -m jddp.plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')}"
             f", load average {os.getloadavg()[0]:.1f}: {len(devices)} simulated devices, "
             f"gloo across {GLOO_PROCESSES} processes x {GLOO_DEVICES_PER_PROCESS} devices; "
-            "collectives timed between matmul layers",
+            "collectives timed between the calibration GPT's blocks",
         ),
     )
     efficiency, gpt_seconds = gpt_efficiency(profile, devices)
@@ -382,7 +395,6 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     measurements = {
         "matmul_flops": rate,
         "memory_bandwidth": bandwidth,
-        "matmul_shape_rates": shape_rates,
         "intra_seconds": intra_times,
         "inter_seconds": inter_times,
         "gpt_step_seconds": gpt_seconds,

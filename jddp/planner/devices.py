@@ -97,12 +97,13 @@ class DeviceProfile:
             raise ConfigError(f"device {self.name!r}: latencies must be >= 0")
         points = self.matmul_shape_rates
         numbers = all(
-            len(p) == 2 and all(isinstance(v, int | float) and v > 0 for v in p) for p in points
+            len(p) == 2 and all(isinstance(v, int | float) and 0 < v < math.inf for v in p)
+            for p in points
         )
         if not numbers or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
             raise ConfigError(
                 f"device {self.name!r}: matmul_shape_rates={points} must be (dimension, rate) "
-                "pairs of positive numbers, dimensions increasing; run `python -m jddp.plan "
+                "pairs of positive finite numbers, dimensions increasing; run `python -m jddp.plan "
                 "--calibrate` again"
             )
 

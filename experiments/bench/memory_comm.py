@@ -90,8 +90,7 @@ def measure_model(name: str, hidden: tuple[int, ...], repeats: int, steps: int) 
         )
 
     windows = common.trainer_windows(runs, steps)
-    for window in windows.values():
-        window()  # compile and warm up
+    common.warm_up(windows)
     timings = common.interleaved_medians(windows, repeats)
     for row in rows:
         row["speed_vs_ddp"] = common.paired_ratio(timings, row["strategy"], "ddp")

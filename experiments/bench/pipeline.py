@@ -86,8 +86,7 @@ def measure(variants, batch, repeats, steps):
             "peak_MiB": memory["peak_bytes_per_device"] / 2**20,
         }
     windows = common.trainer_windows(runs, steps)
-    for window in windows.values():
-        window()  # compile and warm up
+    common.warm_up(windows)
     timings = common.interleaved_medians(windows, repeats)
     return rows, timings
 

@@ -126,9 +126,10 @@ def name_of(strategy, mesh):
 
 
 # ------------------------------------------------------------------------- measurements
-def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str, float]:
-    """Median seconds per step of each in-process layout and of each of `extra_windows` ({name:
-    a window of `steps` steps returning its seconds}), all windows interleaved."""
+def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str, tuple]:
+    """(median seconds, minor page faults) per step of each in-process layout and of each of
+    `extra_windows` ({name: a window of `steps` steps returning its seconds}), all windows
+    interleaved after a warm-up to the steady state (`common.warm_up`)."""
     import jax
 
     from experiments.bench import common
@@ -139,18 +140,24 @@ def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str
         state = trainer.init(seed=0, sample_batch=batch())
         runs[name_of(strategy, mesh)] = [trainer, state, trainer.place_batch(batch())]
     windows = common.trainer_windows(runs, steps) | (extra_windows or {})
-    for window in windows.values():
-        window()  # compile and warm up
+    common.warm_up(windows)
     timings = common.interleaved_medians(windows, repeats)
-    return {name: t["median_sec"] / steps for name, t in timings.items()}
+    return {name: _per_step(t, repeats, steps) for name, t in timings.items()}
+
+
+def _per_step(timing: dict, repeats: int, steps: int) -> tuple[float, float]:
+    """(median seconds, minor page faults) per step of `timing` (interleaved_medians')."""
+    return timing["median_sec"] / steps, timing["minor_faults"] / (repeats * steps)
 
 
 def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
-    """One process of a 2 x 2 run: median seconds per step over `repeats` windows."""
+    """One process of a 2 x 2 run: median seconds and page faults per step over `repeats`
+    windows, after a warm-up to the steady state."""
     from jddp import runtime
 
     runtime.initialize()
     import jax
+    from jax.experimental import multihost_utils
 
     from experiments.bench import common
 
@@ -165,17 +172,26 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
         state, metrics = trainer.step(state, b)
         return state, metrics["loss"]
 
-    state, _ = common.timed_steps(step, state, placed, 2)  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        state, seconds = common.timed_steps(step, state, placed, steps)
-        times.append(seconds / steps)
+    held = [state]
+
+    def window():
+        held[0], seconds = common.timed_steps(step, held[0], placed, steps)
+        return seconds
+
+    def agree(settled):  # both processes must run the same windows
+        return bool(multihost_utils.process_allgather(np.asarray(settled)).all())
+
+    common.warm_up({"launch": window}, agree)
+    seconds, faults = _per_step(
+        common.interleaved_medians({"launch": window}, repeats)["launch"], repeats, steps
+    )
     if jax.process_index() == 0:
-        print(f"RESULT {statistics.median(times)}", flush=True)
+        print(f"RESULT {seconds} {faults}", flush=True)
 
 
 def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> dict[str, list]:
-    """{layout: [median seconds per step of each launch]}, launches alternating per round;
+    """{layout: [(median seconds, page faults of process 0) per step of each launch]},
+    launches alternating per round;
     `after_each()` runs after every launch."""
     out = {name_of(s, m): [] for s, m in PROCESSES}
     for round_index in range(rounds):
@@ -190,7 +206,8 @@ def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> d
             lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[0] RESULT ")]
             if not lines:
                 raise RuntimeError(f"{strategy} {mesh} failed:\n{result.stdout[-3000:]}")
-            out[name_of(strategy, mesh)].append(float(lines[-1].split()[-1]))
+            seconds, faults = lines[-1].split()[2:]
+            out[name_of(strategy, mesh)].append((float(seconds), float(faults)))
             if after_each:
                 after_each()
     return out
@@ -279,12 +296,12 @@ def main():
     }
     windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
     measured = in_process_seconds(args.repeats, args.steps, windows)
-    profile = calibrated(profile, calibration, measured)
-    measurements["interleaved_gpt_step_seconds"] = [measured[name] for name in calibration]
+    profile = calibrated(profile, calibration, {n: measured[n][0] for n in calibration})
+    measurements["interleaved_gpt_step_seconds"] = [measured[n][0] for n in calibration]
     save_cpu_profile(profile, measurements, profile_file)  # the profile the predictions use
     rows = []
     for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
-        rows.append(_row(name, "1 x 8", measured[name], p))
+        rows.append(_row(name, "1 x 8", *measured[name], p))
     if not args.no_processes:
         # The calibration GPT again after every launch: the launches run later than the
         # in-process windows, and the machine's speed drifts between the two parts.
@@ -300,7 +317,8 @@ def main():
         )
         across_efficiency = across.efficiency
         for name, p in predictions(across, PROCESSES, 4, 2).items():
-            rows.append(_row(name, "2 x 2", statistics.median(launches[name]), p))
+            seconds, faults = zip(*launches[name], strict=True)
+            rows.append(_row(name, "2 x 2", statistics.median(seconds), max(faults), p))
     common.report(
         "planner",
         rows,
@@ -346,7 +364,7 @@ def calibrated(profile, calibration: dict, seconds: dict):
     return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
 
 
-def _row(name, processes, measured, prediction) -> dict:
+def _row(name, processes, measured, faults, prediction) -> dict:
     return {
         "layout": name,
         "processes_x_devices": processes,
@@ -355,6 +373,7 @@ def _row(name, processes, measured, prediction) -> dict:
         "predicted_over_measured": prediction.step_s / measured,
         "compute_ms": prediction.compute_s * 1e3,
         "exposed_comm_ms": prediction.exposed_total * 1e3,
+        "page_faults_per_step": faults,  # after the warm-up; ~0: the heap had settled
     }
 
 

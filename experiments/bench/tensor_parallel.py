@@ -132,8 +132,7 @@ def main():
         runs[name] = [trainer, trainer.init(seed=0, sample_batch=batch), trainer.place_batch(batch)]
 
     windows = common.trainer_windows(runs, args.steps)
-    for window in windows.values():
-        window()  # compile and warm up
+    common.warm_up(windows)
     timings = common.interleaved_medians(windows, args.repeats)
     tokens_per_step = GLOBAL_BATCH * SEQ
     for row in rows:

@@ -25,6 +25,12 @@ def test_ring_formulas():
     assert network.ring_time("reduce-scatter", 1e9, 4, link) == pytest.approx(0.75 + 3e-6)
     assert network.ring_time("collective-permute", 1e9, 2, link) == pytest.approx(1 + 1e-6)
     assert network.ring_time("all-reduce", 1e9, 1, link) == 0
+    # an overhead per op (XLA:CPU's thread hand-offs) is paid once, whatever the ring's length
+    busy = network.Link(bandwidth=1e9, latency=1e-6, overhead=1e-3)
+    assert network.ring_time("all-reduce", 1e9, 4, busy) == pytest.approx(1.5 + 6e-6 + 1e-3)
+    assert network.ring_time("reduce-scatter", 1e9, 2, busy) == pytest.approx(0.5 + 1e-6 + 1e-3)
+    assert network.ring_time("collective-permute", 1e9, 2, busy) == pytest.approx(1 + 1e-6 + 1e-3)
+    assert network.ring_time("all-gather", 1e9, 1, busy) == 0
 
 
 def test_axis_links_follow_the_device_order_and_hosts():
@@ -223,24 +229,38 @@ def test_a_failed_gloo_measurement_is_one_line(monkeypatch):
 
 
 def test_link_fit_recovers_the_ring_formulas():
-    """`--calibrate` fits a link's bandwidth and latency to measured times: times made from the
-    ring formulas give them back; a near-zero time for a small collective (what a small
-    in-process one adds between matmuls) barely moves the fit (absolute, not relative, error)."""
+    """`--calibrate` fits a link's bandwidth, latency per ring step and overhead per op to
+    times measured over groups of 4 and 2 devices: times made from the ring formulas give them
+    back; a near-zero time for a small collective (what a small in-process one adds between
+    matmuls) barely moves the fit (absolute, not relative, error); without an overhead the fit
+    finds none."""
     from jddp.planner.calibrate import fit_link
 
-    link, n, sizes = network.Link(2e9, 1e-3), 4, (2**16, 2**20, 2**22)
+    sizes = (2**16, 2**20, 2**22)
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
-    def times(kind):
+    def measured(link):
         return {
-            s: network.ring_time(kind, s * n if kind == "all-gather" else s, n, link) for s in sizes
+            n: {
+                kind: {
+                    s: network.ring_time(kind, s * n if kind == "all-gather" else s, n, link)
+                    for s in sizes
+                }
+                for kind in kinds
+            }
+            for n in (4, 2)
         }
 
-    kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
-    measured = {kind: times(kind) for kind in kinds}
-    assert fit_link(measured, n) == pytest.approx((2e9, 1e-3))
-    measured["reduce-scatter"][2**16] = 0.0
-    bandwidth, latency = fit_link(measured, n)
-    assert bandwidth == pytest.approx(2e9, rel=0.1) and latency == pytest.approx(1e-3, rel=0.5)
+    times = measured(network.Link(2e9, 1e-3, 3e-3))
+    assert fit_link(times) == pytest.approx((2e9, 1e-3, 3e-3))
+    times[4]["reduce-scatter"][2**16] = 0.0
+    bandwidth, latency, overhead = fit_link(times)
+    assert bandwidth == pytest.approx(2e9, rel=0.2)  # it gives 1.73e9
+    assert latency + overhead == pytest.approx(4e-3, rel=0.2)
+    bandwidth, latency, overhead = fit_link(measured(network.Link(2e9, 1e-3)))
+    assert (bandwidth, latency) == pytest.approx((2e9, 1e-3)) and overhead == pytest.approx(
+        0, abs=1e-9
+    )
 
 
 def test_narrow_matmuls_by_hand():
@@ -314,11 +334,17 @@ def test_cpu_profile_round_trips(tmp_path):
     profile = dataclasses.replace(
         PROFILE,
         name="cpu",
-        per_kind=(("all-gather", 1, 2, 3, 4),),
+        per_kind=(("all-gather", 1, 2, 3, 4, 5, 6),),
+        overhead_intra=0.5,
         matmul_shape_rates=((32, 0.5), (512, 1.0)),
     )
     devices.save_cpu_profile(profile, {"matmul_flops": 1.0}, path)
     assert devices.get_profile("cpu", path) == profile
+    assert devices.get_profile("cpu", path).links("all-gather") == (
+        network.Link(1, 2, 5),
+        network.Link(3, 4, 6),
+    )
+    assert devices.get_profile("cpu", path).links("all-reduce")[0].overhead == 0.5
     assert json.load(open(path))["measurements"] == {"matmul_flops": 1.0}
     # a profile stored before every_group_crosses_hosts existed: XLA:CPU's behaviour, not a
     # measurement, so it loads as true
@@ -326,6 +352,13 @@ def test_cpu_profile_round_trips(tmp_path):
     del record["every_group_crosses_hosts"]
     json.dump(record, open(path, "w"))
     assert devices.get_profile("cpu", path).every_group_crosses_hosts
+    # one stored before the overheads per op existed: 5 numbers per kind, no overhead fields
+    record["per_kind"] = [["all-gather", 1, 2, 3, 4]]
+    del record["overhead_intra"], record["overhead_inter"]
+    json.dump(record, open(path, "w"))
+    old = devices.get_profile("cpu", path)
+    assert old.links("all-gather") == (network.Link(1, 2), network.Link(3, 4))
+    assert old.links("all-reduce")[0].overhead == 0
 
 
 def test_an_unwritable_profile_path_is_refused_before_measuring_and_nothing_changes(tmp_path):

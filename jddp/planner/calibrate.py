@@ -6,7 +6,8 @@
     intra-host      what an all-reduce, all-gather, reduce-scatter and collective-permute
                     among the in-process simulated devices (XLA:CPU) adds to a step, timed
                     between the calibration GPT's blocks as a step runs them, a few sizes
-                    each; latency and bandwidth fitted to the ring formulas of
+                    each, over all the devices and over pairs; bandwidth, latency per ring
+                    step and overhead per op fitted to the ring formulas of
                     jddp/planner/network.py
     inter-host      the same over 2 processes x 2 devices, gloo between them (started with
                     jddp.launch on 127.0.0.1): what crosses "hosts" when a job runs as several
@@ -44,6 +45,10 @@ REPEATS_BETWEEN = 7
 # Matmul rates by their smallest dimension d: (rows, wide) @ (wide, d) @ (d, wide) per device.
 SHAPE_DIMS, SHAPE_OPERAND = (32, 64, 128, 256, 512), (2048, 512)
 GLOO_PROCESSES, GLOO_DEVICES_PER_PROCESS = 2, 2  # devices share the cores, as in a job
+# Collectives are timed over groups of all the devices and of this many (neighbours in the
+# device order: a process's own pair in the gloo job): two ring lengths separate the latency
+# per ring step from the overhead per op.
+PAIR = 2
 CALIBRATION_GPT = dict(num_layers=4, num_heads=8, embed_dim=256, max_seq_len=128)
 CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 32  # rows over all devices
 
@@ -77,24 +82,24 @@ def memory_bandwidth(megabytes: int = 64) -> float:
     return 3 * n * 4 / min(_seconds(lambda: add(a, b).block_until_ready()))
 
 
-def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
+def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, float]]:
     """{kind: {bytes per device: seconds}}: what one all-reduce, all-gather, reduce-scatter or
-    collective-permute over `devices` adds to a step (every process calls this with the same
-    global devices). Timed as a step runs them: every device runs the calibration GPT's blocks
-    (their norms, projections and MLP; attention's products left out) on its share of that
-    GPT's tokens, with the collective after each block, its input depending on the block; less
-    the same blocks without it, over the number of blocks. On XLA:CPU a collective's copies,
-    gloo's sockets and the thread hand-offs run on the cores the compute uses, so it costs more
-    in a step than on idle devices (gloo's 64 KB all-reduce between 2 processes x 2 devices:
-    0.4 ms alone, 2-5 ms between blocks), and the planner predicts steps. Windows interleaved,
-    medians."""
+    collective-permute over groups of `group` neighbouring `devices` adds to a step (every
+    process calls this with the same global devices). Timed as a step runs them: every device
+    runs the calibration GPT's blocks (their norms, projections and MLP; attention's products
+    left out) on its share of that GPT's tokens, with the collective after each block, its
+    input depending on the block; less the same blocks without it, over the number of blocks.
+    On XLA:CPU a collective's copies, gloo's sockets and the thread hand-offs run on the cores
+    the compute uses, so it costs more in a step than on idle devices (gloo's 64 KB all-reduce
+    between 2 processes x 2 devices: 0.4 ms alone, 2-5 ms between blocks), and the planner
+    predicts steps. Windows interleaved, medians."""
     import jax
     from jax import lax
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    mesh = Mesh(np.asarray(devices), ("x",))
-    n = len(devices)
+    mesh = Mesh(np.asarray(devices).reshape(-1, group), ("groups", "x"))
+    n = group
     ops = {
         "all-reduce": lambda x: lax.psum(x, "x"),
         "all-gather": lambda x: lax.all_gather(x, "x", tiled=True),
@@ -103,7 +108,7 @@ def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
         "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
     }
     width, blocks = CALIBRATION_GPT["embed_dim"], CALIBRATION_GPT["num_layers"]
-    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // n
+    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // len(devices)
     weights = [_per_device(mesh, *shape) for shape in _block_shapes(width)]
     activations = _per_device(mesh, rows, width)
 
@@ -116,8 +121,9 @@ def collective_seconds(devices, sizes=SIZES) -> dict[str, dict[int, float]]:
                     seen = seen + op(v + x[0, 0])[0]
             return (x + seen)[None]
 
+        every = P(mesh.axis_names)
         step = jax.jit(
-            jax.shard_map(run_blocks, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+            jax.shard_map(run_blocks, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
         )
         v = _per_device(mesh, elements)
         return lambda: jax.block_until_ready(step(activations, v, *weights))
@@ -152,13 +158,13 @@ def _block(x, qkv, out, fc, proj):
 
 
 def _per_device(mesh, *shape):
-    """A float32 array of `shape` on each device of 1-D `mesh` (stacked along its axis)."""
+    """A float32 array of `shape` on each device of `mesh` (stacked along all its axes)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     local = np.full((len(mesh.local_devices), *shape), 0.01, np.float32)
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P(mesh.axis_names)), local)
 
 
 def _interleaved_medians(runs: dict) -> dict:
@@ -204,29 +210,28 @@ def matmul_shape_rates(devices) -> tuple[tuple[int, float], ...]:
     return tuple((d, rates[d] / rates[SHAPE_DIMS[-1]]) for d in SHAPE_DIMS)
 
 
-def fit_link(seconds: dict[str, dict[int, float]], n: int) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) fitting the ring formulas of jddp/planner/network.py
-    to the measured times, least squares, both terms kept non-negative. Absolute error, not
-    relative: in a step a small in-process collective adds next to nothing (its copies hide
-    among the other devices' compute on the shared cores), and a relative fit would let that
-    noisy near-zero time decide the bandwidth."""
+def fit_link(seconds: dict[int, dict[str, dict[int, float]]]) -> tuple[float, float, float]:
+    """(bandwidth bytes/s, latency s per ring step, overhead s per op) fitting the ring
+    formulas of jddp/planner/network.py to the times measured over groups of each size
+    ({devices in the group: {kind: {bytes per device: seconds}}}), least squares with every
+    term non-negative. Absolute error, not relative: in a step a small in-process collective
+    adds next to nothing (its copies hide among the other devices' compute on the shared cores),
+    and a relative fit would let that noisy near-zero time decide the bandwidth."""
+    from scipy.optimize import nnls
+
     rows, times = [], []
-    for kind, by_size in seconds.items():
-        steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
-        for size, t in by_size.items():
-            volume = size * n if kind == "all-gather" else size  # the buffer the formula takes
-            if kind == "collective-permute":  # V/B + a
-                rows.append([volume, 1])
-            else:
-                rows.append([steps / n * volume, steps])
-            times.append(t)
-    rows, times = np.array(rows, float), np.array(times, float)
-    (inverse_bw, latency), *_ = np.linalg.lstsq(rows, times, rcond=None)
-    if latency < 0:  # bandwidth alone
-        inverse_bw, latency = float(rows[:, 0] @ times / (rows[:, 0] @ rows[:, 0])), 0.0
-    if inverse_bw <= 0:  # latency alone: bandwidth beyond measuring
-        inverse_bw, latency = 1e-15, float(rows[:, 1] @ times / (rows[:, 1] @ rows[:, 1]))
-    return 1 / inverse_bw, latency
+    for n, by_kind in seconds.items():
+        for kind, by_size in by_kind.items():
+            steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+            for size, t in by_size.items():
+                volume = size * n if kind == "all-gather" else size  # the formula's buffer
+                if kind == "collective-permute":  # V/B + a + o
+                    rows.append([volume, 1, 1])
+                else:
+                    rows.append([steps / n * volume, steps, 1])
+                times.append(t)
+    (inverse_bw, latency, overhead), _ = nnls(np.array(rows, float), np.array(times, float))
+    return 1 / max(inverse_bw, 1e-15), float(latency), float(overhead)  # 1e-15: beyond measuring
 
 
 def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, float]:
@@ -351,17 +356,27 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     rate = measured_matmul_rate(devices[0])
     bandwidth = memory_bandwidth()
     shape_rates = matmul_shape_rates(devices)
-    intra_times = collective_seconds(devices)
-    inter_times = {k: {int(s): t for s, t in v.items()} for k, v in _launch_gloo_worker().items()}
+    intra_times = {n: collective_seconds(devices, n) for n in (len(devices), PAIR)}
+    inter_times = {
+        int(n): {kind: {int(s): t for s, t in by_size.items()} for kind, by_size in v.items()}
+        for n, v in _launch_gloo_worker().items()
+    }
     rings = ("all-reduce", "all-gather", "reduce-scatter")  # the common link: ring collectives
-    bw_intra, lat_intra = fit_link({k: intra_times[k] for k in rings}, len(devices))
-    gloo_devices = GLOO_PROCESSES * GLOO_DEVICES_PER_PROCESS
-    bw_inter, lat_inter = fit_link({k: inter_times[k] for k in rings}, gloo_devices)
-    per_kind = tuple(
-        (kind, *fit_link({kind: intra_times[kind]}, len(devices)),
-         *fit_link({kind: inter_times[kind]}, gloo_devices))
-        for kind in intra_times
-    )  # fmt: skip
+
+    def fitted(times, kinds):
+        return fit_link({n: {k: by_kind[k] for k in kinds} for n, by_kind in times.items()})
+
+    (bw_intra, lat_intra, over_intra), (bw_inter, lat_inter, over_inter) = (
+        fitted(intra_times, rings),
+        fitted(inter_times, rings),
+    )
+    per_kind = []
+    for kind in intra_times[PAIR]:
+        (bw_i, lat_i, over_i), (bw_x, lat_x, over_x) = (
+            fitted(intra_times, [kind]),
+            fitted(inter_times, [kind]),
+        )
+        per_kind.append((kind, bw_i, lat_i, bw_x, lat_x, over_i, over_x))
     pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = DeviceProfile(
         "cpu",
@@ -372,11 +387,13 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         bw_inter=bw_inter,
         latency_intra=lat_intra,
         latency_inter=lat_inter,
+        overhead_intra=over_intra,
+        overhead_inter=over_inter,
         efficiency=1.0,  # measured below, with the rest of the profile in place
         devices_per_host=len(devices),
         overlap=False,  # XLA:CPU runs a device's collectives in line with its compute
         combined_kinds=("all-reduce",),  # seen in its HLO: one tuple all-reduce, many gathers
-        per_kind=per_kind,
+        per_kind=tuple(per_kind),
         matmul_shape_rates=shape_rates,
         shared_compute=True,
         every_group_crosses_hosts=True,  # gloo carries every collective of a multi-process job
@@ -384,7 +401,8 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
             f"measured by `python -m jddp.plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')}"
             f", load average {os.getloadavg()[0]:.1f}: {len(devices)} simulated devices, "
             f"gloo across {GLOO_PROCESSES} processes x {GLOO_DEVICES_PER_PROCESS} devices; "
-            "collectives timed between the calibration GPT's blocks",
+            "collectives timed between the calibration GPT's blocks, over all the devices and "
+            "over pairs",
         ),
     )
     efficiency, gpt_seconds = gpt_efficiency(profile, devices)
@@ -410,7 +428,8 @@ def _worker() -> None:
     runtime.initialize()
     import jax
 
-    seconds = collective_seconds(jax.devices())
+    devices = jax.devices()  # process by process: a pair is one process's own devices
+    seconds = {n: collective_seconds(devices, n) for n in (len(devices), PAIR)}
     if jax.process_index() == 0:
         print("RESULT " + json.dumps(seconds), flush=True)
 

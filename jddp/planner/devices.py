@@ -50,10 +50,15 @@ class DeviceProfile:
     # jax.distributed has started (a 64 KB all-gather between one process's 2 devices: 3.7 ms
     # in a 2-process job, 0.18 ms in a 1-process one).
     every_group_crosses_hosts: bool = False
-    # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency) where a kind
-    # departs from the common link (XLA:CPU's all-gather is far slower per byte than its
-    # all-reduce: one fitted link per kind).
-    per_kind: tuple[tuple[str, float, float, float, float], ...] = ()
+    # Seconds per collective op, whatever its group's size (network.Link.overhead; measured
+    # profiles only: XLA:CPU's thread hand-offs).
+    overhead_intra: float = 0.0
+    overhead_inter: float = 0.0
+    # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency, intra
+    # overhead, inter overhead) where a kind departs from the common link (XLA:CPU's all-gather
+    # is far slower per byte than its all-reduce: one fitted link per kind). Profiles stored
+    # before the overheads existed have 5 numbers: overheads 0.
+    per_kind: tuple[tuple, ...] = ()
     # Measured profiles: a matmul's rate by its smallest dimension, relative to a wide one's
     # ((dimension, relative rate), ...; empty: every shape at the full rate). On XLA:CPU a
     # 128-wide operand runs at ~3/4 of the rate, a 32-wide one at ~0.4 (`--calibrate`): what
@@ -64,10 +69,17 @@ class DeviceProfile:
 
     def links(self, kind: str) -> tuple[Link, Link]:
         """(intra-host link, inter-host link) for a collective of `kind`."""
-        for name, bw_intra, lat_intra, bw_inter, lat_inter in self.per_kind:
+        for name, bw_intra, lat_intra, bw_inter, lat_inter, *overheads in self.per_kind:
             if name == kind:
-                return Link(bw_intra, lat_intra), Link(bw_inter, lat_inter)
-        return Link(self.bw_intra, self.latency_intra), Link(self.bw_inter, self.latency_inter)
+                over_intra, over_inter = overheads or (0.0, 0.0)
+                return (
+                    Link(bw_intra, lat_intra, over_intra),
+                    Link(bw_inter, lat_inter, over_inter),
+                )
+        return (
+            Link(self.bw_intra, self.latency_intra, self.overhead_intra),
+            Link(self.bw_inter, self.latency_inter, self.overhead_inter),
+        )
 
     def shape_rate(self, dimension: float) -> float:
         """The rate of a matmul whose smallest dimension is `dimension`, relative to a wide
@@ -93,8 +105,11 @@ class DeviceProfile:
                 )
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
-        if self.latency_intra < 0 or self.latency_inter < 0:
-            raise ConfigError(f"device {self.name!r}: latencies must be >= 0")
+        if (
+            min(self.latency_intra, self.latency_inter, self.overhead_intra, self.overhead_inter)
+            < 0
+        ):
+            raise ConfigError(f"device {self.name!r}: latencies and overheads must be >= 0")
         points = self.matmul_shape_rates
         numbers = all(
             len(p) == 2 and all(isinstance(v, int | float) and 0 < v < math.inf for v in p)

@@ -2,12 +2,17 @@
 
 Ring formulas, V the whole buffer (an all-reduce's size, an all-gather's result, a
 reduce-scatter's input), n devices, B the link's bandwidth per device and direction, a its
-latency per ring step:
+latency per ring step, o its overhead per op:
 
-    all-reduce                  2 (n-1)/n V/B + 2 (n-1) a
-    all-gather, reduce-scatter    (n-1)/n V/B +   (n-1) a
-    all-to-all                    (n-1)/n V/B +   (n-1) a   (V/n to each other device)
-    collective-permute                    V/B +         a
+    all-reduce                  2 (n-1)/n V/B + 2 (n-1) a + o
+    all-gather, reduce-scatter    (n-1)/n V/B +   (n-1) a + o
+    all-to-all                    (n-1)/n V/B +   (n-1) a + o   (V/n to each other device)
+    collective-permute                    V/B +         a + o
+
+o is 0 on the accelerator presets (NCCL's model: latency per ring step). On XLA:CPU each op
+also wakes and hands off between its devices' threads whatever the group's size: a 2-device
+gloo group inside a process costs 0.6-1.4x a 4-device one between the calibration GPT's
+blocks, where the ring steps alone give 1/3 (`--calibrate` measures both sizes and fits o).
 
 Devices are numbered as the mesh lays them out (the last axis fastest) and filled into hosts of
 `devices_per_host` in order. A group inside one host uses the intra-host link; a group with one
@@ -28,6 +33,7 @@ from jddp.planner.layouts import AXES, Layout
 class Link:
     bandwidth: float  # bytes/s per device and direction
     latency: float  # seconds per ring step
+    overhead: float = 0.0  # seconds per op, whatever the group's size
 
 
 def ring_time(kind: str, volume: float, n: int, link: Link) -> float:
@@ -35,12 +41,14 @@ def ring_time(kind: str, volume: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     if kind == "all-reduce":
-        return 2 * (n - 1) / n * volume / link.bandwidth + 2 * (n - 1) * link.latency
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
-        return (n - 1) / n * volume / link.bandwidth + (n - 1) * link.latency
-    if kind == "collective-permute":
-        return volume / link.bandwidth + link.latency
-    raise ValueError(f"unknown collective {kind!r}")
+        ring = 2 * (n - 1) / n * volume / link.bandwidth + 2 * (n - 1) * link.latency
+    elif kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        ring = (n - 1) / n * volume / link.bandwidth + (n - 1) * link.latency
+    elif kind == "collective-permute":
+        ring = volume / link.bandwidth + link.latency
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    return ring + link.overhead
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,7 +86,8 @@ def collective_time(
         return ring_time(kind, volume, n, inter)
     if kind == "all-to-all":  # V/n to each other device: local - 1 inside, the rest across
         inside = (local - 1) / n * volume / intra.bandwidth + (local - 1) * intra.latency
-        return inside + (n - local) / n * volume / inter.bandwidth + (n - local) * inter.latency
+        across = (n - local) / n * volume / inter.bandwidth + (n - local) * inter.latency
+        return inside + intra.overhead + across + inter.overhead
     across = volume / local  # each local device's ring across hosts carries 1/k of it
     if kind == "all-reduce":
         inside = ring_time("reduce-scatter", volume, local, intra)

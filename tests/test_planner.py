@@ -327,6 +327,9 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
     for curve in bad_curves:
         with pytest.raises(ConfigError, match="matmul_shape_rates=.*--calibrate"):
             dataclasses.replace(PROFILE, matmul_shape_rates=curve).check()
+    for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
+        with pytest.raises(ConfigError, match="latencies and overheads must be >= 0"):
+            dataclasses.replace(PROFILE, **{field: -1e-3}).check()
 
 
 def test_cpu_profile_round_trips(tmp_path):

@@ -105,10 +105,8 @@ class DeviceProfile:
                 )
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
-        if (
-            min(self.latency_intra, self.latency_inter, self.overhead_intra, self.overhead_inter)
-            < 0
-        ):
+        times = (self.latency_intra, self.latency_inter, self.overhead_intra, self.overhead_inter)
+        if min(times) < 0:
             raise ConfigError(f"device {self.name!r}: latencies and overheads must be >= 0")
         points = self.matmul_shape_rates
         numbers = all(

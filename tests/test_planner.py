@@ -228,6 +228,22 @@ def test_a_failed_gloo_measurement_is_one_line(monkeypatch):
         assert "\n" not in str(error.value)
 
 
+def test_calibrate_refuses_device_counts_it_cannot_pair_before_writing(monkeypatch, tmp_path):
+    """`--calibrate` times collectives over all the devices and over pairs: an odd count, or
+    no more devices than a pair, is one JddpError before anything is measured or written."""
+    import jax
+
+    from jddp.errors import JddpError
+    from jddp.planner import calibrate
+
+    every = jax.devices()
+    for count in (1, 2, 3):
+        monkeypatch.setattr(jax, "devices", lambda count=count: every[:count])
+        with pytest.raises(JddpError, match=f"not {count}; set jax_num_cpu_devices=8"):
+            calibrate.calibrate(str(tmp_path / "profile" / "cpu.json"))
+    assert not (tmp_path / "profile").exists()
+
+
 def test_link_fit_recovers_the_ring_formulas():
     """`--calibrate` fits a link's bandwidth, latency per ring step and overhead per op to
     times measured over groups of 4 and 2 devices: times made from the ring formulas give them
@@ -330,6 +346,17 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
     for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
         with pytest.raises(ConfigError, match="latencies and overheads must be >= 0"):
             dataclasses.replace(PROFILE, **{field: -1e-3}).check()
+    bad_kinds = (
+        ("all-gather", 1e9, 0.0, 1e9, 0.0, 1e-3),  # truncated: an overhead missing
+        ("all-gather", 1e9, 0.0, 1e9, 0.0, -1e-3, 0.0),  # a negative overhead
+        ("all-gather", 0.0, 0.0, 1e9, 0.0),  # no bandwidth
+        ("all-gather", 1e9, float("nan"), 1e9, 0.0),
+        (7, 1e9, 0.0, 1e9, 0.0),  # no kind
+        (),
+    )
+    for entry in bad_kinds:
+        with pytest.raises(ConfigError, match="per_kind entry .*--calibrate"):
+            dataclasses.replace(PROFILE, per_kind=(entry,)).check()
 
 
 def test_cpu_profile_round_trips(tmp_path):
@@ -362,6 +389,11 @@ def test_cpu_profile_round_trips(tmp_path):
     old = devices.get_profile("cpu", path)
     assert old.links("all-gather") == (network.Link(1, 2), network.Link(3, 4))
     assert old.links("all-reduce")[0].overhead == 0
+    # a hand-edited entry is refused when the profile is read, before anything plans with it
+    record["per_kind"] = [["all-gather", 1, 2, 3, 4, 5]]
+    json.dump(record, open(path, "w"))
+    with pytest.raises(ConfigError, match="per_kind entry"):
+        devices.get_profile("cpu", path)
 
 
 def test_an_unwritable_profile_path_is_refused_before_measuring_and_nothing_changes(tmp_path):

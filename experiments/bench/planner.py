@@ -168,23 +168,14 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
     state = trainer.init(seed=0, sample_batch=local)
     placed = trainer.place_batch(local)
 
-    def step(state, b):
-        state, metrics = trainer.step(state, b)
-        return state, metrics["loss"]
-
-    held = [state]
-
-    def window():
-        held[0], seconds = common.timed_steps(step, held[0], placed, steps)
-        return seconds
+    windows = common.trainer_windows({"launch": [trainer, state, placed]}, steps)
 
     def agree(settled):  # both processes must run the same windows
         return bool(multihost_utils.process_allgather(np.asarray(settled)).all())
 
-    common.warm_up({"launch": window}, agree)
-    seconds, faults = _per_step(
-        common.interleaved_medians({"launch": window}, repeats)["launch"], repeats, steps
-    )
+    common.warm_up(windows, agree)
+    timing = common.interleaved_medians(windows, repeats)["launch"]
+    seconds, faults = _per_step(timing, repeats, steps)
     if jax.process_index() == 0:
         print(f"RESULT {seconds} {faults}", flush=True)
 

@@ -99,13 +99,12 @@ def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, 
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(devices).reshape(-1, group), ("groups", "x"))
-    n = group
+    ring = [(i, (i + 1) % group) for i in range(group)]  # a pipeline's send to the next stage
     ops = {
         "all-reduce": lambda x: lax.psum(x, "x"),
         "all-gather": lambda x: lax.all_gather(x, "x", tiled=True),
         "reduce-scatter": lambda x: lax.psum_scatter(x, "x", tiled=True),
-        # a pipeline's send to the next stage
-        "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
+        "collective-permute": lambda x: lax.ppermute(x, "x", ring),
     }
     width, blocks = CALIBRATION_GPT["embed_dim"], CALIBRATION_GPT["num_layers"]
     rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // len(devices)
@@ -128,10 +127,10 @@ def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, 
         v = _per_device(mesh, elements)
         return lambda: jax.block_until_ready(step(activations, v, *weights))
 
-    runs = {None: program(None, n)}
+    runs = {None: program(None, group)}
     for kind, op in ops.items():
         for size in sizes:
-            runs[kind, size] = program(op, size // 4 // n * n)  # divisible for the scatter
+            runs[kind, size] = program(op, size // 4 // group * group)  # divisible: the scatter
     seconds = _interleaved_medians(runs)
     blocks_alone = seconds.pop(None)
     out = {kind: {} for kind in ops}
@@ -351,8 +350,14 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     from jddp.device_peak import measured_matmul_rate
     from jddp.planner.devices import DeviceProfile, check_profile_path, save_cpu_profile
 
-    path = check_profile_path(path)  # before minutes of measuring
     devices = jax.devices()
+    if len(devices) <= PAIR or len(devices) % PAIR:  # two group sizes, pairs tiling the devices
+        raise JddpError(
+            f"--calibrate times collectives over all the devices and over pairs: it needs an even "
+            f"number above {PAIR} of simulated devices, not {len(devices)}; set "
+            "jax_num_cpu_devices=8 before JAX starts (`python -m jddp.plan --calibrate` does)"
+        )
+    path = check_profile_path(path)  # before minutes of measuring
     rate = measured_matmul_rate(devices[0])
     bandwidth = memory_bandwidth()
     shape_rates = matmul_shape_rates(devices)
@@ -366,16 +371,12 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     def fitted(times, kinds):
         return fit_link({n: {k: by_kind[k] for k in kinds} for n, by_kind in times.items()})
 
-    (bw_intra, lat_intra, over_intra), (bw_inter, lat_inter, over_inter) = (
-        fitted(intra_times, rings),
-        fitted(inter_times, rings),
-    )
-    per_kind = []
+    bw_intra, lat_intra, over_intra = fitted(intra_times, rings)
+    bw_inter, lat_inter, over_inter = fitted(inter_times, rings)
+    per_kind = []  # DeviceProfile.per_kind's order: the two links, then their overheads
     for kind in intra_times[PAIR]:
-        (bw_i, lat_i, over_i), (bw_x, lat_x, over_x) = (
-            fitted(intra_times, [kind]),
-            fitted(inter_times, [kind]),
-        )
+        bw_i, lat_i, over_i = fitted(intra_times, [kind])
+        bw_x, lat_x, over_x = fitted(inter_times, [kind])
         per_kind.append((kind, bw_i, lat_i, bw_x, lat_x, over_i, over_x))
     pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = DeviceProfile(

@@ -109,16 +109,32 @@ class DeviceProfile:
         if min(times) < 0:
             raise ConfigError(f"device {self.name!r}: latencies and overheads must be >= 0")
         points = self.matmul_shape_rates
-        numbers = all(
-            len(p) == 2 and all(isinstance(v, int | float) and 0 < v < math.inf for v in p)
-            for p in points
-        )
+        numbers = all(len(p) == 2 and all(_finite(v) and v > 0 for v in p) for p in points)
         if not numbers or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
             raise ConfigError(
                 f"device {self.name!r}: matmul_shape_rates={points} must be (dimension, rate) "
                 "pairs of positive finite numbers, dimensions increasing; run `python -m jddp.plan "
                 "--calibrate` again"
             )
+        for entry in self.per_kind:  # (kind, bw, latency, bw, latency[, overhead, overhead])
+            numbers = entry[1:]
+            if (
+                len(entry) not in (5, 7)
+                or not isinstance(entry[0], str)
+                or not all(_finite(v) and v >= 0 for v in numbers)
+                or min(numbers[0], numbers[2]) <= 0
+            ):
+                raise ConfigError(
+                    f"device {self.name!r}: per_kind entry {entry} must be (kind, intra bandwidth, "
+                    "intra latency, inter bandwidth, inter latency[, intra overhead, inter "
+                    "overhead]), bandwidths positive, the rest finite and >= 0; run `python -m "
+                    "jddp.plan --calibrate` again"
+                )
+
+
+def _finite(value) -> bool:
+    """A real number, not a bool, a string, NaN or an infinity."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 _FLAG = {"memory": "device_memory", "peak_flops": "peak_flops"}
@@ -307,11 +323,13 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
         record["per_kind"] = tuple(tuple(k) for k in record.get("per_kind", ()))
         record["matmul_shape_rates"] = tuple(tuple(k) for k in record.get("matmul_shape_rates", ()))
         record.setdefault("every_group_crosses_hosts", True)  # XLA:CPU's, not a measurement
-        return DeviceProfile(**record)
+        profile = DeviceProfile(**record)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(
             f"cpu profile {path} is unreadable ({e}); run `python -m jddp.plan --calibrate` again"
         ) from None
+    profile.check()  # a hand-edited or truncated number: one line naming it, before any use
+    return profile
 
 
 def get_profile(name: str, cpu_profile_path: str | None = None) -> DeviceProfile:

@@ -244,6 +244,40 @@ def test_calibrate_refuses_device_counts_it_cannot_pair_before_writing(monkeypat
     assert not (tmp_path / "profile").exists()
 
 
+def test_calibration_times_one_collective_per_block_each_waited_for():
+    """`--calibrate` times each collective between the calibration GPT's blocks: the compiled
+    program runs one op of the kind per block over the elements asked, none combined with
+    another (XLA's all-reduce combiner merged 4 independent ones into one tuple op, and the
+    calibration timed each at a quarter of its cost), in the group asked."""
+    import re
+
+    import jax
+
+    from jddp.planner import calibrate
+
+    blocks = calibrate.CALIBRATION_GPT["num_layers"]
+    elements, group = 2**14, 4
+    result = {  # the shape of each op's result, per device
+        "all-reduce": elements,
+        "all-gather": elements * group,
+        "reduce-scatter": elements // group,
+        "collective-permute": elements,
+    }
+    groups = "replica_groups={{0,1,2,3},{4,5,6,7}}"
+    ring = "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
+
+    def compiled(kind):
+        step, args = calibrate.between_blocks(jax.devices(), group, kind, elements)
+        return step.lower(*args).compile().as_text()
+
+    for kind in calibrate.COLLECTIVES:
+        ops = re.findall(rf"= (\S+) {kind}(?:-start)?\((.*)", compiled(kind))
+        assert [shape for shape, _ in ops] == [f"f32[{result[kind]}]{{0}}"] * blocks, kind
+        for _, rest in ops:
+            assert (ring if kind == "collective-permute" else groups) in rest, rest
+    assert not re.search("|".join(calibrate.COLLECTIVES), compiled(None))
+
+
 def test_link_fit_recovers_the_ring_formulas():
     """`--calibrate` fits a link's bandwidth, latency per ring step and overhead per op to
     times measured over groups of 4 and 2 devices: times made from the ring formulas give them

@@ -49,6 +49,7 @@ GLOO_PROCESSES, GLOO_DEVICES_PER_PROCESS = 2, 2  # devices share the cores, as i
 # device order: a process's own pair in the gloo job): two ring lengths separate the latency
 # per ring step from the overhead per op.
 PAIR = 2
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 CALIBRATION_GPT = dict(num_layers=4, num_heads=8, embed_dim=256, max_seq_len=128)
 CALIBRATION_VOCAB, CALIBRATION_BATCH = 1024, 32  # rows over all devices
 
@@ -85,58 +86,76 @@ def memory_bandwidth(megabytes: int = 64) -> float:
 def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, float]]:
     """{kind: {bytes per device: seconds}}: what one all-reduce, all-gather, reduce-scatter or
     collective-permute over groups of `group` neighbouring `devices` adds to a step (every
-    process calls this with the same global devices). Timed as a step runs them: every device
-    runs the calibration GPT's blocks (their norms, projections and MLP; attention's products
-    left out) on its share of that GPT's tokens, with the collective after each block, its
-    input depending on the block; less the same blocks without it, over the number of blocks.
+    process calls this with the same global devices). Timed as a step runs them
+    (`between_blocks`), less the same blocks without a collective, over the number of blocks.
     On XLA:CPU a collective's copies, gloo's sockets and the thread hand-offs run on the cores
     the compute uses, so it costs more in a step than on idle devices (gloo's 64 KB all-reduce
     between 2 processes x 2 devices: 0.4 ms alone, 2-5 ms between blocks), and the planner
     predicts steps. Windows interleaved, medians."""
     import jax
+
+    programs = {None: between_blocks(devices, group, None, group)}
+    for kind in COLLECTIVES:
+        for size in sizes:  # elements divisible by the group: the scatter
+            programs[kind, size] = between_blocks(devices, group, kind, size // 4 // group * group)
+    runs = {
+        key: lambda step=step, args=args: jax.block_until_ready(step(*args))
+        for key, (step, args) in programs.items()
+    }
+    seconds = _interleaved_medians(runs)
+    blocks_alone = seconds.pop(None)
+    out = {kind: {} for kind in COLLECTIVES}
+    for (kind, size), median in seconds.items():
+        out[kind][size] = max((median - blocks_alone) / CALIBRATION_GPT["num_layers"], 0.0)
+    return out
+
+
+def _collective(kind: str, x, group: int):
+    """`kind` over the mesh axis "x" of `group` devices (inside shard_map)."""
     from jax import lax
+
+    if kind == "all-reduce":
+        return lax.psum(x, "x")
+    if kind == "all-gather":
+        return lax.all_gather(x, "x", tiled=True)
+    if kind == "reduce-scatter":
+        return lax.psum_scatter(x, "x", tiled=True)
+    ring = [(i, (i + 1) % group) for i in range(group)]  # a pipeline's send to the next stage
+    return lax.ppermute(x, "x", ring)
+
+
+def between_blocks(devices, group: int, kind: str | None, elements: int):
+    """(step, args): `step(*args)` is one step of every one of `devices` running the
+    calibration GPT's blocks (their norms, projections and MLP; attention's products left out)
+    on its share of that GPT's tokens, with a collective of `kind` over `elements` float32 per
+    device after each block (None: none), in groups of `group` neighbouring devices. The
+    collective's input depends on the block and the next block on its result, as in a step:
+    XLA would combine independent ones into one op (its all-reduce combiner merged the 4 into
+    one tuple all-reduce, which timed each at a quarter of an op), and a tensor-parallel step's
+    activation reductions cannot be combined."""
+    import jax
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(devices).reshape(-1, group), ("groups", "x"))
-    ring = [(i, (i + 1) % group) for i in range(group)]  # a pipeline's send to the next stage
-    ops = {
-        "all-reduce": lambda x: lax.psum(x, "x"),
-        "all-gather": lambda x: lax.all_gather(x, "x", tiled=True),
-        "reduce-scatter": lambda x: lax.psum_scatter(x, "x", tiled=True),
-        "collective-permute": lambda x: lax.ppermute(x, "x", ring),
-    }
     width, blocks = CALIBRATION_GPT["embed_dim"], CALIBRATION_GPT["num_layers"]
-    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // len(devices)
+    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // mesh.size
     weights = [_per_device(mesh, *shape) for shape in _block_shapes(width)]
-    activations = _per_device(mesh, rows, width)
+    activations, v = _per_device(mesh, rows, width), _per_device(mesh, elements)
 
-    def program(op, elements):
-        def run_blocks(x, v, *w):
-            x, v, w, seen = x[0], v[0], [k[0] for k in w], jax.numpy.zeros((), np.float32)
-            for _ in range(blocks):
-                x = _block(x, *w)
-                if op is not None:  # its input depends on the block, as a step's do
-                    seen = seen + op(v + x[0, 0])[0]
-            return (x + seen)[None]
+    def run_blocks(x, v, *w):
+        x, v, w = x[0], v[0], [k[0] for k in w]
+        for _ in range(blocks):
+            x = _block(x, *w)
+            if kind is not None:
+                x = x + _collective(kind, v + x[0, 0], group)[0]
+        return x[None]
 
-        every = P(mesh.axis_names)
-        step = jax.jit(
-            jax.shard_map(run_blocks, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
-        )
-        v = _per_device(mesh, elements)
-        return lambda: jax.block_until_ready(step(activations, v, *weights))
-
-    runs = {None: program(None, group)}
-    for kind, op in ops.items():
-        for size in sizes:
-            runs[kind, size] = program(op, size // 4 // group * group)  # divisible: the scatter
-    seconds = _interleaved_medians(runs)
-    blocks_alone = seconds.pop(None)
-    out = {kind: {} for kind in ops}
-    for (kind, size), median in seconds.items():
-        out[kind][size] = max((median - blocks_alone) / blocks, 0.0)
-    return out
+    every = P(mesh.axis_names)
+    step = jax.jit(
+        jax.shard_map(run_blocks, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
+    )
+    return step, (activations, v, *weights)
 
 
 def _block_shapes(width: int) -> list[tuple[int, int]]:

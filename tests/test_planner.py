@@ -266,8 +266,11 @@ def test_calibration_times_one_collective_per_block_each_waited_for():
     groups = "replica_groups={{0,1,2,3},{4,5,6,7}}"
     ring = "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
 
+    mesh = calibrate.group_mesh(jax.devices(), group)
+    inputs = calibrate.block_inputs(mesh)
+
     def compiled(kind):
-        step, args = calibrate.between_blocks(jax.devices(), group, kind, elements)
+        step, args = calibrate.between_blocks(mesh, kind, elements, inputs)
         return step.lower(*args).compile().as_text()
 
     for kind in calibrate.COLLECTIVES:
@@ -284,10 +287,9 @@ def test_link_fit_recovers_the_ring_formulas():
     back; a near-zero time for a small collective (what a small in-process one adds between
     matmuls) barely moves the fit (absolute, not relative, error); without an overhead the fit
     finds none."""
-    from jddp.planner.calibrate import fit_link
+    from jddp.planner.calibrate import COLLECTIVES, fit_link
 
     sizes = (2**16, 2**20, 2**22)
-    kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
     def measured(link):
         return {
@@ -296,7 +298,7 @@ def test_link_fit_recovers_the_ring_formulas():
                     s: network.ring_time(kind, s * n if kind == "all-gather" else s, n, link)
                     for s in sizes
                 }
-                for kind in kinds
+                for kind in COLLECTIVES
             }
             for n in (4, 2)
         }
@@ -378,8 +380,16 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
         with pytest.raises(ConfigError, match="matmul_shape_rates=.*--calibrate"):
             dataclasses.replace(PROFILE, matmul_shape_rates=curve).check()
     for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
-        with pytest.raises(ConfigError, match="latencies and overheads must be >= 0"):
-            dataclasses.replace(PROFILE, **{field: -1e-3}).check()
+        for bad in (-1e-3, float("nan"), float("inf")):
+            with pytest.raises(
+                ConfigError, match=f"{field}=.*latencies and overheads must be >= 0"
+            ):
+                dataclasses.replace(PROFILE, **{field: bad}).check()
+    for field in ("peak_flops", "memory", "memory_bandwidth", "bw_intra", "bw_inter"):
+        with pytest.raises(ConfigError, match=f"{field}=nan must be positive"):
+            dataclasses.replace(PROFILE, **{field: float("nan")}).check()
+        with pytest.raises(ConfigError, match=f"{field}=inf must be finite"):
+            dataclasses.replace(PROFILE, **{field: float("inf")}).check()
     bad_kinds = (
         ("all-gather", 1e9, 0.0, 1e9, 0.0, 1e-3),  # truncated: an overhead missing
         ("all-gather", 1e9, 0.0, 1e9, 0.0, -1e-3, 0.0),  # a negative overhead

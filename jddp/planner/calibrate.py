@@ -94,10 +94,12 @@ def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, 
     predicts steps. Windows interleaved, medians."""
     import jax
 
-    programs = {None: between_blocks(devices, group, None, group)}
+    mesh = group_mesh(devices, group)
+    inputs = block_inputs(mesh)  # one set for every program
+    programs = {None: between_blocks(mesh, None, group, inputs)}
     for kind in COLLECTIVES:
         for size in sizes:  # elements divisible by the group: the scatter
-            programs[kind, size] = between_blocks(devices, group, kind, size // 4 // group * group)
+            programs[kind, size] = between_blocks(mesh, kind, size // 4 // group * group, inputs)
     runs = {
         key: lambda step=step, args=args: jax.block_until_ready(step(*args))
         for key, (step, args) in programs.items()
@@ -124,28 +126,38 @@ def _collective(kind: str, x, group: int):
     return lax.ppermute(x, "x", ring)
 
 
-def between_blocks(devices, group: int, kind: str | None, elements: int):
-    """(step, args): `step(*args)` is one step of every one of `devices` running the
-    calibration GPT's blocks (their norms, projections and MLP; attention's products left out)
-    on its share of that GPT's tokens, with a collective of `kind` over `elements` float32 per
-    device after each block (None: none), in groups of `group` neighbouring devices. The
+def group_mesh(devices, group: int):
+    """`devices` in groups of `group` neighbours: the mesh axes ("groups", "x")."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.asarray(devices).reshape(-1, group), ("groups", "x"))
+
+
+def block_inputs(mesh) -> tuple:
+    """(activations, *kernels) on every device of `mesh`: its share of the calibration GPT's
+    tokens and one block's kernels (`_block`)."""
+    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // mesh.size
+    width = CALIBRATION_GPT["embed_dim"]
+    return _per_device(mesh, rows, width), *(_per_device(mesh, *s) for s in _block_shapes(width))
+
+
+def between_blocks(mesh, kind: str | None, elements: int, inputs: tuple):
+    """(step, args): `step(*args)` is one step of every device of `mesh` (`group_mesh`)
+    running the calibration GPT's blocks (their norms, projections and MLP; attention's
+    products left out) on `inputs` (`block_inputs`), with a collective of `kind` over
+    `elements` float32 per device after each block (None: none) over the mesh's axis "x". The
     collective's input depends on the block and the next block on its result, as in a step:
     XLA would combine independent ones into one op (its all-reduce combiner merged the 4 into
     one tuple all-reduce, which timed each at a quarter of an op), and a tensor-parallel step's
     activation reductions cannot be combined."""
     import jax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    mesh = Mesh(np.asarray(devices).reshape(-1, group), ("groups", "x"))
-    width, blocks = CALIBRATION_GPT["embed_dim"], CALIBRATION_GPT["num_layers"]
-    rows = CALIBRATION_BATCH * CALIBRATION_GPT["max_seq_len"] // mesh.size
-    weights = [_per_device(mesh, *shape) for shape in _block_shapes(width)]
-    activations, v = _per_device(mesh, rows, width), _per_device(mesh, elements)
+    group = mesh.shape["x"]
 
-    def run_blocks(x, v, *w):
-        x, v, w = x[0], v[0], [k[0] for k in w]
-        for _ in range(blocks):
+    def run_blocks(v, x, *w):
+        v, x, w = v[0], x[0], [k[0] for k in w]
+        for _ in range(CALIBRATION_GPT["num_layers"]):
             x = _block(x, *w)
             if kind is not None:
                 x = x + _collective(kind, v + x[0, 0], group)[0]
@@ -155,7 +167,7 @@ def between_blocks(devices, group: int, kind: str | None, elements: int):
     step = jax.jit(
         jax.shard_map(run_blocks, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
     )
-    return step, (activations, v, *weights)
+    return step, (_per_device(mesh, elements), *inputs)
 
 
 def _block_shapes(width: int) -> list[tuple[int, int]]:
@@ -393,7 +405,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     bw_intra, lat_intra, over_intra = fitted(intra_times, rings)
     bw_inter, lat_inter, over_inter = fitted(inter_times, rings)
     per_kind = []  # DeviceProfile.per_kind's order: the two links, then their overheads
-    for kind in intra_times[PAIR]:
+    for kind in COLLECTIVES:
         bw_i, lat_i, over_i = fitted(intra_times, [kind])
         bw_x, lat_x, over_x = fitted(inter_times, [kind])
         per_kind.append((kind, bw_i, lat_i, bw_x, lat_x, over_i, over_x))

@@ -98,16 +98,22 @@ class DeviceProfile:
     def check(self) -> None:
         """A ConfigError naming the first number that cannot describe a device."""
         for field in ("peak_flops", "memory", "memory_bandwidth", "bw_intra", "bw_inter"):
-            if not getattr(self, field) > 0:
+            value = getattr(self, field)
+            if not (_finite(value) and value > 0):
+                need = "finite" if value == math.inf else "positive"
                 raise ConfigError(
-                    f"device {self.name!r}: {field}={getattr(self, field)} must be positive; "
+                    f"device {self.name!r}: {field}={value} must be {need}; "
                     f"pass --{_FLAG.get(field, field)}=..."
                 )
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
-        times = (self.latency_intra, self.latency_inter, self.overhead_intra, self.overhead_inter)
-        if min(times) < 0:
-            raise ConfigError(f"device {self.name!r}: latencies and overheads must be >= 0")
+        for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
+            value = getattr(self, field)
+            if not (_finite(value) and value >= 0):  # NaN compares false: it would plan NaN
+                raise ConfigError(
+                    f"device {self.name!r}: {field}={value}: latencies and overheads must be >= 0 "
+                    "and finite"
+                )
         points = self.matmul_shape_rates
         numbers = all(len(p) == 2 and all(_finite(v) and v > 0 for v in p) for p in points)
         if not numbers or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):

@@ -8,7 +8,10 @@ on the cores the step computes on. Measured on the communication benchmark's 10.
 MLP over 2 processes x 1 device: 20,500 faults a step in float32 (150 ms a step, 87 ms without
 them), 10,400 in bfloat16 (95 ms, 77 ms). The fix is to keep freed memory for the next step:
 one arena (XLA's worker threads would otherwise get per-thread heaps capped at 64 MiB, whose
-larger buffers still go to mmap), no mmap below 1 GiB, no trimming below 2 GiB of free heap.
+larger buffers still go to mmap), no mmap below 1 GiB, and no trimming of the heap's free top.
+Trimming is off, not merely set high: a step whose temporaries pass any threshold (2 GiB, the
+most a positive `mallopt` value gives, was passed by tensor:8 on 8 simulated devices) gives them
+back at its end and faults them in again in the next (2.5 GB trimmed, 635k faults in 15 steps).
 PyTorch's CPU performance guides say the same and point to jemalloc / tcmalloc; this needs
 neither. The cost: a process keeps its peak host memory instead of returning it between steps.
 
@@ -27,10 +30,11 @@ OPT_OUT = "JDDP_MALLOC_TUNING"
 _SETTINGS = (
     ("MALLOC_ARENA_MAX", -8, 1),  # one arena: the main heap, which has no size cap
     ("MALLOC_MMAP_THRESHOLD_", -3, 1 << 30),  # mmap only what is above 1 GiB
-    ("MALLOC_TRIM_THRESHOLD_", -1, (1 << 31) - 1),  # return free heap beyond 2 GiB only
+    ("MALLOC_TRIM_THRESHOLD_", -1, -1),  # never trim: glibc reads -1 as the largest size
 )
-# The same settings for a process that does not import jddp (PyTorch in the benchmarks).
-ENVIRONMENT = {name: str(value) for name, _, value in _SETTINGS}
+# The same settings for a process that does not import jddp (PyTorch in the benchmarks). The
+# environment variable takes a size, not -1: 2**62 bytes is beyond any heap.
+ENVIRONMENT = {name: str(value if value > 0 else 1 << 62) for name, _, value in _SETTINGS}
 
 
 def user_chose() -> bool:

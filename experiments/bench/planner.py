@@ -127,7 +127,8 @@ def name_of(strategy, mesh):
 
 # ------------------------------------------------------------------------- measurements
 def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str, tuple]:
-    """(median seconds, minor page faults) per step of each in-process layout and of each of
+    """(median seconds, minor page faults, seconds in each round) per step of each in-process
+    layout and of each of
     `extra_windows` ({name: a window of `steps` steps returning its seconds}), all windows
     interleaved after a warm-up to the steady state (`common.warm_up`)."""
     import jax
@@ -142,7 +143,10 @@ def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str
     windows = common.trainer_windows(runs, steps) | (extra_windows or {})
     common.warm_up(windows)
     timings = common.interleaved_medians(windows, repeats)
-    return {name: _per_step(t, repeats, steps) for name, t in timings.items()}
+    return {
+        name: (*_per_step(t, repeats, steps), [s / steps for s in t["all_sec"]])
+        for name, t in timings.items()
+    }
 
 
 def _per_step(timing: dict, repeats: int, steps: int) -> tuple[float, float]:
@@ -280,7 +284,7 @@ def main():
     profile_file = os.path.join(args.out, "cpu_profile.json")
     _, measurements = calibrate(profile_file)
     profile = load_cpu_profile(profile_file)
-    start_efficiency, across_efficiency = profile.efficiency, None
+    start_efficiency, across_efficiency, between = profile.efficiency, None, {}
     calibration = {
         name: gpt_copies_step(jax.devices(), scan_layers)
         for name, scan_layers in ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))
@@ -289,10 +293,13 @@ def main():
     measured = in_process_seconds(args.repeats, args.steps, windows)
     profile = calibrated(profile, calibration, {n: measured[n][0] for n in calibration})
     measurements["interleaved_gpt_step_seconds"] = [measured[n][0] for n in calibration]
+    # A reference window that takes page faults runs slow and skews every prediction.
+    calibration_faults = {n: measured[n][1] for n in calibration}
     save_cpu_profile(profile, measurements, profile_file)  # the profile the predictions use
     rows = []
     for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
-        rows.append(_row(name, "1 x 8", *measured[name], p))
+        seconds, faults, rounds = measured[name]
+        rows.append(_row(name, "1 x 8", seconds, faults, p) | {"rounds_ms": ms(rounds)})
     if not args.no_processes:
         # The calibration GPT again after every launch: the launches run later than the
         # in-process windows, and the machine's speed drifts between the two parts.
@@ -309,7 +316,8 @@ def main():
         across_efficiency = across.efficiency
         for name, p in predictions(across, PROCESSES, 4, 2).items():
             seconds, faults = zip(*launches[name], strict=True)
-            rows.append(_row(name, "2 x 2", statistics.median(seconds), max(faults), p))
+            row = _row(name, "2 x 2", statistics.median(seconds), max(faults), p)
+            rows.append(row | {"rounds_ms": ms(seconds)})
     common.report(
         "planner",
         rows,
@@ -320,6 +328,9 @@ def main():
             "efficiency": profile.efficiency,
             "efficiency_at_calibration": start_efficiency,
             "efficiency_between_launches": across_efficiency,
+            "calibration_page_faults_per_step": calibration_faults,
+            "calibration_rounds_ms": {n: ms(measured[n][2]) for n in calibration},
+            "calibration_between_launches_ms": {n: ms(t) for n, t in between.items()},
             "load_average_start": load,
             "load_average_end": os.getloadavg()[0],
             "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
@@ -353,6 +364,10 @@ def calibrated(profile, calibration: dict, seconds: dict):
 
     flat, stacked = efficiency(CALIBRATION_FLAT), efficiency(CALIBRATION_STACKED)
     return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
+
+
+def ms(seconds: list) -> list:
+    return [round(s * 1e3, 1) for s in seconds]
 
 
 def _row(name, processes, measured, faults, prediction) -> dict:

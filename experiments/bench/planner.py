@@ -8,9 +8,10 @@ Calibrates the `cpu` profile first, in the same run (bench_results/cpu_profile.j
 machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tokens, vocabulary
 1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
 simulated devices (one process; interleaved windows, medians; the calibration GPT's step, flat
-and stacked, is timed again in windows among theirs and sets the profile's efficiency and
-stacked-layers slowdown; after every 2-process launch it is timed again, and those medians
-set the 2-process predictions), and on 2 processes x 2 devices
+and stacked, is timed again in windows among theirs, and its time beside each layout's, round by
+round, sets the efficiency and stacked-layers slowdown of that layout's prediction; it is timed
+again after every 2-process launch, and its times after a layout's launches set that layout's
+2-process prediction), and on 2 processes x 2 devices
 (gloo between them; one launch per layout per round, rounds alternating the order), and
 prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
 1F1B over 4 micro-batches per step. `--bytes` compiles every
@@ -187,7 +188,7 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
 def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> dict[str, list]:
     """{layout: [(median seconds, page faults of process 0) per step of each launch]},
     launches alternating per round;
-    `after_each()` runs after every launch."""
+    `after_each(layout)` runs after every launch."""
     out = {name_of(s, m): [] for s, m in PROCESSES}
     for round_index in range(rounds):
         order = PROCESSES if round_index % 2 == 0 else PROCESSES[::-1]
@@ -204,17 +205,8 @@ def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> d
             seconds, faults = lines[-1].split()[2:]
             out[name_of(strategy, mesh)].append((float(seconds), float(faults)))
             if after_each:
-                after_each()
+                after_each(name_of(strategy, mesh))
     return out
-
-
-def predictions(profile, layouts, devices: int, per_host: int) -> dict:
-    from jddp.planner.timing import predict
-
-    w = workload()
-    return {
-        name_of(s, m): predict(w, layout_of(s, m, devices), profile, per_host) for s, m in layouts
-    }
 
 
 # ------------------------------------------------------------------------------- bytes
@@ -279,6 +271,7 @@ def main():
 
     from jddp.planner.calibrate import calibrate, gpt_copies_step
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
+    from jddp.planner.timing import predict
 
     load = os.getloadavg()[0]
     profile_file = os.path.join(args.out, "cpu_profile.json")
@@ -295,29 +288,46 @@ def main():
     measurements["interleaved_gpt_step_seconds"] = [measured[n][0] for n in calibration]
     # A reference window that takes page faults runs slow and skews every prediction.
     calibration_faults = {n: measured[n][1] for n in calibration}
-    save_cpu_profile(profile, measurements, profile_file)  # the profile the predictions use
+    # The run's profile, from the medians; each prediction below uses the calibration GPT's
+    # time beside its own layout's instead, round by round.
+    save_cpu_profile(profile, measurements, profile_file)
+
+    model = workload()
+
+    def calibrated_beside(seconds: list, reference: dict):
+        beside_seconds = {n: beside(seconds, reference[n]) for n in calibration}
+        return calibrated(profile, calibration, beside_seconds)
+
     rows = []
-    for name, p in predictions(profile, IN_PROCESS, 8, 8).items():
+    for strategy, mesh in IN_PROCESS:
+        name = name_of(strategy, mesh)
         seconds, faults, rounds = measured[name]
-        rows.append(_row(name, "1 x 8", seconds, faults, p) | {"rounds_ms": ms(rounds)})
+        beside_profile = calibrated_beside(rounds, {n: measured[n][2] for n in calibration})
+        p = predict(model, layout_of(strategy, mesh, 8), beside_profile, 8)
+        row = _row(name, "1 x 8", seconds, faults, p)
+        rows.append(row | {"rounds_ms": ms(rounds), "efficiency": beside_profile.efficiency})
     if not args.no_processes:
         # The calibration GPT again after every launch: the launches run later than the
         # in-process windows, and the machine's speed drifts between the two parts.
         between = {name: [] for name in calibration}
+        after = {name_of(s, m): {name: [] for name in calibration} for s, m in PROCESSES}
 
-        def time_calibration():
+        def time_calibration(layout):
             for name, window in windows.items():
                 between[name].append(window() / args.steps)
+                after[layout][name].append(between[name][-1])
 
         launches = process_seconds(args.rounds, args.repeats, args.steps, time_calibration)
-        across = calibrated(
+        across_efficiency = calibrated(
             profile, calibration, {n: statistics.median(t) for n, t in between.items()}
-        )
-        across_efficiency = across.efficiency
-        for name, p in predictions(across, PROCESSES, 4, 2).items():
+        ).efficiency
+        for strategy, mesh in PROCESSES:
+            name = name_of(strategy, mesh)
             seconds, faults = zip(*launches[name], strict=True)
+            beside_profile = calibrated_beside(seconds, after[name])
+            p = predict(model, layout_of(strategy, mesh, 4), beside_profile, 2)
             row = _row(name, "2 x 2", statistics.median(seconds), max(faults), p)
-            rows.append(row | {"rounds_ms": ms(seconds)})
+            rows.append(row | {"rounds_ms": ms(seconds), "efficiency": beside_profile.efficiency})
     common.report(
         "planner",
         rows,
@@ -349,6 +359,17 @@ def steps_window(run, steps: int):
         return time.perf_counter() - start
 
     return window
+
+
+def beside(seconds: list, reference: list) -> float:
+    """The reference's seconds as they stood beside `seconds`, round by round: the median of
+    `seconds` over the median ratio of `seconds[i]` to `reference[i]`, each pair timed in the
+    same round. The machine's speed moves between rounds (the calibration GPT's rounds of one
+    run spread by 1.2-1.4x); a ratio inside a round cancels what moved."""
+    from experiments.bench import common
+
+    pair = {"layout": {"all_sec": seconds}, "reference": {"all_sec": reference}}
+    return statistics.median(seconds) / common.paired_ratio(pair, "reference", "layout")
 
 
 def calibrated(profile, calibration: dict, seconds: dict):

@@ -23,6 +23,7 @@ glibc.malloc tunables in GLIBC_TUNABLES), or with JDDP_MALLOC_TUNING=0 (or false
 
 import ctypes
 import os
+import resource
 import sys
 
 OPT_OUT = "JDDP_MALLOC_TUNING"
@@ -35,6 +36,11 @@ _SETTINGS = (
 # The same settings for a process that does not import jddp (PyTorch in the benchmarks). The
 # environment variable takes a size, not -1: 2**62 bytes is beyond any heap.
 ENVIRONMENT = {name: str(value if value > 0 else 1 << 62) for name, _, value in _SETTINGS}
+
+
+def minor_faults() -> int:
+    """Pages this process has taken fresh from the OS so far (its minor page faults)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def user_chose() -> bool:

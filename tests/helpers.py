@@ -3,6 +3,7 @@ programs compiled with full optimization."""
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -130,3 +131,23 @@ def assert_one_line(error, *words) -> None:
     assert "\n" not in message, message
     for word in words:
         assert word in message, (word, message)
+
+
+def run_in_fresh_process(program: str, **env) -> dict:
+    """Runs `program` (Python source printing one JSON line last) in a fresh interpreter on one
+    device, with none of this process's malloc settings: the child decides only by `env`."""
+    from jddp import host_memory
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    for name in (host_memory.OPT_OUT, "GLIBC_TUNABLES"):
+        environ.pop(name, None)
+    environ["XLA_FLAGS"] = ""
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        env={**environ, **env},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

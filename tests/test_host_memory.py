@@ -2,14 +2,12 @@
 per-execution buffers stop costing a page fault per 4 KiB on every step. Checked in fresh
 processes, by the page faults their repeated executions take (getrusage)."""
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 from jddp import host_memory
+from tests.helpers import run_in_fresh_process
 
 # Fifty executions of a program whose 64 MiB result is freed before the next one: what each
 # adds to this process's minor page faults, after 100 warm-up executions. (Under load JAX frees
@@ -77,23 +75,6 @@ for i in range(9):
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 print(json.dumps({"returned": peak - kept, "faults": faults}))
 """
-
-
-def run_in_fresh_process(program: str, **env) -> dict:
-    # Without any malloc setting of the caller's: the child decides only by `env`.
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    for name in (host_memory.OPT_OUT, "GLIBC_TUNABLES"):
-        environ.pop(name, None)
-    environ["XLA_FLAGS"] = ""  # one device is enough
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        env={**environ, **env},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(

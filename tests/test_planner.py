@@ -281,6 +281,55 @@ def test_calibration_times_one_collective_per_block_each_waited_for():
     assert not re.search("|".join(calibrate.COLLECTIVES), compiled(None))
 
 
+# Passes of the calibration's memory stream after one warm-up, in a fresh process: the fresh
+# pages each took from the OS, and the sum it computed.
+STREAM_FAULTS = """
+import json
+import jddp
+from jddp.host_memory import minor_faults
+from jddp.planner.calibrate import memory_stream
+stream, nbytes = memory_stream(64)
+stream()
+before = minor_faults()
+for _ in range(5):
+    result = stream()
+print(json.dumps({"faults": (minor_faults() - before) / 5, "pages": nbytes // 3 // 4096,
+                  "sums": sorted({float(v) for v in result[::4096]})}))
+"""
+
+
+def test_memory_stream_runs_on_memory_the_process_holds():
+    """`--calibrate` times the memory bandwidth with `c = a + b` written into the same buffer
+    every pass: a pass takes no pages fresh from the OS, with jddp's malloc settings or with
+    glibc's own, under which a fresh 64 MiB output is mmapped every pass (16,384 faults, and a
+    calibration of 1.9 GB/s where the memory streams 37). It computes the sum."""
+    from tests.helpers import run_in_fresh_process
+
+    for env in ({}, {"JDDP_MALLOC_TUNING": "0"}):
+        passes = run_in_fresh_process(STREAM_FAULTS, **env)
+        assert passes["faults"] < passes["pages"] / 16, env
+        assert passes["sums"] == [3.0], env
+
+
+def test_efficiency_refuses_a_step_shorter_than_its_memory_traffic():
+    """A calibration whose memory bandwidth was measured far too low (1.9 GB/s where the memory
+    streams 37: every pass on fresh pages) says so in one line instead of storing an efficiency
+    capped at 1.0 that mispredicts every layout 2x."""
+    from jddp.errors import JddpError
+    from jddp.planner.calibrate import efficiency_of
+
+    t = Transformer(2, 256, 8, 1024, 1024, 128)
+    w = Workload("gpt", transformer_params(t), 8, 1e12, transformer=t, min_shard_size=1)
+    layout = Layout("ddp", data=8)
+    memory_bound = sum(timing.memory_bound_seconds(w, layout, PROFILE))
+    flops = w.hardware_flops()
+    step = memory_bound + flops / (0.5 * PROFILE.peak_flops)
+    assert efficiency_of(step, w, 8, PROFILE) == pytest.approx(0.5)
+    with pytest.raises(JddpError, match="run --calibrate again") as error:
+        efficiency_of(memory_bound * 0.9, w, 8, PROFILE)
+    assert "\n" not in str(error.value)
+
+
 def test_link_fit_recovers_the_ring_formulas():
     """`--calibrate` fits a link's bandwidth, latency per ring step and overhead per op to
     times measured over groups of 4 and 2 devices: times made from the ring formulas give them

@@ -3,7 +3,6 @@ FLOP counts, and writing a table to stdout and JSON."""
 
 import json
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from collections.abc import Callable
 import jax
 
 from jddp import device_peak
+from jddp.host_memory import minor_faults
 from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
 
 MATMUL_SIZE = device_peak.MATMUL_SIZE
@@ -18,11 +18,6 @@ MATMUL_SIZE = device_peak.MATMUL_SIZE
 # on memory the process already holds: the steady state a long run reaches.
 SETTLED_FAULTS = 2560
 MAX_WARM_UP_ROUNDS = 8
-
-
-def minor_faults() -> int:
-    """Fresh pages this process has taken from the OS so far (minor page faults)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def warm_up(windows: dict[str, Callable[[], float]], agree=all) -> int:

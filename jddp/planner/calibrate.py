@@ -2,7 +2,8 @@
 
     matmul rate     the best of a few 2048^3 float32 matmuls through XLA: the whole machine's
                     rate, which the simulated devices share (`shared_compute`)
-    memory          DRAM bandwidth from a large elementwise add (what the optimizer update pays)
+    memory          DRAM bandwidth from a large elementwise add into a buffer the process holds
+                    (what the optimizer update and a step's non-matmul ops pay)
     intra-host      what an all-reduce, all-gather, reduce-scatter and collective-permute
                     among the in-process simulated devices (XLA:CPU) adds to a step, timed
                     between the calibration GPT's blocks as a step runs them, a few sizes
@@ -70,17 +71,34 @@ def _median_seconds(fn, repeats: int = REPEATS) -> float:
 
 
 def memory_bandwidth(megabytes: int = 64) -> float:
-    """Bytes/s of `c = a + b` over two float32 arrays of `megabytes` (3 arrays' traffic; `a + a`
-    reads one, a third less than it counts), the best of `REPEATS` after a warm-up: a stream's
-    rate is its best, a slower repeat measures what else ran (one median read 9 GB/s where the
-    best of the same run was 40)."""
+    """Bytes/s of `memory_stream`, the best of `REPEATS` passes after a warm-up: a stream's rate
+    is its best, a slower repeat measures what else ran (one median read 9 GB/s where the best
+    of the same run was 40)."""
+    stream, bytes_per_pass = memory_stream(megabytes)
+    return bytes_per_pass / min(_seconds(stream))
+
+
+def memory_stream(megabytes: int = 64):
+    """(stream, bytes): `stream()` computes `c = a + b` over float32 arrays of `megabytes`,
+    written into the same `c` every pass (3 arrays' traffic; `a + a` reads one, a third less
+    than it counts). A fresh output each pass would land, for several passes or, under
+    glibc's own settings (a 64 MiB buffer is always mmapped), for every one, on pages fresh
+    from the OS, and measure the page faults (16,384 a pass, 0.4-0.9 GB/s here): one
+    calibration whose every timed pass faulted stored 1.9 GB/s instead of 37."""
     import jax
     import jax.numpy as jnp
 
     n = megabytes * 2**20 // 4
-    a, b = (jax.device_put(jnp.full((n,), v, jnp.float32), jax.devices()[0]) for v in (1, 2))
-    add = jax.jit(lambda x, y: x + y)
-    return 3 * n * 4 / min(_seconds(lambda: add(a, b).block_until_ready()))
+    a, b, c = (jax.device_put(jnp.full((n,), v, jnp.float32), jax.devices()[0]) for v in (1, 2, 0))
+    # c is donated and unread: XLA writes the sum into its buffer.
+    add_into = jax.jit(lambda x, y, out: x + y, donate_argnums=2, keep_unused=True)
+    output = [c]
+
+    def stream():
+        output[0] = add_into(a, b, output[0]).block_until_ready()
+        return output[0]
+
+    return stream, 3 * n * 4
 
 
 def collective_seconds(devices, group: int, sizes=SIZES) -> dict[str, dict[int, float]]:
@@ -285,8 +303,15 @@ def efficiency_of(seconds: float, workload, devices: int, profile) -> float:
     from jddp.planner.timing import memory_bound_seconds, shape_slowdown
 
     layout = Layout("ddp", data=devices)
-    elementwise, update = memory_bound_seconds(workload, layout, profile)
-    matmul_seconds = max(seconds - elementwise - update, 1e-9)
+    memory_bound = sum(memory_bound_seconds(workload, layout, profile))
+    if memory_bound >= seconds:  # a bandwidth measured far too low (was capped at 1.0 silently)
+        raise JddpError(
+            f"the calibration measured a step of {seconds * 1e3:.0f} ms, shorter than its "
+            f"memory traffic alone at the {profile.memory_bandwidth / 1e9:.1f} GB/s it measured "
+            f"({memory_bound * 1e3:.0f} ms): the machine's load changed while calibrating; "
+            "run --calibrate again"
+        )
+    matmul_seconds = seconds - memory_bound
     flops = workload.hardware_flops() * shape_slowdown(workload, layout, profile)
     return min(1.0, flops / (matmul_seconds * profile.peak_flops))
 

@@ -11,6 +11,8 @@ import sys
 import jax
 import pytest
 
+from jddp import host_memory
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -136,8 +138,6 @@ def assert_one_line(error, *words) -> None:
 def run_in_fresh_process(program: str, **env) -> dict:
     """Runs `program` (Python source printing one JSON line last) in a fresh interpreter on one
     device, with none of this process's malloc settings: the child decides only by `env`."""
-    from jddp import host_memory
-
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     for name in (host_memory.OPT_OUT, "GLIBC_TUNABLES"):
         environ.pop(name, None)

@@ -90,13 +90,14 @@ def memory_stream(megabytes: int = 64):
 
     n = megabytes * 2**20 // 4
     a, b, c = (jax.device_put(jnp.full((n,), v, jnp.float32), jax.devices()[0]) for v in (1, 2, 0))
-    # c is donated and unread: XLA writes the sum into its buffer.
+    # `out` is donated and unread: XLA writes the sum into its buffer (without keep_unused,
+    # jit drops the unused argument and nothing is aliased).
     add_into = jax.jit(lambda x, y, out: x + y, donate_argnums=2, keep_unused=True)
-    output = [c]
 
     def stream():
-        output[0] = add_into(a, b, output[0]).block_until_ready()
-        return output[0]
+        nonlocal c
+        c = add_into(a, b, c).block_until_ready()
+        return c
 
     return stream, 3 * n * 4
 

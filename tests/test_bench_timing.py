@@ -71,3 +71,32 @@ def test_processes_that_disagree_keep_warming_up():
         common.MAX_WARM_UP_ROUNDS
     )
     assert votes == [[True]] * (common.MAX_WARM_UP_ROUNDS - 1)
+
+
+def test_each_variant_is_timed_right_between_its_references():
+    """A fake clock: each window returns the tick it ran at, so a variant's reference "beside"
+    it must be the mean of the ticks just before and just after, and no window may be missed
+    or run twice in a row for nothing."""
+    ticks, order = iter(range(1000)), []
+
+    def window(name):
+        def run() -> float:
+            order.append(name)
+            return float(next(ticks))
+
+        return run
+
+    variants = {name: window(name) for name in ("a", "b", "pipeline")}
+    references = {name: window(name) for name in ("flat", "stacked")}
+
+    def references_of(name):
+        return ("flat", "stacked") if name == "pipeline" else ("flat",)
+
+    timings = common.between_references(variants, references, references_of, repeats=2)
+    one_round = ["flat", "a", "flat", "b", "flat", "stacked", "pipeline", "flat", "stacked"]
+    assert order == one_round * 2
+    assert timings["a"]["all_sec"] == [1.0, 10.0]
+    assert timings["a"]["beside"] == {"flat": [1.0, 10.0]}  # ticks 0 and 2, 9 and 11
+    assert timings["pipeline"]["all_sec"] == [6.0, 15.0]
+    assert timings["pipeline"]["beside"] == {"flat": [5.5, 14.5], "stacked": [6.5, 15.5]}
+    assert timings["stacked"]["median_sec"] == 11.0  # its windows at 5, 8, 14, 17

@@ -314,8 +314,9 @@ def test_memory_stream_runs_on_memory_the_process_holds():
 
 def test_efficiency_refuses_a_step_shorter_than_its_memory_traffic():
     """A calibration whose memory bandwidth was measured far too low (1.9 GB/s where the memory
-    streams 37: every pass on fresh pages) says so in one line instead of storing an efficiency
-    capped at 1.0 that mispredicts every layout 2x."""
+    streams 37: every pass on fresh pages), or whose matmul rate was (131 GFLOP/s where the
+    machine runs 385-438), says so in one line instead of storing an efficiency capped at 1.0
+    that mispredicts every layout 1.4-2.9x."""
     from jddp.errors import JddpError
     from jddp.planner.calibrate import efficiency_of
     from tests.helpers import assert_one_line
@@ -330,6 +331,10 @@ def test_efficiency_refuses_a_step_shorter_than_its_memory_traffic():
     with pytest.raises(JddpError) as error:
         efficiency_of(memory_bound * 0.9, w, 8, PROFILE)
     assert_one_line(error, "shorter than its memory traffic", "run --calibrate again")
+    # A matmul rate measured in a slow spell: the step's matmuls ran faster than the "peak".
+    with pytest.raises(JddpError) as error:
+        efficiency_of(memory_bound + flops / (1.1 * PROFILE.peak_flops), w, 8, PROFILE)
+    assert_one_line(error, "faster than the", "run --calibrate again")
 
 
 def test_link_fit_recovers_the_ring_formulas():

@@ -58,6 +58,52 @@ def interleaved_medians(variants: dict[str, Callable[[], float]], repeats: int) 
     }
 
 
+def between_references(
+    variants: dict[str, Callable[[], float]],
+    references: dict[str, Callable[[], float]],
+    references_of: Callable[[str], tuple[str, ...]],
+    repeats: int,
+) -> dict:
+    """Runs each variant's timed window `repeats` times, each time right between windows of
+    the references it is compared with (`references_of(name)`, names in `references`): a
+    round runs the first variant's references, the variant, the references the variant still
+    needs after it and the next variant needs before it, the next variant..., and closes with
+    the last one's. A shared machine's speed moves within seconds: in the planner benchmark,
+    ddp's step over the calibration GPT's, each from the same round but up to 25 s apart, read
+    0.85-1.17 in one run; timed back to back, 0.94-1.04 (12 rounds). Returns {name:
+    {"median_sec", "all_sec", "minor_faults"}} for every variant and reference; a variant's
+    also has "beside": {reference: [the mean of its windows just before and just after
+    all_sec[i]]}."""
+    timings = {name: {"all_sec": [], "minor_faults": 0} for name in (*variants, *references)}
+    for name in variants:
+        timings[name]["beside"] = {ref: [] for ref in references_of(name)}
+
+    def timed(name: str, run) -> float:
+        before = minor_faults()
+        timings[name]["all_sec"].append(run())
+        timings[name]["minor_faults"] += minor_faults() - before
+        return timings[name]["all_sec"][-1]
+
+    for _ in range(repeats):
+        previous = None
+        for name in [*variants, None]:
+            owed = references_of(previous) if previous else ()  # the previous one's "after"
+            wanted = references_of(name) if name else ()
+            for ref in dict.fromkeys((*owed, *wanted)):
+                seconds = timed(ref, references[ref])
+                if ref in owed:
+                    pairs = timings[previous]["beside"][ref]
+                    pairs[-1] = (pairs[-1] + seconds) / 2
+                if ref in wanted:
+                    timings[name]["beside"][ref].append(seconds)
+            if name is not None:
+                timed(name, variants[name])
+                previous = name
+    for timing in timings.values():
+        timing["median_sec"] = statistics.median(timing["all_sec"])
+    return timings
+
+
 def timed_steps(step, state, batch, steps: int):
     """Runs `state, loss = step(state, batch)` `steps` times with at most as many steps
     outstanding as jddp's Trainer allows; returns (state, seconds)."""

@@ -6,15 +6,15 @@ modelled collective bytes against every compiled program's HLO.
 
 Calibrates the `cpu` profile first, in the same run (bench_results/cpu_profile.json: the
 machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tokens, vocabulary
-1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid and tensor meshes on 8
-simulated devices (one process; interleaved windows, medians; the calibration GPT's step, flat
-and stacked, is timed again in windows among theirs, and its time beside each layout's, round by
-round, sets the efficiency and stacked-layers slowdown of that layout's prediction; it is timed
-again after every 2-process launch, and its times after a layout's launches set that layout's
-2-process prediction), and on 2 processes x 2 devices
-(gloo between them; one launch per layout per round, rounds alternating the order), and
-prints each layout's predicted step next to the measured one. Pipelines (a stage axis) run
-1F1B over 4 micro-batches per step. `--bytes` compiles every
+1,024, global batch 32, AdamW, float32) under ddp, zero1/2/3, hybrid, tensor and pipeline
+meshes on 8 simulated devices in one process, and on 2 processes x 2 devices (gloo between
+them; one launch per layout per round, rounds alternating the order), and prints each
+layout's predicted step next to the measured one (medians of windows of `--steps` steps).
+Every window of a layout runs right between two windows of the calibration GPT (each device
+training its own copy; and its layers stacked, beside a pipeline) on the same devices, in the
+same process or processes: the calibration GPT's time beside each window sets the efficiency
+(and stacked-layers slowdown) of that layout's prediction. Pipelines (a stage axis) run 1F1B
+over 4 micro-batches per step. `--bytes` compiles every
 strategy and mesh of a tiny GPT on 8 simulated devices (with and without sequence
 parallelism) and checks that jddp/planner/comm.py's bytes per (axes, kind) equal the HLO's.
 """
@@ -127,69 +127,110 @@ def name_of(strategy, mesh):
 
 
 # ------------------------------------------------------------------------- measurements
-def in_process_seconds(repeats: int, steps: int, extra_windows=None) -> dict[str, tuple]:
-    """(median seconds, minor page faults, seconds in each round) per step of each in-process
-    layout and of each of
-    `extra_windows` ({name: a window of `steps` steps returning its seconds}), all windows
-    interleaved after a warm-up to the steady state (`common.warm_up`)."""
-    import jax
+def references_of(name: str) -> tuple[str, ...]:
+    """The calibration GPT windows a layout's windows are timed between: a pipeline's stages
+    run their layers stacked, and its prediction needs the stacked one's slowdown too."""
+    return (CALIBRATION_FLAT, CALIBRATION_STACKED) if "stage:" in name else (CALIBRATION_FLAT,)
 
+
+def calibration_windows(devices, steps: int, stacked: bool = True) -> dict:
+    """{name: (a window of `steps` steps of the calibration GPT on `devices`, returning its
+    seconds; the planner's workload of it)}: each device trains its own copy
+    (`calibrate.gpt_copies_step`), flat and, with `stacked`, with its layers stacked."""
+    from jddp.planner.calibrate import gpt_copies_step
+
+    kinds = ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))[: 2 if stacked else 1]
+    out = {}
+    for name, scan_layers in kinds:
+        run, copies = gpt_copies_step(devices, scan_layers)
+        out[name] = (steps_window(run, steps), copies)
+    return out
+
+
+def timed_between_references(
+    runs: dict[str, list], references: dict, repeats: int, steps: int, agree=all, start=None
+) -> dict[str, dict]:
+    """Per step of each layout in `runs` ({name: [trainer, state, placed batch]}) and of each
+    reference window: {name: {"seconds": median, "faults": minor page faults, "rounds": each
+    window's, and for a layout "beside": {reference: the mean of its windows just before and
+    after each of the layout's}}}, after a warm-up to the steady state (`common.warm_up`).
+    `start()`, if given, runs before every window, untimed."""
     from experiments.bench import common
+
+    windows = common.trainer_windows(runs, steps)
+    if start is not None:
+        windows, references = (
+            {n: _after(start, w) for n, w in d.items()} for d in (windows, references)
+        )
+    common.warm_up(windows | references, agree)
+    timings = common.between_references(windows, references, references_of, repeats)
+    return {
+        name: {
+            "seconds": t["median_sec"] / steps,
+            "faults": t["minor_faults"] / (len(t["all_sec"]) * steps),
+            "rounds": [s / steps for s in t["all_sec"]],
+            "beside": {r: [s / steps for s in b] for r, b in t.get("beside", {}).items()},
+        }
+        for name, t in timings.items()
+    }
+
+
+def _after(start, window):
+    def run() -> float:
+        start()
+        return window()
+
+    return run
+
+
+def in_process_timings(repeats: int, steps: int, references: dict) -> dict[str, dict]:
+    """`timed_between_references` for every in-process layout on this process's 8 devices."""
+    import jax
 
     runs = {}
     for strategy, mesh in IN_PROCESS:
         trainer = make_trainer(strategy, mesh, jax.devices())
         state = trainer.init(seed=0, sample_batch=batch())
         runs[name_of(strategy, mesh)] = [trainer, state, trainer.place_batch(batch())]
-    windows = common.trainer_windows(runs, steps) | (extra_windows or {})
-    common.warm_up(windows)
-    timings = common.interleaved_medians(windows, repeats)
-    return {
-        name: (*_per_step(t, repeats, steps), [s / steps for s in t["all_sec"]])
-        for name, t in timings.items()
-    }
-
-
-def _per_step(timing: dict, repeats: int, steps: int) -> tuple[float, float]:
-    """(median seconds, minor page faults) per step of `timing` (interleaved_medians')."""
-    return timing["median_sec"] / steps, timing["minor_faults"] / (repeats * steps)
+    return timed_between_references(runs, references, repeats, steps)
 
 
 def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
-    """One process of a 2 x 2 run: median seconds and page faults per step over `repeats`
-    windows, after a warm-up to the steady state."""
+    """One process of a 2 x 2 run: the layout's windows, each between windows of the
+    calibration GPT on the job's 4 devices (its copies need no communication: each process
+    runs its own 2, at the same time as the other's), as `timed_between_references`."""
     from jddp import runtime
 
     runtime.initialize()
     import jax
     from jax.experimental import multihost_utils
 
-    from experiments.bench import common
-
     trainer = make_trainer(strategy, mesh, jax.devices())
     part, parts = trainer.batch_part  # a stage axis across the processes: both read all rows
     rows = GLOBAL_BATCH // parts
     local = {k: v[part * rows : (part + 1) * rows] for k, v in batch().items()}
     state = trainer.init(seed=0, sample_batch=local)
-    placed = trainer.place_batch(local)
-
-    windows = common.trainer_windows({"launch": [trainer, state, placed]}, steps)
+    name = name_of(strategy, mesh)
+    runs = {name: [trainer, state, trainer.place_batch(local)]}
+    windows = calibration_windows(jax.devices(), steps, stacked=len(references_of(name)) > 1)
+    references = {ref: window for ref, (window, _) in windows.items()}
 
     def agree(settled):  # both processes must run the same windows
         return bool(multihost_utils.process_allgather(np.asarray(settled)).all())
 
-    common.warm_up(windows, agree)
-    timing = common.interleaved_medians(windows, repeats)["launch"]
-    seconds, faults = _per_step(timing, repeats, steps)
+    def start():  # a process that finished its copies first would time its wait in the next
+        multihost_utils.sync_global_devices("window")
+
+    timings = timed_between_references(runs, references, repeats, steps, agree, start)
     if jax.process_index() == 0:
-        print(f"RESULT {seconds} {faults}", flush=True)
+        print("RESULT " + json.dumps(timings), flush=True)
 
 
-def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> dict[str, list]:
-    """{layout: [(median seconds, page faults of process 0) per step of each launch]},
-    launches alternating per round;
-    `after_each(layout)` runs after every launch."""
-    out = {name_of(s, m): [] for s, m in PROCESSES}
+def process_timings(rounds: int, repeats: int, steps: int) -> dict[str, dict]:
+    """{layout: its `timed_between_references` over all its launches on 2 processes x 2
+    devices (windows and their references joined, faults the worst launch's)}, launches
+    alternating per round."""
+    out = {}
     for round_index in range(rounds):
         order = PROCESSES if round_index % 2 == 0 else PROCESSES[::-1]
         for strategy, mesh in order:
@@ -202,10 +243,14 @@ def process_seconds(rounds: int, repeats: int, steps: int, after_each=None) -> d
             lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[0] RESULT ")]
             if not lines:
                 raise RuntimeError(f"{strategy} {mesh} failed:\n{result.stdout[-3000:]}")
-            seconds, faults = lines[-1].split()[2:]
-            out[name_of(strategy, mesh)].append((float(seconds), float(faults)))
-            if after_each:
-                after_each(name_of(strategy, mesh))
+            for name, timing in json.loads(lines[-1].split(" ", 2)[2]).items():
+                joined = out.setdefault(name, {"faults": 0.0, "rounds": [], "beside": {}})
+                joined["faults"] = max(joined["faults"], timing["faults"])
+                joined["rounds"] += timing["rounds"]
+                for ref, seconds in timing["beside"].items():
+                    joined["beside"].setdefault(ref, []).extend(seconds)
+    for timing in out.values():
+        timing["seconds"] = statistics.median(timing["rounds"])
     return out
 
 
@@ -245,7 +290,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3, help="launches per 2-process layout")
+    parser.add_argument("--rounds", type=int, default=2, help="launches per 2-process layout")
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--no-processes", action="store_true")
     parser.add_argument("--bytes", action="store_true")
@@ -269,7 +314,7 @@ def main():
         )
         return
 
-    from jddp.planner.calibrate import calibrate, gpt_copies_step
+    from jddp.planner.calibrate import calibrate
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
     from jddp.planner.timing import predict
 
@@ -277,57 +322,42 @@ def main():
     profile_file = os.path.join(args.out, "cpu_profile.json")
     _, measurements = calibrate(profile_file)
     profile = load_cpu_profile(profile_file)
-    start_efficiency, across_efficiency, between = profile.efficiency, None, {}
-    calibration = {
-        name: gpt_copies_step(jax.devices(), scan_layers)
-        for name, scan_layers in ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))
-    }
-    windows = {name: steps_window(run, args.steps) for name, (run, _) in calibration.items()}
-    measured = in_process_seconds(args.repeats, args.steps, windows)
-    profile = calibrated(profile, calibration, {n: measured[n][0] for n in calibration})
-    measurements["interleaved_gpt_step_seconds"] = [measured[n][0] for n in calibration]
-    # A reference window that takes page faults runs slow and skews every prediction.
-    calibration_faults = {n: measured[n][1] for n in calibration}
+    start_efficiency = profile.efficiency
+    windows = calibration_windows(jax.devices(), args.steps)
+    references = {name: window for name, (window, _) in windows.items()}
+    # The planner's view of the calibration GPT: the same rows on 8 devices or on 4.
+    calibration = {name: workload for name, (_, workload) in windows.items()}
+    measured = in_process_timings(args.repeats, args.steps, references)
+    medians = {n: measured[n]["seconds"] for n in calibration}
+    profile = calibrated(profile, calibration, medians, 8)
+    measurements["interleaved_gpt_step_seconds"] = list(medians.values())
     # The run's profile, from the medians; each prediction below uses the calibration GPT's
-    # time beside its own layout's instead, round by round.
+    # windows just before and after its layout's instead.
     save_cpu_profile(profile, measurements, profile_file)
 
     model = workload()
-
-    def calibrated_beside(seconds: list, reference: dict):
-        beside_seconds = {n: beside(seconds, reference[n]) for n in calibration}
-        return calibrated(profile, calibration, beside_seconds)
-
     rows = []
-    for strategy, mesh in IN_PROCESS:
-        name = name_of(strategy, mesh)
-        seconds, faults, rounds = measured[name]
-        beside_profile = calibrated_beside(rounds, {n: measured[n][2] for n in calibration})
-        p = predict(model, layout_of(strategy, mesh, 8), beside_profile, 8)
-        row = _row(name, "1 x 8", seconds, faults, p)
-        rows.append(row | {"rounds_ms": ms(rounds), "efficiency": beside_profile.efficiency})
+    layouts = [(s, m, "1 x 8", 8, 8, measured) for s, m in IN_PROCESS]
+    launched = {}
     if not args.no_processes:
-        # The calibration GPT again after every launch: the launches run later than the
-        # in-process windows, and the machine's speed drifts between the two parts.
-        between = {name: [] for name in calibration}
-        after = {name_of(s, m): {name: [] for name in calibration} for s, m in PROCESSES}
-
-        def time_calibration(layout):
-            for name, window in windows.items():
-                between[name].append(window() / args.steps)
-                after[layout][name].append(between[name][-1])
-
-        launches = process_seconds(args.rounds, args.repeats, args.steps, time_calibration)
-        across_efficiency = calibrated(
-            profile, calibration, {n: statistics.median(t) for n, t in between.items()}
-        ).efficiency
-        for strategy, mesh in PROCESSES:
-            name = name_of(strategy, mesh)
-            seconds, faults = zip(*launches[name], strict=True)
-            beside_profile = calibrated_beside(seconds, after[name])
-            p = predict(model, layout_of(strategy, mesh, 4), beside_profile, 2)
-            row = _row(name, "2 x 2", statistics.median(seconds), max(faults), p)
-            rows.append(row | {"rounds_ms": ms(seconds), "efficiency": beside_profile.efficiency})
+        launched = process_timings(args.rounds, args.repeats, args.steps)
+        layouts += [(s, m, "2 x 2", 4, 2, launched) for s, m in PROCESSES]
+    for strategy, mesh, processes, devices, per_host, timings in layouts:
+        timing = timings[name_of(strategy, mesh)]
+        beside_seconds = {
+            ref: beside(timing["rounds"], seconds) for ref, seconds in timing["beside"].items()
+        }
+        beside_profile = calibrated(profile, calibration, beside_seconds, devices)
+        p = predict(model, layout_of(strategy, mesh, devices), beside_profile, per_host)
+        row = _row(name_of(strategy, mesh), processes, timing["seconds"], timing["faults"], p)
+        rows.append(
+            row
+            | {
+                "rounds_ms": ms(timing["rounds"]),
+                "calibration_beside_ms": ms(timing["beside"][CALIBRATION_FLAT]),
+                "efficiency": beside_profile.efficiency,
+            }
+        )
     common.report(
         "planner",
         rows,
@@ -337,10 +367,14 @@ def main():
             "matmul_gflops": profile.peak_flops / 1e9,
             "efficiency": profile.efficiency,
             "efficiency_at_calibration": start_efficiency,
-            "efficiency_between_launches": across_efficiency,
-            "calibration_page_faults_per_step": calibration_faults,
-            "calibration_rounds_ms": {n: ms(measured[n][2]) for n in calibration},
-            "calibration_between_launches_ms": {n: ms(t) for n, t in between.items()},
+            "calibration_page_faults_per_step": {n: measured[n]["faults"] for n in calibration},
+            "calibration_rounds_ms": {n: ms(measured[n]["rounds"]) for n in calibration},
+            "calibration_in_launches_ms": {
+                n: ms(launched[n]["rounds"]) for n in calibration if n in launched
+            },
+            "calibration_in_launches_page_faults_per_step": {
+                n: launched[n]["faults"] for n in calibration if n in launched
+            },
             "load_average_start": load,
             "load_average_end": os.getloadavg()[0],
             "max_abs_error": max(abs(r["predicted_over_measured"] - 1) for r in rows),
@@ -362,29 +396,33 @@ def steps_window(run, steps: int):
 
 
 def beside(seconds: list, reference: list) -> float:
-    """The reference's seconds as they stood beside `seconds`, round by round: the median of
-    `seconds` over the median ratio of `seconds[i]` to `reference[i]`, each pair timed in the
-    same round. The machine's speed moves between rounds (the calibration GPT's rounds of one
-    run spread by 1.2-1.4x); a ratio inside a round cancels what moved."""
+    """The reference's seconds as they stood beside `seconds`: the median of `seconds` over
+    the median ratio of `seconds[i]` to `reference[i]`, the reference's time around window i
+    (`common.between_references`). The machine's speed moves within seconds (the calibration
+    GPT's windows of one run spread by 1.2-1.4x); a ratio of neighbours cancels what moved."""
     from experiments.bench import common
 
     pair = {"layout": {"all_sec": seconds}, "reference": {"all_sec": reference}}
     return statistics.median(seconds) / common.paired_ratio(pair, "reference", "layout")
 
 
-def calibrated(profile, calibration: dict, seconds: dict):
-    """`profile` with the efficiency and stacked-layers slowdown of the calibration GPT's
-    step `seconds` ({name: seconds}), timed among the layouts' own. The machine's speed drifts
-    within a run (two runs' calibrations, each timed once before the layouts, gave efficiencies
-    of 0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate
+def calibrated(profile, calibration: dict, seconds: dict, devices: int):
+    """`profile` with the efficiency (and, where `seconds` has the stacked one's, the
+    stacked-layers slowdown) of the calibration GPT's step `seconds` ({name: seconds}) on
+    `devices` devices (`calibration`: {name: its workload}). The machine's speed drifts within
+    a run (two runs' calibrations, each timed once before the layouts, gave efficiencies of
+    0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate
     the machine had while it was measured."""
     from jddp.planner.calibrate import efficiency_of
 
     def efficiency(name):
-        return efficiency_of(seconds[name], calibration[name][1], 8, profile)
+        return efficiency_of(seconds[name], calibration[name], devices, profile)
 
-    flat, stacked = efficiency(CALIBRATION_FLAT), efficiency(CALIBRATION_STACKED)
-    return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=flat / stacked)
+    flat = efficiency(CALIBRATION_FLAT)
+    if CALIBRATION_STACKED not in seconds:
+        return dataclasses.replace(profile, efficiency=flat)
+    slowdown = flat / efficiency(CALIBRATION_STACKED)
+    return dataclasses.replace(profile, efficiency=flat, stacked_layers_slowdown=slowdown)
 
 
 def ms(seconds: list) -> list:

@@ -314,7 +314,14 @@ def efficiency_of(seconds: float, workload, devices: int, profile) -> float:
         )
     matmul_seconds = seconds - memory_bound
     flops = workload.hardware_flops() * shape_slowdown(workload, layout, profile)
-    return min(1.0, flops / (matmul_seconds * profile.peak_flops))
+    efficiency = flops / (matmul_seconds * profile.peak_flops)
+    if efficiency > 1:  # a matmul rate measured in a slow spell (was capped at 1.0 silently)
+        raise JddpError(
+            f"the calibration GPT's matmuls ran at {flops / matmul_seconds / 1e9:.0f} GFLOP/s, "
+            f"faster than the {profile.peak_flops / 1e9:.0f} GFLOP/s measured as this machine's "
+            "matmul rate: the machine's load changed while calibrating; run --calibrate again"
+        )
+    return efficiency
 
 
 def gpt_copies_step(devices, scan_layers: bool = False):
@@ -364,7 +371,17 @@ def gpt_copies_step(devices, scan_layers: bool = False):
         out_specs=P("x"),
     )
     step = jax.jit(unstacked, donate_argnums=0)
-    placed = jax.device_put(batch, per_device)
+    # Each process places the rows of its own devices: the copies may span a job's processes.
+    per_copy = rows // n
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    local = {
+        k: np.concatenate([v[i * per_copy : (i + 1) * per_copy] for i in mine])
+        for k, v in batch.items()
+    }
+    placed = {
+        k: jax.make_array_from_process_local_data(per_device, v, batch[k].shape)
+        for k, v in local.items()
+    }
     holder = [copies]
 
     def run():
@@ -423,6 +440,10 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         int(n): {kind: {int(s): t for s, t in by_size.items()} for kind, by_size in v.items()}
         for n, v in _launch_gloo_worker().items()
     }
+    # Again, minutes later: a shared machine's slow spell can span a whole measurement (one
+    # calibration read 131 GFLOP/s and 23 GB/s where its neighbours read 385-438 and 42-43).
+    rate = max(rate, measured_matmul_rate(devices[0]))
+    bandwidth = max(bandwidth, memory_bandwidth())
     rings = ("all-reduce", "all-gather", "reduce-scatter")  # the common link: ring collectives
 
     def fitted(times, kinds):

@@ -151,9 +151,9 @@ def timed_between_references(
     runs: dict[str, list], references: dict, repeats: int, steps: int, agree=all, start=None
 ) -> dict[str, dict]:
     """Per step of each layout in `runs` ({name: [trainer, state, placed batch]}) and of each
-    reference window: {name: {"seconds": median, "faults": minor page faults, "rounds": each
-    window's, and for a layout "beside": {reference: the mean of its windows just before and
-    after each of the layout's}}}, after a warm-up to the steady state (`common.warm_up`).
+    reference window: {name: {"faults": minor page faults, "rounds": each window's seconds, and
+    for a layout "beside": {reference: the mean of its windows just before and after each of
+    the layout's}}}, after a warm-up to the steady state (`common.warm_up`).
     `start()`, if given, runs before every window, untimed."""
     from experiments.bench import common
 
@@ -166,7 +166,6 @@ def timed_between_references(
     timings = common.between_references(windows, references, references_of, repeats)
     return {
         name: {
-            "seconds": t["median_sec"] / steps,
             "faults": t["minor_faults"] / (len(t["all_sec"]) * steps),
             "rounds": [s / steps for s in t["all_sec"]],
             "beside": {r: [s / steps for s in b] for r, b in t.get("beside", {}).items()},
@@ -212,7 +211,9 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
     state = trainer.init(seed=0, sample_batch=local)
     name = name_of(strategy, mesh)
     runs = {name: [trainer, state, trainer.place_batch(local)]}
-    windows = calibration_windows(jax.devices(), steps, stacked=len(references_of(name)) > 1)
+    windows = calibration_windows(
+        jax.devices(), steps, stacked=CALIBRATION_STACKED in references_of(name)
+    )
     references = {ref: window for ref, (window, _) in windows.items()}
 
     def agree(settled):  # both processes must run the same windows
@@ -249,8 +250,6 @@ def process_timings(rounds: int, repeats: int, steps: int) -> dict[str, dict]:
                 joined["rounds"] += timing["rounds"]
                 for ref, seconds in timing["beside"].items():
                     joined["beside"].setdefault(ref, []).extend(seconds)
-    for timing in out.values():
-        timing["seconds"] = statistics.median(timing["rounds"])
     return out
 
 
@@ -328,7 +327,7 @@ def main():
     # The planner's view of the calibration GPT: the same rows on 8 devices or on 4.
     calibration = {name: workload for name, (_, workload) in windows.items()}
     measured = in_process_timings(args.repeats, args.steps, references)
-    medians = {n: measured[n]["seconds"] for n in calibration}
+    medians = {n: statistics.median(measured[n]["rounds"]) for n in calibration}
     profile = calibrated(profile, calibration, medians, 8)
     measurements["interleaved_gpt_step_seconds"] = list(medians.values())
     # The run's profile, from the medians; each prediction below uses the calibration GPT's
@@ -349,7 +348,8 @@ def main():
         }
         beside_profile = calibrated(profile, calibration, beside_seconds, devices)
         p = predict(model, layout_of(strategy, mesh, devices), beside_profile, per_host)
-        row = _row(name_of(strategy, mesh), processes, timing["seconds"], timing["faults"], p)
+        seconds = statistics.median(timing["rounds"])
+        row = _row(name_of(strategy, mesh), processes, seconds, timing["faults"], p)
         rows.append(
             row
             | {

@@ -249,3 +249,70 @@ def collectives_with_groups(hlo_text: str) -> list[tuple[str, int, list | None]]
         (op.kind, sum(op.sizes), None if op.groups is None else list(op.groups))
         for op in collective_ops(hlo_text)
     ]
+
+
+# -------------------------------------------------------------------------- memory traffic
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) "
+    r"(?P<op>[\w\-]+)\((?P<operands>.*?)\)(?P<rest>.*)$"
+)
+# What moves no data of its own (a view, a name, control) or is counted where it runs (a
+# loop's body, op by op).
+_NO_TRAFFIC = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "partition-id", "replica-id", "while", "call", "conditional",
+}  # fmt: skip
+_MATMUL = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"[^\"]*(?:matmul|gemm)")
+
+
+def _array_bytes(shape: str) -> int:
+    return sum(
+        DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(shape)
+    )
+
+
+def memory_traffic(hlo_text: str) -> int:
+    """Bytes one device's non-matmul ops read and write in one run of a compiled program: each
+    op of the entry computation and of its loops' bodies (times their trip counts), neither a
+    matmul (a dot, a convolution, or a fusion or library call holding one: those cost FLOPs)
+    nor a collective, counted as the bytes of its operands plus its result, as if none stayed
+    in a cache. What XLA fused counts once, at the fusion; a conditional's branches are not
+    counted (the planner reads programs without them: the calibration GPT's step)."""
+    computations: dict[str, list[str]] = {}
+    name = entry = None
+    for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start:
+            name = start.group(1)
+            computations[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            computations[name].append(line)
+    instructions = {
+        n: [m for m in map(_INSTRUCTION.match, lines) if m] for n, lines in computations.items()
+    }
+    sizes = {m["name"]: _array_bytes(m["shape"]) for ms in instructions.values() for m in ms}
+    runs, pending = {entry: 1}, [entry]
+    while pending:  # a loop inside a loop's body runs trips x trips
+        outer = pending.pop()
+        for m in instructions[outer]:
+            loop = _WHILE.search(" " + m.group(0).strip())
+            if loop:
+                runs[loop.group(1)] = runs[outer] * int(loop.group(2))
+                pending.append(loop.group(1))
+    total = 0
+    for comp, times in runs.items():
+        for m in instructions[comp]:
+            op = m["op"]
+            if op in _NO_TRAFFIC or op.removesuffix("-start").removesuffix("-done") in KINDS:
+                continue
+            called = re.search(r"calls=%?([\w.\-]+)", m["rest"])
+            body = "\n".join(computations.get(called.group(1), [])) if called else ""
+            if op in ("dot", "convolution") or _MATMUL.search(body + m["rest"]):
+                continue
+            operands = re.findall(r"%([\w.\-]+)", m["operands"])
+            total += times * (sizes[m["name"]] + sum(sizes.get(o, 0) for o in operands))
+    return total

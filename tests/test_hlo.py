@@ -65,3 +65,69 @@ def test_replica_groups_of_every_format_and_loop_trip_counts():
         (("fsdp",), "all-gather"): 128,
         (("data",), "all-reduce"): 64,
     }
+
+
+TRAFFIC = """
+%fused_scale (p0: f32[64,32], p1: f32[32]) -> f32[64,32] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %p1 = f32[32]{0} parameter(1)
+  %b = f32[64,32]{1,0} broadcast(%p1), dimensions={1}
+  ROOT %m = f32[64,32]{1,0} multiply(%p0, %b)
+}
+
+%fused_dot (q0: f32[64,32], q1: f32[32,16]) -> f32[64,16] {
+  %q0 = f32[64,32]{1,0} parameter(0)
+  %q1 = f32[32,16]{1,0} parameter(1)
+  ROOT %d = f32[64,16]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {
+  %t = (s32[], f32[64,32]{1,0}) parameter(0)
+  %v = f32[64,32]{1,0} get-tuple-element(%t), index=1
+  %twice = f32[64,32]{1,0} add(%v, %v)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %next = (s32[], f32[64,32]{1,0}) tuple(%i, %twice)
+}
+
+ENTRY %main (x: f32[64,32], s: f32[32], w: f32[32,16]) -> f32[64,16] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %s = f32[32]{0} parameter(1)
+  %w = f32[32,16]{1,0} parameter(2)
+  %n = f32[64,32]{1,0} fusion(%x, %s), kind=kLoop, calls=%fused_scale
+  %h = f32[64,16]{1,0} fusion(%n, %w), kind=kCustom, calls=%fused_dot
+  %plain = f32[64,16]{1,0} dot(%n, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %r = f32[64,16]{1,0} all-reduce(%h), channel_id=1, replica_groups={{0,1}}, to_apply=%sum
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,32]{1,0}) tuple(%zero, %n)
+  %loop = (s32[], f32[64,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[64,16]{1,0} copy(%r)
+}
+"""  # noqa: E501
+
+
+def test_memory_traffic_counts_non_matmul_ops_and_loop_trips():
+    """By hand: the scale fusion reads 64 x 32 and 32 floats and writes 64 x 32; the loop body's
+    add reads its operand twice and writes once, 3 trips; the copy reads and writes 64 x 16.
+    The dots (fused or not), the all-reduce, parameters, tuples and constants move nothing."""
+    from jddp.hlo import memory_traffic
+
+    scale = 4 * (64 * 32 + 32 + 64 * 32)
+    loop = 3 * 4 * 3 * 64 * 32
+    copy = 4 * 2 * 64 * 16
+    assert memory_traffic(TRAFFIC) == scale + loop + copy
+
+
+def test_memory_traffic_of_compiled_programs():
+    """What XLA:CPU compiles: an elementwise product of two float32[4096] reads both and
+    writes one; a matmul moves nothing the planner counts as memory traffic."""
+    import jax
+    import jax.numpy as jnp
+
+    from jddp.hlo import memory_traffic
+
+    vector = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    product = jax.jit(lambda a, b: a * b).lower(vector, vector).compile().as_text()
+    assert memory_traffic(product) == 3 * 4096 * 4
+    square = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    matmul = jax.jit(lambda a, b: a @ b).lower(square, square).compile().as_text()
+    assert memory_traffic(matmul) == 0

@@ -2,7 +2,7 @@
 modelled collective bytes against every compiled program's HLO.
 
     python -m experiments.bench.planner [--repeats 5] [--steps 3] [--out bench_results]
-        [--no-processes] [--bytes]
+        [--no-processes] [--bytes] [--traffic]
 
 Calibrates the `cpu` profile first, in the same run (bench_results/cpu_profile.json: the
 machine's speed moves with its load), then times a GPT 4 x 256 (8 heads, 128 tokens, vocabulary
@@ -17,6 +17,9 @@ same process or processes: the calibration GPT's time beside each window sets th
 over 4 micro-batches per step. `--bytes` compiles every
 strategy and mesh of a tiny GPT on 8 simulated devices (with and without sequence
 parallelism) and checks that jddp/planner/comm.py's bytes per (axes, kind) equal the HLO's.
+`--traffic` compiles this GPT's layouts without stages and the calibration GPT and prints the
+bytes each step's non-matmul ops move against the planner's count of them. Every window's time
+is written to planner_timings.json as soon as it is measured.
 """
 
 import argparse
@@ -142,8 +145,8 @@ def calibration_windows(devices, steps: int, stacked: bool = True) -> dict:
     kinds = ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))[: 2 if stacked else 1]
     out = {}
     for name, scan_layers in kinds:
-        run, copies = gpt_copies_step(devices, scan_layers)
-        out[name] = (steps_window(run, steps), copies)
+        copies = gpt_copies_step(devices, scan_layers)
+        out[name] = (steps_window(copies.run, steps), copies.workload)
     return out
 
 
@@ -285,6 +288,51 @@ def byte_check() -> list[dict]:
     return rows
 
 
+def traffic_check() -> list[dict]:
+    """The bytes each layout's compiled step (and the calibration GPT's) reads and writes
+    outside its matmuls and collectives (jddp/hlo.py `memory_traffic`), against what the
+    planner counts for it (jddp/planner/timing.py `memory_traffic`): the layouts without
+    stages (a pipeline's timetable runs in conditional branches, which the reader leaves out),
+    in one process on 8 devices and, as one process sees them, on 4."""
+    import jax
+
+    from jddp.hlo import memory_traffic
+    from jddp.planner.calibrate import gpt_copies_step
+    from jddp.planner.layouts import Layout
+    from jddp.planner.timing import memory_traffic as counted
+
+    model, b, rows = workload(), batch(), []
+
+    def row(name, devices, text, counted_bytes):
+        compiled = memory_traffic(text)
+        rows.append(
+            {
+                "layout": name,
+                "devices": devices,
+                "compiled_mib": compiled / 2**20,
+                "counted_mib": counted_bytes / 2**20,
+                "compiled_over_counted": compiled / counted_bytes,
+            }
+        )
+        print(rows[-1], flush=True)
+
+    for devices in (8, 4):
+        copies = gpt_copies_step(jax.devices()[:devices])
+        layout = Layout("ddp", data=devices)
+        row(
+            CALIBRATION_FLAT, devices, copies.compiled_text(), sum(counted(copies.workload, layout))
+        )
+        layouts = IN_PROCESS if devices == 8 else PROCESSES
+        for strategy, mesh in [e for e in layouts if "stage:" not in (e[1] or "")]:
+            trainer = make_trainer(strategy, mesh, jax.devices()[:devices])
+            step = trainer.strategy.lower_train_step(
+                trainer.abstract_state(b), trainer.strategy.abstract_batch(b)
+            )
+            traffic = sum(counted(model, layout_of(strategy, mesh, devices)))
+            row(name_of(strategy, mesh), devices, step.compile().as_text(), traffic)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -293,6 +341,7 @@ def main():
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--no-processes", action="store_true")
     parser.add_argument("--bytes", action="store_true")
+    parser.add_argument("--traffic", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -313,9 +362,15 @@ def main():
         )
         return
 
+    if args.traffic:
+        rows = traffic_check()
+        ratios = [r["compiled_over_counted"] for r in rows]
+        common.report("planner_traffic", rows, {"min": min(ratios), "max": max(ratios)}, args.out)
+        return
+
+    from jddp.errors import JddpError
     from jddp.planner.calibrate import calibrate
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
-    from jddp.planner.timing import predict
 
     load = os.getloadavg()[0]
     profile_file = os.path.join(args.out, "cpu_profile.json")
@@ -326,38 +381,25 @@ def main():
     references = {name: window for name, (window, _) in windows.items()}
     # The planner's view of the calibration GPT: the same rows on 8 devices or on 4.
     calibration = {name: workload for name, (_, workload) in windows.items()}
+    # Every window's time is kept as soon as it is measured: a fit refused below (an
+    # efficiency above 1, run AI) would otherwise lose half an hour of measurements.
+    timings_file = os.path.join(args.out, "planner_timings.json")
     measured = in_process_timings(args.repeats, args.steps, references)
-    medians = {n: statistics.median(measured[n]["rounds"]) for n in calibration}
-    profile = calibrated(profile, calibration, medians, 8)
-    measurements["interleaved_gpt_step_seconds"] = list(medians.values())
-    # The run's profile, from the medians; each prediction below uses the calibration GPT's
-    # windows just before and after its layout's instead.
-    save_cpu_profile(profile, measurements, profile_file)
-
-    model = workload()
-    rows = []
-    layouts = [(s, m, "1 x 8", 8, 8, measured) for s, m in IN_PROCESS]
+    _keep(timings_file, {"in_process": measured})
     launched = {}
     if not args.no_processes:
         launched = process_timings(args.rounds, args.repeats, args.steps)
-        layouts += [(s, m, "2 x 2", 4, 2, launched) for s, m in PROCESSES]
-    for strategy, mesh, processes, devices, per_host, timings in layouts:
-        timing = timings[name_of(strategy, mesh)]
-        beside_seconds = {
-            ref: beside(timing["rounds"], seconds) for ref, seconds in timing["beside"].items()
-        }
-        beside_profile = calibrated(profile, calibration, beside_seconds, devices)
-        p = predict(model, layout_of(strategy, mesh, devices), beside_profile, per_host)
-        seconds = statistics.median(timing["rounds"])
-        row = _row(name_of(strategy, mesh), processes, seconds, timing["faults"], p)
-        rows.append(
-            row
-            | {
-                "rounds_ms": ms(timing["rounds"]),
-                "calibration_beside_ms": ms(timing["beside"][CALIBRATION_FLAT]),
-                "efficiency": beside_profile.efficiency,
-            }
-        )
+        _keep(timings_file, {"in_process": measured, "processes": launched})
+    try:
+        rows, profile = _predictions(profile, calibration, measured, launched)
+    except JddpError as e:
+        sys.exit(f"error: {e} (every window's time is in {timings_file})")
+    measurements["interleaved_gpt_step_seconds"] = [
+        statistics.median(measured[n]["rounds"]) for n in calibration
+    ]
+    # The run's profile, from the medians; each prediction uses the calibration GPT's windows
+    # just before and after its layout's instead.
+    save_cpu_profile(profile, measurements, profile_file)
     common.report(
         "planner",
         rows,
@@ -381,6 +423,42 @@ def main():
         },
         args.out,
     )
+
+
+def _keep(path: str, timings: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(timings, f)
+
+
+def _predictions(profile, calibration: dict, measured: dict, launched: dict):
+    """(a row per layout: measured against predicted, the run's profile): the profile's
+    efficiency from the calibration GPT's median window; each row's from its neighbours."""
+    from jddp.planner.timing import predict
+
+    medians = {n: statistics.median(measured[n]["rounds"]) for n in calibration}
+    profile = calibrated(profile, calibration, medians, 8)
+    model = workload()
+    rows = []
+    layouts = [(s, m, "1 x 8", 8, 8, measured) for s, m in IN_PROCESS]
+    layouts += [(s, m, "2 x 2", 4, 2, launched) for s, m in PROCESSES if launched]
+    for strategy, mesh, processes, devices, per_host, timings in layouts:
+        timing = timings[name_of(strategy, mesh)]
+        beside_seconds = {
+            ref: beside(timing["rounds"], seconds) for ref, seconds in timing["beside"].items()
+        }
+        beside_profile = calibrated(profile, calibration, beside_seconds, devices)
+        p = predict(model, layout_of(strategy, mesh, devices), beside_profile, per_host)
+        seconds = statistics.median(timing["rounds"])
+        row = _row(name_of(strategy, mesh), processes, seconds, timing["faults"], p)
+        rows.append(
+            row
+            | {
+                "rounds_ms": ms(timing["rounds"]),
+                "calibration_beside_ms": ms(timing["beside"][CALIBRATION_FLAT]),
+                "efficiency": beside_profile.efficiency,
+            }
+        )
+    return rows, profile
 
 
 def steps_window(run, steps: int):

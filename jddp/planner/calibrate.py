@@ -33,6 +33,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -292,7 +294,7 @@ def gpt_efficiency(profile, devices, scan_layers: bool = False) -> tuple[float, 
     planner predicts for them) x the matmul rate. One device alone
     gets less out of a machine's cores than several at once, so it would mispredict every
     layout that runs them all."""
-    run, workload = gpt_copies_step(devices, scan_layers)
+    run, workload, _ = gpt_copies_step(devices, scan_layers)
     seconds = _median_seconds(run)
     return efficiency_of(seconds, workload, len(devices), profile), seconds
 
@@ -324,10 +326,15 @@ def efficiency_of(seconds: float, workload, devices: int, profile) -> float:
     return efficiency
 
 
-def gpt_copies_step(devices, scan_layers: bool = False):
-    """(run, workload): `run()` is one step of every device training its own copy of the
-    calibration GPT (see `gpt_efficiency`), finished when it returns; `workload` is the
-    planner's view of the same training."""
+class GptCopies(NamedTuple):
+    run: Callable[[], None]  # one step of every copy, finished when it returns
+    workload: Any  # the planner's view of the same training
+    compiled_text: Callable[[], str]  # the step's compiled HLO (what one device runs)
+
+
+def gpt_copies_step(devices, scan_layers: bool = False) -> GptCopies:
+    """Every device of `devices` training its own copy of the calibration GPT (see
+    `gpt_efficiency`)."""
     import jax
     import optax
     from jax.sharding import Mesh, NamedSharding
@@ -388,7 +395,11 @@ def gpt_copies_step(devices, scan_layers: bool = False):
         holder[0] = step(holder[0], placed)
         jax.block_until_ready(holder[0])
 
-    return run, model_workload(model, batch["inputs"][:1], rows, optimizer, min_shard_size=1)
+    def compiled_text() -> str:
+        return step.lower(holder[0], placed).compile().as_text()
+
+    workload = model_workload(model, batch["inputs"][:1], rows, optimizer, min_shard_size=1)
+    return GptCopies(run, workload, compiled_text)
 
 
 def _launch_gloo_worker(timeout: int = 300) -> dict:

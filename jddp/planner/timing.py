@@ -94,17 +94,23 @@ def shape_slowdown(workload: Workload, layout: Layout, profile: DeviceProfile) -
     return sum(m / profile.shape_rate(d) for m, d in dims) / sum(m for m, _ in dims)
 
 
+def memory_traffic(workload: Workload, layout: Layout) -> tuple[float, float]:
+    """(non-matmul ops, optimizer update): the bytes one device reads and writes per step, as
+    the planner counts them: each element read and written once per op."""
+    elementwise = workload.elementwise_bytes(
+        layout.tensor, layout.sequence_parallel, layout.batch_shards, layout.stage
+    )
+    state = state_bytes(workload, layout)
+    return elementwise, 2 * (state.params + state.optimizer) + state.grads
+
+
 def memory_bound_seconds(
     workload: Workload, layout: Layout, profile: DeviceProfile
 ) -> tuple[float, float]:
     """(non-matmul ops, optimizer update): one device's memory traffic per step over its
     memory bandwidth (simulated devices share the machine's: each gets 1 / devices of it)."""
     bandwidth = profile.memory_bandwidth / (layout.devices if profile.shared_compute else 1)
-    elementwise = workload.elementwise_bytes(
-        layout.tensor, layout.sequence_parallel, layout.batch_shards, layout.stage
-    )
-    state = state_bytes(workload, layout)
-    optimizer = 2 * (state.params + state.optimizer) + state.grads
+    elementwise, optimizer = memory_traffic(workload, layout)
     return elementwise / bandwidth, optimizer / bandwidth
 
 

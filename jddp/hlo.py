@@ -299,7 +299,7 @@ def memory_traffic(hlo_text: str) -> int:
     while pending:  # a loop inside a loop's body runs trips x trips
         outer = pending.pop()
         for m in instructions[outer]:
-            loop = _WHILE.search(" " + m.group(0).strip())
+            loop = _WHILE.search(m.group(0))
             if loop:
                 runs[loop.group(1)] = runs[outer] * int(loop.group(2))
                 pending.append(loop.group(1))

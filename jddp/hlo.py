@@ -21,6 +21,7 @@ DTYPE_BYTES = {
     "u8": 1,
     "s8": 1,
     "pred": 1,
+    "token": 0,  # after-all's ordering token: no data
 }
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _OP = re.compile(
@@ -103,6 +104,14 @@ def replica_groups(rest: str) -> tuple[tuple[int, ...], ...] | None:
     raise ValueError(f"cannot read the replica groups of: {rest[:200]}")
 
 
+def _array_sizes(shape: str) -> tuple[int, ...]:
+    """Bytes of each array of an HLO shape (one array, or a tuple's)."""
+    return tuple(
+        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(shape)
+    )
+
+
 def _executions(hlo_text: str) -> list[tuple[int, int]]:
     """[(offset where a computation starts, how many times a step runs it)], in text order,
     from the `while` loops' known trip counts (a loop inside a loop body multiplies)."""
@@ -124,10 +133,7 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     runs = _executions(hlo_text)
     found = []
     for match in _OP.finditer(hlo_text):
-        sizes = tuple(
-            DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-            for dtype, dims in _ARRAY.findall(match.group("shape"))
-        )
+        sizes = _array_sizes(match.group("shape"))
         executions = next((n for start, n in reversed(runs) if start < match.start()), 1)
         groups = replica_groups(match.group("rest"))
         found.append(CollectiveOp(match.group("kind"), sizes, groups, executions))
@@ -265,13 +271,6 @@ _NO_TRAFFIC = {
 _MATMUL = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"[^\"]*(?:matmul|gemm)")
 
 
-def _array_bytes(shape: str) -> int:
-    return sum(
-        DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-        for dtype, dims in _ARRAY.findall(shape)
-    )
-
-
 def memory_traffic(hlo_text: str) -> int:
     """Bytes one device's non-matmul ops read and write in one run of a compiled program: each
     op of the entry computation and of its loops' bodies (times their trip counts), neither a
@@ -294,7 +293,7 @@ def memory_traffic(hlo_text: str) -> int:
     instructions = {
         n: [m for m in map(_INSTRUCTION.match, lines) if m] for n, lines in computations.items()
     }
-    sizes = {m["name"]: _array_bytes(m["shape"]) for ms in instructions.values() for m in ms}
+    sizes = {m["name"]: sum(_array_sizes(m["shape"])) for ms in instructions.values() for m in ms}
     runs, pending = {entry: 1}, [entry]
     while pending:  # a loop inside a loop's body runs trips x trips
         outer = pending.pop()

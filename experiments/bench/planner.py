@@ -368,6 +368,7 @@ def main():
         common.report("planner_traffic", rows, {"min": min(ratios), "max": max(ratios)}, args.out)
         return
 
+    from jddp import cli
     from jddp.errors import JddpError
     from jddp.planner.calibrate import calibrate
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
@@ -393,7 +394,7 @@ def main():
     try:
         rows, profile = _predictions(profile, calibration, measured, launched)
     except JddpError as e:
-        sys.exit(f"error: {e} (every window's time is in {timings_file})")
+        cli.fail(f"{e} (every window's time is in {timings_file})")
     measurements["interleaved_gpt_step_seconds"] = [
         statistics.median(measured[n]["rounds"]) for n in calibration
     ]

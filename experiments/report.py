@@ -144,13 +144,17 @@ def _numbers(row: dict) -> list[tuple[str, float]]:
     ]
 
 
-def draw_bench(plt, bench_dir: str, out: str) -> str | None:
+def bench_tables(bench_dir: str) -> dict[str, list[dict]]:
+    """{name: rows} of every benchmark JSON in `bench_dir` that holds a table."""
     tables = {}
     for path in sorted(glob.glob(os.path.join(bench_dir, "*.json"))):
-        with open(path) as f:
-            document = json.load(f)
+        document = _json(path, whole=True)
         if isinstance(document, dict) and document.get("rows"):
             tables[os.path.basename(path)[:-5]] = document["rows"]
+    return tables
+
+
+def draw_bench(plt, tables: dict[str, list[dict]], out: str) -> str | None:
     if not tables:
         return None
     fig, axes = _axes(plt, len(tables), 1, width=9.0, height=3.2)
@@ -174,11 +178,23 @@ def draw_bench(plt, bench_dir: str, out: str) -> str | None:
     return path
 
 
-def draw_curves(plt, workdirs: list[str], out: str) -> str:
+def read_metrics(workdir: str) -> list[dict]:
+    return _json(os.path.join(workdir, "metrics.jsonl"), whole=False)
+
+
+def _json(path: str, whole: bool):
+    """A JSON file's document (`whole`) or a JSON-lines file's records; a ValueError naming
+    the file if it is not JSON."""
+    with open(path) as f:
+        try:
+            return json.load(f) if whole else [json.loads(line) for line in f if line.strip()]
+        except ValueError as e:
+            raise ValueError(f"{path} is not JSON ({e})") from None
+
+
+def draw_curves(plt, runs: dict[str, list[dict]], out: str) -> str:
     fig, (loss, evals) = _axes(plt, 1, 2)
-    for workdir in workdirs:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    for workdir, records in runs.items():
         name = os.path.basename(os.path.normpath(workdir))
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
         if train:
@@ -219,13 +235,9 @@ def main(argv=None) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         parser.exit(2, "error: matplotlib is not installed; pip install -e .[plots]\n")
-    for workdir in filter(None, args.workdirs.split(",")):
-        if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-            parser.exit(2, f"error: {workdir!r} has no metrics.jsonl; pass a run's workdir\n")
+    # Everything is read before the first picture is written: a mistake costs nothing.
+    config, best, tables, runs = _read_inputs(parser, args)
     os.makedirs(args.out, exist_ok=True)
-    config = load_config(args.config)
-    counts = [2**k for k in range(3, 11) if 2**k <= args.max_devices]
-    best = scaling(config, args.device, args.devices_per_host, counts, args.batch_per_device)
     batch = (
         f"{args.batch_per_device} sequences per device"
         if args.batch_per_device
@@ -237,14 +249,45 @@ def main(argv=None) -> list[str]:
     written = draw_scaling(plt, best, title, args.out)
     if not args.no_published:
         written.append(draw_published(plt, args.out))
-    if bench := draw_bench(plt, args.bench, args.out):
-        written.append(bench)
-    workdirs = [w for w in args.workdirs.split(",") if w]
-    if workdirs:
-        written.append(draw_curves(plt, workdirs, args.out))
+    if tables:
+        written.append(draw_bench(plt, tables, args.out))
+    if runs:
+        written.append(draw_curves(plt, runs, args.out))
     for path in written:
         print(f"wrote {path}")
     return written
+
+
+def _read_inputs(parser, args):
+    """(the config, its best plans by kind and device count, the benchmark tables, each
+    workdir's metrics), or one line and exit code 2 naming what is wrong."""
+    from jddp.errors import JddpError
+    from jddp.fs import directory_problem
+
+    if problem := directory_problem(args.out, write=True):
+        parser.exit(2, f"error: --out {args.out!r} {problem}; pass a folder you can write to\n")
+    workdirs = [w for w in args.workdirs.split(",") if w]
+    for workdir in workdirs:
+        if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+            parser.exit(2, f"error: {workdir!r} has no metrics.jsonl; pass a run's workdir\n")
+    if not os.path.isfile(args.config):
+        parser.exit(
+            2,
+            f"error: --config {args.config!r} is not a file; pass an experiment "
+            "config such as experiments/configs/gpt_1b.py\n",
+        )
+    counts = [2**k for k in range(3, 11) if 2**k <= args.max_devices]
+    try:
+        config = load_config(args.config)
+        best = scaling(config, args.device, args.devices_per_host, counts, args.batch_per_device)
+    except JddpError as e:
+        parser.exit(2, f"error: {e}\n")
+    try:
+        tables = bench_tables(args.bench)
+        runs = {workdir: read_metrics(workdir) for workdir in workdirs}
+    except (OSError, ValueError) as e:  # unreadable, or not JSON
+        parser.exit(2, f"error: {e}; --bench and --workdirs take jddp's outputs\n")
+    return config, best, tables, runs
 
 
 if __name__ == "__main__":

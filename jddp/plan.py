@@ -60,19 +60,22 @@ _UNITS |= {"GI": 2**30, "TI": 2**40}
 _TIME_UNITS = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
+_NUMBER = r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*"  # 450, 0.5, .5, 989e12, 3E-6
+
+
 def parse_amount(flag: str, text: str) -> float:
     """'80GB', '24GiB', '450e9', '450GB/s' -> a number of bytes (or bytes/s)."""
-    match = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*([KMGT]?I?)B?(?:/S)?\s*", text.upper())
+    match = re.fullmatch(_NUMBER + r"([KMGT]?I?)B?(?:/S)?\s*", text, re.IGNORECASE)
     if not match:
         fail(f"--{flag}={text!r} is not an amount; write e.g. 80GB, 24GiB, 450e9")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    return float(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
 def parse_seconds(flag: str, text: str) -> float:
-    match = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*(s|ms|us|ns)?\s*", text)
+    match = re.fullmatch(_NUMBER + r"(s|ms|us|ns)?\s*", text, re.IGNORECASE)
     if not match:
         fail(f"--{flag}={text!r} is not a duration; write e.g. 5us, 0.01ms, 3e-6")
-    return float(match.group(1)) * _TIME_UNITS[match.group(2) or ""]
+    return float(match.group(1)) * _TIME_UNITS[(match.group(2) or "").lower()]
 
 
 def device_profile():
@@ -273,7 +276,9 @@ def main(argv: list[str]) -> None:
     if _DEVICES.value < 1:
         fail(f"--devices={_DEVICES.value} must be at least 1")
     per_host = _DEVICES_PER_HOST.value
-    if per_host < 0 or (per_host and _DEVICES.value % min(per_host, _DEVICES.value)):
+    if per_host < 0:
+        fail(f"--devices_per_host={per_host} must be at least 1, or 0 for the device's usual host")
+    if per_host and _DEVICES.value % min(per_host, _DEVICES.value):
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
     if _TOP.value < 0:
         fail(f"--top={_TOP.value} must be a number of plans to show, or 0 for all of them")

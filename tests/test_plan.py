@@ -138,6 +138,26 @@ def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
     assert " over the 1.9 GiB of a device" in lines[0]
 
 
+def test_numbers_in_the_forms_the_help_shows():
+    """`--peak_flops=989e12` (the flag's own example) was refused as "not an amount; write e.g.
+    ... 450e9": the parser upper-cased the text and then looked for a lower-case exponent."""
+    result = run_plan(
+        "--devices=8", "--device=h100", "--peak_flops=989e12", "--bw_inter=0.05E3GB",
+        "--latency_intra=3E-6", "--device_memory=80GiB", "--json", "--top=1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["rows"]) == 1
+    for flag, value, words in [
+        ("--peak_flops", "1.2.3", "is not an amount"),
+        ("--latency_inter", "-1us", "is not a duration"),
+        ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
+    ]:
+        result = run_plan("--devices=8", f"{flag}={value}")
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flag}=") and words in lines[0]
+
+
 def test_a_negative_top_is_refused_in_one_line():
     """`--top=-3` once showed every plan but the last three, silently."""
     result = run_plan("--top=-3")

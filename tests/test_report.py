@@ -40,3 +40,43 @@ def test_a_workdir_without_metrics_is_refused(tmp_path, capsys):
         report.main([f"--out={tmp_path}", f"--workdirs={tmp_path}"])
     assert exit_info.value.code == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        ("out_is_a_file", "is a file; pass a folder you can write to"),
+        ("missing_config", "is not a file; pass an experiment config"),
+        ("unknown_device", "unknown --device='h1000'"),
+        ("bench_not_json", "planner.json is not JSON"),
+        ("metrics_not_json", "metrics.jsonl is not JSON"),
+    ],
+)
+def test_a_mistake_is_one_line_and_writes_nothing(tmp_path, capsys, mistake, message):
+    bench, workdir, out = tmp_path / "bench", tmp_path / "run", tmp_path / "out"
+    bench.mkdir()
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}))
+    args = {
+        "--out": str(out),
+        "--config": f"{REPO}/experiments/configs/gpt_124m.py",
+        "--max_devices": "8",
+        "--bench": str(bench),
+        "--workdirs": str(workdir),
+    }
+    if mistake == "out_is_a_file":
+        out.write_text("kept")
+    elif mistake == "missing_config":
+        args["--config"] = str(tmp_path / "gpt.py")
+    elif mistake == "unknown_device":
+        args["--device"] = "h1000"
+    elif mistake == "bench_not_json":
+        (bench / "planner.json").write_text("{")
+    else:
+        (workdir / "metrics.jsonl").write_text("loss 1.0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--no_published", *(f"{k}={v}" for k, v in args.items())])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert out.read_text() == "kept" if mistake == "out_is_a_file" else not out.exists()

@@ -109,6 +109,7 @@ def main():
     parser.add_argument("--every", type=int, nargs="+", default=[50, 25])
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", 8)
     scratch = tempfile.mkdtemp(prefix="jddp-bench-ckpt-")
     try:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 
 from jddp import device_peak
+from jddp.fs import directory_problem
 from jddp.host_memory import minor_faults
 from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
 
@@ -162,6 +163,20 @@ def dense_train_flops(layer_sizes: list[int], batch: int) -> dict[str, int]:
     return {"model": 6 * weights * batch, "executed": 6 * weights * batch - first_input_grad}
 
 
+def check_output_folder(path: str) -> None:
+    """Ends the benchmark in one line (exit code 2) if it could not write its results into
+    `path`: checked before measuring, which takes minutes, not at the first write."""
+    problem = directory_problem(path, write=True)
+    if problem:
+        _fail(f"--out {path!r} {problem}; pass a folder you can write to")
+
+
+def _fail(message: str) -> None:
+    from jddp.cli import fail  # needs ml_collections, which gpu_mfu's GPU machine may lack
+
+    fail(message)
+
+
 def report(name: str, rows: list[dict], extra: dict, out_dir: str) -> str:
     """Prints `rows` as an aligned table and `extra` as lines; writes both to OUT_DIR/NAME.json."""
     columns = list(rows[0])
@@ -172,10 +187,13 @@ def report(name: str, rows: list[dict], extra: dict, out_dir: str) -> str:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
     for key, value in extra.items():
         print(f"{key}: {_fmt(value)}")
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump({"rows": rows, **extra, "jax": jax.__version__}, f, indent=2)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"rows": rows, **extra, "jax": jax.__version__}, f, indent=2)
+    except OSError as e:  # a full disk, or a folder changed while measuring
+        _fail(f"cannot write {path}: {e.strerror}; the table above is what was measured")
     print(f"wrote {path}")
     return path
 

@@ -287,6 +287,8 @@ def main():
 
     from experiments.bench import common
 
+    common.check_output_folder(args.out)
+
     examples = GLOBAL_BATCH * args.steps
     rows, extra = [], {"repeats": args.repeats, "steps": args.steps}
     measured = two_processes(args.repeats, args.steps)

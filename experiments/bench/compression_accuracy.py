@@ -66,6 +66,7 @@ def main():
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         plan = [(v, 1) for v in VARIANTS] + [("float32", 2), ("bfloat16", 2)]

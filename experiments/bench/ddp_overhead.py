@@ -224,6 +224,7 @@ def main():
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--part", choices=["all", "single-device"], default="all")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     if args.part == "single-device":  # the child: print the figures as JSON for the parent
         print(json.dumps(single_device_flops(args.repeats, args.steps)))
         return

@@ -115,6 +115,8 @@ def main() -> None:
     import jax
 
     from experiments.bench import common
+
+    common.check_output_folder(args.out)
     from jddp.device_peak import peak_flops_per_device
 
     device = jax.devices()[0]

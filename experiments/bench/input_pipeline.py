@@ -145,6 +145,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="loader threads (data.threads)")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", 8)
     fashion = data.open_dataset(data.get_dataset("fashion_mnist"))
     rows, ratios = pipeline_against_resident_batch(fashion, args.repeats, args.steps, args.threads)

@@ -103,6 +103,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="steps per timed window")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
     rows = [
         row

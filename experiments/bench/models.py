@@ -162,6 +162,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds of 1 step")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", args.devices)
     if args.smoke:
         args.repeats, args.steps = 2, 1

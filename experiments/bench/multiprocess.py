@@ -171,6 +171,8 @@ def main():
 
     from experiments.bench import common
 
+    common.check_output_folder(args.out)
+
     times = {"jddp": [], "torch": []}
     for round_index in range(args.repeats):
         for framework in ("jddp", "torch") if round_index % 2 == 0 else ("torch", "jddp"):

@@ -261,6 +261,8 @@ def main():
         return
     from experiments.bench import common
 
+    common.check_output_folder(args.out)
+
     result = {}
     if "cores" in parts:
         child = subprocess.run(

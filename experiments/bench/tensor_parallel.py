@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="steps per timed window")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
+    common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (GLOBAL_BATCH, SEQ + 1)).astype(np.int32)

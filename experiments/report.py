@@ -74,6 +74,12 @@ def load_config(path: str):
     spec = importlib.util.spec_from_file_location("experiment_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        from jddp.errors import ConfigError
+
+        raise ConfigError(
+            f"config file {path!r} defines no get_config(); pass an experiment config"
+        )
     return module.get_config()
 
 

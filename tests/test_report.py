@@ -47,6 +47,7 @@ def test_a_workdir_without_metrics_is_refused(tmp_path, capsys):
     [
         ("out_is_a_file", "is a file; pass a folder you can write to"),
         ("missing_config", "is not a file; pass an experiment config"),
+        ("config_without_get_config", "defines no get_config()"),
         ("unknown_device", "unknown --device='h1000'"),
         ("bench_not_json", "planner.json is not JSON"),
         ("metrics_not_json", "metrics.jsonl is not JSON"),
@@ -68,6 +69,9 @@ def test_a_mistake_is_one_line_and_writes_nothing(tmp_path, capsys, mistake, mes
         out.write_text("kept")
     elif mistake == "missing_config":
         args["--config"] = str(tmp_path / "gpt.py")
+    elif mistake == "config_without_get_config":
+        args["--config"] = str(tmp_path / "gpt.py")
+        (tmp_path / "gpt.py").write_text("MODEL = 'gpt'\n")
     elif mistake == "unknown_device":
         args["--device"] = "h1000"
     elif mistake == "bench_not_json":

@@ -187,14 +187,22 @@ def report(name: str, rows: list[dict], extra: dict, out_dir: str) -> str:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
     for key, value in extra.items():
         print(f"{key}: {_fmt(value)}")
-    path = os.path.join(out_dir, f"{name}.json")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"rows": rows, **extra, "jax": jax.__version__}, f, indent=2)
-    except OSError as e:  # a full disk, or a folder changed while measuring
-        _fail(f"cannot write {path}: {e.strerror}; the table above is what was measured")
+    path = write_json(
+        os.path.join(out_dir, f"{name}.json"), {"rows": rows, **extra, "jax": jax.__version__}
+    )
     print(f"wrote {path}")
+    return path
+
+
+def write_json(path: str, document) -> str:
+    """Writes `document` to `path` (its folder made if missing); a failed write (a full disk, a
+    folder changed while measuring) ends the benchmark in one line, exit code 2."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=2)
+    except OSError as e:
+        _fail(f"cannot write {path}: {e.strerror}; what was measured so far is printed above")
     return path
 
 

@@ -16,7 +16,6 @@ to check the script without a GPU.
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -137,7 +136,10 @@ def main() -> None:
         rows.append(measure(attention, batch_size, args.small, device, peak))
         gc.collect()  # free this variant's state before the next one compiles
         # Saved after every variant: a run stopped by the time limit keeps what it measured.
-        save_json(args.out, name, rows, summary(device, peak, rows, started, args.small))
+        so_far = summary(device, peak, rows, started, args.small)
+        common.write_json(
+            os.path.join(args.out, f"{name}.json"), {"rows": rows, **so_far, "partial": True}
+        )
     common.report(name, rows, summary(device, peak, rows, started, args.small), args.out)
     if not any(isinstance(r["mfu"], float) for r in rows):
         sys.exit("error: every variant failed")
@@ -176,12 +178,6 @@ def summary(device, peak: float, rows: list[dict], started: float, small: bool) 
         "small": small,
         "wall_sec": time.perf_counter() - started,
     }
-
-
-def save_json(out_dir: str, name: str, rows: list[dict], extra: dict) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"rows": rows, **extra, "partial": True}, f, indent=2)
 
 
 if __name__ == "__main__":

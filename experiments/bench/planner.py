@@ -384,15 +384,15 @@ def main():
     references = {name: window for name, (window, _) in windows.items()}
     # The planner's view of the calibration GPT: the same rows on 8 devices or on 4.
     calibration = {name: workload for name, (_, workload) in windows.items()}
-    # Every window's time is kept as soon as it is measured: a fit refused below (an
-    # efficiency above 1, run AI) would otherwise lose half an hour of measurements.
+    # Every window's time is kept as soon as it is measured: a fit refused below (a step
+    # shorter than its memory traffic) would otherwise lose half an hour of measurements.
     timings_file = os.path.join(args.out, "planner_timings.json")
     measured = in_process_timings(args.repeats, args.steps, references)
-    _keep(timings_file, {"in_process": measured})
+    common.write_json(timings_file, {"in_process": measured})
     launched = {}
     if not args.no_processes:
         launched = process_timings(args.rounds, args.repeats, args.steps)
-        _keep(timings_file, {"in_process": measured, "processes": launched})
+        common.write_json(timings_file, {"in_process": measured, "processes": launched})
     try:
         rows, profile = _predictions(profile, calibration, measured, launched)
     except JddpError as e:
@@ -426,11 +426,6 @@ def main():
         },
         args.out,
     )
-
-
-def _keep(path: str, timings: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(timings, f)
 
 
 def _predictions(profile, calibration: dict, measured: dict, launched: dict):

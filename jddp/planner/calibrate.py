@@ -322,8 +322,9 @@ def efficiency_of(
     matmul_seconds = seconds - memory_bound
     flops = workload.hardware_flops() * shape_slowdown(workload, layout, profile)
     efficiency = flops / (matmul_seconds * profile.peak_flops)
-    if efficiency > 1 and not allow_above_one:  # a rate measured in a slow spell (was capped
-        # at 1.0 silently, which mispredicted every layout 1.4-2x)
+    # Above 1: a rate measured in a slow spell (once capped at 1.0 silently, which
+    # mispredicted every layout 1.4-2x).
+    if efficiency > 1 and not allow_above_one:
         raise JddpError(
             f"the calibration GPT's matmuls ran at {flops / matmul_seconds / 1e9:.0f} GFLOP/s, "
             f"faster than the {profile.peak_flops / 1e9:.0f} GFLOP/s measured as this machine's "

@@ -268,7 +268,7 @@ def _read_inputs(parser, args):
     """(the config, its best plans by kind and device count, the benchmark tables, each
     workdir's metrics), or one line and exit code 2 naming what is wrong."""
     from jddp.errors import JddpError
-    from jddp.fs import directory_problem
+    from jddp.runtime.fs import directory_problem
 
     if problem := directory_problem(args.out, write=True):
         parser.exit(2, f"error: --out {args.out!r} {problem}; pass a folder you can write to\n")

@@ -15,7 +15,7 @@ import sys
 
 from absl import app, flags, logging
 
-from jddp.cli import ConfigFlag, fail, quiet_library_logs
+from jddp.run.cli import ConfigFlag, fail, quiet_library_logs
 
 _CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
@@ -46,12 +46,18 @@ def _default_workdir(config_path: str) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; flags look like --config.KEY=VALUE")
+    # Before JAX starts its threads: XLA:CPU's step buffers then reuse freed host memory
+    # (jddp/runtime/host_memory.py). jddp's own entry points apply it; importing jddp does not.
+    from jddp.runtime import host_memory
+
+    host_memory.keep_freed_memory()
     # Imported here so that --help and flag errors answer without loading JAX.
     import jax
 
-    from jddp import runtime, supervise
     from jddp.errors import JddpError
-    from jddp.experiment import train_and_evaluate
+    from jddp.run.experiment import train_and_evaluate
+    from jddp.runtime import processes as runtime
+    from jddp.runtime import supervise
 
     workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
     quiet_library_logs()

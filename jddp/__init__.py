@@ -9,9 +9,10 @@ whole global batch under every strategy. `mesh="data:2,fsdp:2,tensor:2"` (with p
 lays the mesh strategies out over replicas, ZeRO shards and tensor parallelism.
 """
 
-from jddp import host_memory, losses
-from jddp.config import default_config
-from jddp.core import Task
+from jddp import losses
+from jddp.core.loss_scale import DynamicLossScale
+from jddp.core.state import TrainState
+from jddp.core.task import Task
 from jddp.errors import (
     CheckpointError,
     ConfigError,
@@ -22,15 +23,10 @@ from jddp.errors import (
     UsageError,
     WorkdirError,
 )
-from jddp.loss_scale import DynamicLossScale
-from jddp.sharding.mesh import DeviceMesh
-from jddp.state import TrainState
-from jddp.strategies import STRATEGIES, batch_axis_name, device_mesh_for
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.strategies import STRATEGIES, batch_axis_name, device_mesh_for
+from jddp.run.config import default_config
 from jddp.trainer import PlacedBatch, Trainer
-
-# Importing jddp starts no JAX backend: unless the program ran JAX before importing jddp, this
-# precedes JAX's threads (jddp/host_memory.py says why that matters).
-host_memory.keep_freed_memory()
 
 __version__ = "0.1.0"
 

@@ -20,9 +20,10 @@ import sys
 
 from absl import app, flags
 
-from jddp.cli import ConfigFlag, fail, quiet_library_logs
+from jddp.run.cli import ConfigFlag, fail, quiet_library_logs
 
-# The library's own defaults (jddp/config.py is a config file too): jddp never reads experiments/.
+# The library's own defaults (jddp/run/config.py is a config file too): jddp never reads
+# experiments/.
 CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "config.py"))
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices to plan for.")
 _DEVICES_PER_HOST = flags.DEFINE_integer(
@@ -114,7 +115,7 @@ def device_profile():
 
 # ------------------------------------------------------------------------------ output
 def _fmt_bytes(n: float) -> str:
-    from jddp.memory import format_bytes
+    from jddp.observe.memory import format_bytes
 
     return format_bytes(n)
 
@@ -206,10 +207,10 @@ def run_calibrate() -> None:
 
 
 def run_plan() -> None:
-    from jddp.config import validate
     from jddp.errors import JddpError
     from jddp.planner import search
     from jddp.planner.workload import from_config
+    from jddp.run.config import validate
 
     devices = _DEVICES.value
     profile = device_profile()

@@ -11,18 +11,18 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from jddp import hlo
-from jddp.core import PerExampleFn, Task, check_divisible, compute_dtype_of
+from jddp.core.loss_scale import DynamicLossScale
+from jddp.core.state import TrainState, arranged_like
+from jddp.core.task import PerExampleFn, Task, check_divisible, compute_dtype_of
 from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError, UsageError
-from jddp.loss_scale import DynamicLossScale
-from jddp.memory import peak_bytes, state_bytes_per_device
-from jddp.pipeline.options import PipelineOptions
-from jddp.sharding.mesh import DeviceMesh
-from jddp.sharding.rules import path_str
-from jddp.state import TrainState, arranged_like
-from jddp.strategies import device_mesh_for, make_strategy
-from jddp.strategies.compression import GradComm
+from jddp.observe import hlo
+from jddp.observe.memory import peak_bytes, state_bytes_per_device
+from jddp.parallel.compression import GradComm
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import path_str
+from jddp.parallel.strategies import device_mesh_for, make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
 # programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
@@ -56,19 +56,20 @@ class Trainer:
     and `grad_accum_steps` micro-batches, so results do not depend on the device count.
     `input_key` names the model's input entry, or a tuple of entries (positional inputs) or a
     dict of call argument -> entry (keyword inputs). `compute_dtype="float16"` scales the loss
-    dynamically (`loss_scaling`, see jddp/loss_scale.py).
+    dynamically (`loss_scaling`, see jddp/core/loss_scale.py).
 
     `strategy`: `ddp` (pmap over every device) or `zero1`, `zero2`, `zero3` (= `fsdp`),
     `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
     or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
-    `min_shard_size` elements replicated); see `jddp/strategies/zero.py` and
-    `jddp/sharding/rules.py`. A mesh with a `stage` axis pipelines the model's
-    `jddp.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer reducing
+    `min_shard_size` elements replicated); see `jddp/parallel/zero.py` and
+    `jddp/parallel/rules.py`. A mesh with a `stage` axis pipelines the model's
+    `jddp.parallel.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer
+    reducing
     over the axis `"batch"` (a pmap-era
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
     ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
-    `jddp/strategies/compression.py`.
+    `jddp/parallel/compression.py`.
     """
 
     def __init__(
@@ -303,7 +304,8 @@ class Trainer:
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
         """Bytes per device: the state's shards, the compiled step's peak (XLA's analysis), and
-        what its collectives move per step (`jddp.hlo.ring_bytes`; with a PowerSGD warm-up, the
+        what its collectives move per step (`jddp.observe.hlo.ring_bytes`; with a PowerSGD warm-up,
+        the
         compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)

@@ -13,7 +13,7 @@ os.environ.setdefault("TFDS_DATA_DIR", os.path.join(tempfile.gettempdir(), "jddp
 
 import jax  # noqa: E402
 
-import jddp  # noqa: E402, F401  (before the backend starts: jddp/host_memory.py)
+import jddp  # noqa: E402, F401  (before the backend starts: jddp/runtime/host_memory.py)
 
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
 

@@ -20,7 +20,8 @@ import jax
 from absl import app
 
 from experiments import train
-from jddp import checkpoint, models
+from jddp import models
+from jddp.checkpoints import store as checkpoint
 
 ENV = os.environ
 _calls = itertools.count()

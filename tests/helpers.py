@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from jddp import host_memory
+from jddp.runtime import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,8 +72,8 @@ def save_and_restore(writer, state, reader, sample_batch, directory: str, step: 
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
     `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns
     (step, state, meta)."""
-    from jddp.checkpoint import Checkpoints
-    from jddp.resume import restore_layout
+    from jddp.checkpoints.store import Checkpoints
+    from jddp.run.resume import restore_layout
 
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)

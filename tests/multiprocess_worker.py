@@ -6,7 +6,7 @@ ARGV[3], optional: more `jddp.Trainer` options as JSON (e.g. gradient compressio
 import json
 import sys
 
-from jddp import runtime
+from jddp.runtime import processes as runtime
 
 runtime.initialize()  # from the JDDP_* variables jddp-launch sets
 
@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp.checkpoint import shapes_by_path  # noqa: E402
+from jddp.checkpoints.store import shapes_by_path  # noqa: E402
 from tests.reference import (  # noqa: E402
     TENSOR_RULES,
     SmallNet,

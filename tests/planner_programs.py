@@ -5,14 +5,14 @@ import jax
 import numpy as np
 
 import jddp
-from jddp.core import init_compiler_options
+from jddp.core.task import init_compiler_options
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
-from jddp.objectives import OBJECTIVES
-from jddp.pipeline.options import PipelineOptions
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import fit_preset
+from jddp.parallel.strategies import device_mesh_for
 from jddp.planner.workload import model_workload
-from jddp.sharding.rules import fit_preset
-from jddp.strategies import device_mesh_for
+from jddp.run.objectives import OBJECTIVES
 from tests.tiny_gpt import BATCH, SEQ, VOCAB, WIDTH, adamw, token_batches
 
 LAYERS = 1  # one block shows every per-layer collective; fewer ops compile faster

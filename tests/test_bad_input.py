@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-import jddp.launch
+import jddp.runtime.launch
 from experiments.configs import digits_mlp
-from jddp import config as config_lib
 from jddp.errors import ConfigError, DataError, WorkdirError
-from jddp.experiment import train_and_evaluate
+from jddp.run import config as config_lib
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import assert_one_line, read_only_dir
 
 
@@ -121,7 +121,7 @@ def test_a_workdir_under_a_file_or_on_a_read_only_file_system_is_refused(tmp_pat
 def launch(capsys, *argv):
     """(exit code, stderr lines) of `jddp-launch ARGV`, run in this process."""
     try:
-        code = jddp.launch.main(list(argv))
+        code = jddp.runtime.launch.main(list(argv))
     except SystemExit as e:
         code = e.code
     return code, capsys.readouterr().err.strip().splitlines()

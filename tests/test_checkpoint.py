@@ -13,9 +13,9 @@ import pytest
 import jddp
 from experiments.configs import digits_mlp
 from jddp import data
+from jddp.checkpoints.weights import load_params
 from jddp.errors import TrainingHalted
-from jddp.experiment import train_and_evaluate
-from jddp.weights import load_params
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import run_cli, save_and_restore, snapshot
 from tests.reference import (
     SmallNet,

@@ -1,5 +1,5 @@
 """Compressed gradient communication on 8 simulated devices: bfloat16 reductions within the
-rounding bound derived in jddp/strategies/compression.py, under every strategy; PowerSGD equal to
+rounding bound derived in jddp/parallel/compression.py, under every strategy; PowerSGD equal to
 a single-device reference of the algorithm written here from the paper; collective bytes read
 from compiled HLO; PowerSGD's state restored onto another device count; bad settings refused."""
 
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jddp
-from jddp.checkpoint import Checkpoints
+from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError
 from tests.helpers import train_steps
 from tests.reference import (
@@ -108,7 +108,7 @@ def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
 
 class EvenNet(nn.Module):
     """Every parameter's size divides by 8 devices into slices of at least 3 values, so no
-    padding and no slice small enough for `jddp.hlo`'s scalar filter."""
+    padding and no slice small enough for `jddp.observe.hlo`'s scalar filter."""
 
     @nn.compact
     def __call__(self, x):

@@ -6,9 +6,9 @@ import optax
 
 from experiments.configs import cifar10_cnn, imagenet_cnn
 from jddp import data, losses, models
-from jddp.core import Task
-from jddp.experiment import train_and_evaluate
-from jddp.model_fit import check_model_fits
+from jddp.core.task import Task
+from jddp.run.experiment import train_and_evaluate
+from jddp.run.model_fit import check_model_fits
 from tests import fake_files
 
 

@@ -13,12 +13,12 @@ import pytest
 import requests
 
 from jddp import data, losses
-from jddp.core import Task
+from jddp.core.task import Task
 from jddp.data import text
 from jddp.data.shakespeare import TEST_WORKS
 from jddp.errors import ConfigError, DataError
-from jddp.model_fit import check_model_fits
 from jddp.models import create_model
+from jddp.run.model_fit import check_model_fits
 from tests import fake_files
 from tests.helpers import assert_one_line
 
@@ -276,7 +276,7 @@ def test_models_that_cannot_take_the_inputs_are_one_line(tmp_path):
 
 
 def test_options_come_from_the_data_config():
-    from jddp.config import default_config
+    from jddp.run.config import default_config
 
     config = default_config()
     assert data.DataOptions.from_config(config.data) == data.DataOptions()  # one set of defaults

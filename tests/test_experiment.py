@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import digits_cnn, digits_mlp
-from jddp.experiment import train_and_evaluate
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import run_cli
 
 

@@ -16,7 +16,7 @@ import pytest
 from experiments.configs import fashion_mnist_cnn
 from jddp import data
 from jddp.data.mnist import FashionMnist
-from jddp.experiment import train_and_evaluate
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import optimized_compiles
 from tests.test_multiprocess import launch
 

@@ -9,9 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jddp import device_peak, flops
 from jddp.models import GPT, MLP, ResNet
-from jddp.throughput import Throughput
+from jddp.observe import device_peak, flops
+from jddp.observe.throughput import Throughput
 
 
 def test_mlp_count_is_six_times_weights_times_examples():

@@ -13,7 +13,7 @@ import pytest
 import jddp
 from jddp import models
 from jddp.models import GPT
-from jddp.objectives import OBJECTIVES
+from jddp.run.objectives import OBJECTIVES
 from tests.helpers import train_steps
 from tests.reference import assert_trees_close, plain_training
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jddp.hlo import collectives, ring_bytes, total_bytes
+from jddp.observe.hlo import collectives, ring_bytes, total_bytes
 
 HLO = """
   %a = f32[1024,256]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%r
@@ -45,7 +45,7 @@ ENTRY %main (x: f32[32]) -> f32[32] {
 def test_replica_groups_of_every_format_and_loop_trip_counts():
     """Groups read as device ids (the mesh form with a transposed device order included), the
     mesh axes they span, and ops inside a loop counted once per trip."""
-    from jddp.hlo import bytes_by_axes, collective_ops, replica_groups
+    from jddp.observe.hlo import bytes_by_axes, collective_ops, replica_groups
 
     assert replica_groups("replica_groups=[2,4]<=[8], x") == ((0, 1, 2, 3), (4, 5, 6, 7))
     # iota(8) as (4, 2), transposed to (2, 4), read as groups of 2: (0, 2), (4, 6), ...
@@ -109,7 +109,7 @@ def test_memory_traffic_counts_non_matmul_ops_and_loop_trips():
     """By hand: the scale fusion reads 64 x 32 and 32 floats and writes 64 x 32; the loop body's
     add reads its operand twice and writes once, 3 trips; the copy reads and writes 64 x 16.
     The dots (fused or not), the all-reduce, parameters, tuples and constants move nothing."""
-    from jddp.hlo import memory_traffic
+    from jddp.observe.hlo import memory_traffic
 
     scale = 4 * (64 * 32 + 32 + 64 * 32)
     loop = 3 * 4 * 3 * 64 * 32
@@ -123,7 +123,7 @@ def test_memory_traffic_of_compiled_programs():
     import jax
     import jax.numpy as jnp
 
-    from jddp.hlo import memory_traffic
+    from jddp.observe.hlo import memory_traffic
 
     vector = jax.ShapeDtypeStruct((4096,), jnp.float32)
     product = jax.jit(lambda a, b: a * b).lower(vector, vector).compile().as_text()

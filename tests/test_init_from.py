@@ -18,11 +18,12 @@ from flax.training import checkpoints as flax_checkpoints
 from flax.training import train_state
 
 import jddp
-import jddp.weights
+import jddp.checkpoints.weights
 from experiments.configs import digits_mlp
-from jddp import data, optim, resume
+from jddp import data
 from jddp.errors import CheckpointError
-from jddp.experiment import build_trainer
+from jddp.run import optim, resume
+from jddp.run.factory import build_trainer
 from tests.helpers import assert_one_line, train_steps
 from tests.reference import assert_trees_close, per_example_ce
 
@@ -159,7 +160,7 @@ def test_init_from_finds_parameters_and_batch_statistics_by_name(tmp_path):
             step, state, _ = resume.restore_or_start(trainer, config, None, sample)
             assert step == 0
         else:  # its loading and placing, for the other writers (initializing is the slow part)
-            weights = jddp.weights.load_weights(folder)
+            weights = jddp.checkpoints.weights.load_weights(folder)
             params, model_state = weights.params, weights.model_state
             state = trainer.replace_state(state, params=params, model_state=model_state)
         host = trainer.host_state(state)

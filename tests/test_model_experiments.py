@@ -19,9 +19,10 @@ from experiments.configs import (
     imagenet_resnet50,
     shakespeare_gpt_tiny,
 )
-from jddp import config as config_lib
-from jddp import flops, models
-from jddp.experiment import train_and_evaluate
+from jddp import models
+from jddp.observe import flops
+from jddp.run import config as config_lib
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import run_cli
 
 

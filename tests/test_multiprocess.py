@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 import jddp
-import jddp.launch
-import jddp.supervise
+import jddp.runtime.launch
+import jddp.runtime.supervise
 from experiments.configs import digits_mlp
-from jddp import data, optim
-from jddp.checkpoint import Checkpoints
-from jddp.experiment import build_trainer
-from jddp.sharding.rules import nest_paths
-from jddp.weights import load_params
+from jddp import data
+from jddp.checkpoints.store import Checkpoints
+from jddp.checkpoints.weights import load_params
+from jddp.parallel.rules import nest_paths
+from jddp.run import optim
+from jddp.run.factory import build_trainer
 from tests.helpers import REPO
 from tests.reference import (
     SmallNet,
@@ -54,7 +55,7 @@ def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None
         [
             sys.executable,
             "-m",
-            "jddp.launch",
+            "jddp.runtime.launch",
             f"--nproc={nproc}",
             f"--devices_per_proc={devices_per_proc}",
             "--",
@@ -198,7 +199,7 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
         [
             sys.executable,
             "-m",
-            "jddp.launch",
+            "jddp.runtime.launch",
             "--nproc=2",
             "--devices_per_proc=1",
             "--",
@@ -232,7 +233,7 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
 def test_without_a_launcher_the_survivor_ends_in_one_line_naming_the_lost_process(tmp_path, lost):
     """Each process started by hand; one dies with its host (its whole session is SIGKILLed):
     the other ends, within the heartbeat timeout, in one line naming it, not in JAX's abort."""
-    port = jddp.launch.free_port()
+    port = jddp.runtime.launch.free_port()
     workdir = str(tmp_path / "run")
     processes = [
         subprocess.Popen(
@@ -265,7 +266,7 @@ def test_without_a_launcher_the_survivor_ends_in_one_line_naming_the_lost_proces
         for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-    assert survivor.returncode == jddp.supervise.LOST_PEER_EXIT_CODE, output
+    assert survivor.returncode == jddp.runtime.supervise.LOST_PEER_EXIT_CODE, output
     last = output.strip().splitlines()[-1]
     assert last.startswith(f"error: lost process {lost} of 2"), output
     assert "run the same command again" in last and "resumes from the newest checkpoint" in last

@@ -10,10 +10,10 @@ import optax
 import pytest
 
 import jddp
-from jddp import hlo
-from jddp.pipeline import engine
-from jddp.pipeline.options import PipelineOptions
-from jddp.pipeline.schedule import (
+from jddp.observe import hlo
+from jddp.parallel.pipeline import engine
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.pipeline.schedule import (
     BACKWARD_HIGH,
     FORWARD,
     SCHEDULES,

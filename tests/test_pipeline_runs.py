@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jddp.experiment import train_and_evaluate
-from jddp.pipeline import layouts
-from jddp.pipeline.options import PipelineOptions
-from jddp.weights import load_params
+from jddp.checkpoints.weights import load_params
+from jddp.parallel.pipeline import stage_layouts as layouts
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import save_and_restore
 from tests.reference import assert_trees_close
 from tests.test_multiprocess import launch

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 
 from experiments.configs import digits_mlp
-from jddp import data, optim
+from jddp import data
 from jddp.errors import ConfigError
-from jddp.experiment import build_trainer
 from jddp.planner import devices, published, search
 from jddp.planner.compiled import compiled_peaks
 from jddp.planner.layouts import Layout
-from jddp.planner.memory import state_bytes
+from jddp.planner.memory_model import state_bytes
 from jddp.planner.search import layouts_for
 from jddp.planner.workload import from_config
+from jddp.run import optim
+from jddp.run.factory import build_trainer
 from tests.helpers import REPO
 
 # digits_mlp: 64-256-256-10. Kernels of at least 4096 elements (64x256, 256x256) shard over the

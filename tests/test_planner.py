@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from jddp.errors import ConfigError
-from jddp.planner import devices, memory, network, pipeline, published, timing
+from jddp.planner import devices, network, published, timing
+from jddp.planner import memory_model as memory
+from jddp.planner import stages as pipeline
 from jddp.planner.layouts import Layout, candidates, factorizations
 from jddp.planner.workload import Transformer, Workload, transformer_params
 
@@ -286,7 +288,7 @@ def test_calibration_times_one_collective_per_block_each_waited_for():
 STREAM_FAULTS = """
 import json, resource
 import jddp
-from jddp.host_memory import minor_faults
+from jddp.runtime.host_memory import minor_faults
 from jddp.planner.calibrate import memory_stream
 stream, nbytes = memory_stream(64)
 stream()

@@ -1,5 +1,6 @@
 """The planner's collectives per mesh axis equal the compiled program's, byte for byte: the
-communication model (jddp/planner/comm.py, pipeline.py) against XLA's HLO (jddp/hlo.py). Five
+communication model (jddp/planner/comm.py, pipeline.py) against XLA's HLO (jddp/observe/hlo.py).
+Five
 programs cover every axis, ZeRO's gathers and scatters, sequence parallelism, gradients reduced
 in bfloat16, and pipelines with the backward in one tick and in two;
 experiments/bench/planner.py --bytes checks every layout without stages that compiles on 8
@@ -7,7 +8,7 @@ devices (ddp and zero1 included)."""
 
 import pytest
 
-from jddp.hlo import bytes_by_axes, collective_ops
+from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.planner import comm
 from jddp.planner.layouts import Layout
 from tests.planner_programs import compiled_text, tiny_workload

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from jddp.weights import load_params
+from jddp.checkpoints.weights import load_params
 from tests.helpers import REPO, snapshot
 
 FLAGS = [

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from jddp import runtime
 from jddp.errors import ConfigError
+from jddp.runtime import processes as runtime
 from tests.helpers import REPO
 
 PROBE = (

@@ -19,7 +19,7 @@ import pytest
 
 from experiments.configs import digits_mlp
 from jddp.errors import CheckpointError, WorkdirError
-from jddp.experiment import train_and_evaluate
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import REPO, assert_one_line, checkout_env, run_cli, snapshot
 
 SMALL = {

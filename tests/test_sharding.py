@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import jddp
-from jddp.hlo import collectives, total_bytes
-from jddp.memory import peak_bytes
+from jddp.observe.hlo import collectives, total_bytes
+from jddp.observe.memory import peak_bytes
 from tests.reference import (
     CLIP_NORM,
     SmallNet,

@@ -12,9 +12,9 @@ from flax import nnx
 
 import jddp
 from jddp.errors import ConfigError
-from jddp.memory import peak_bytes, state_bytes_per_device
 from jddp.models import create_model
-from jddp.sharding.mesh import DeviceMesh
+from jddp.observe.memory import peak_bytes, state_bytes_per_device
+from jddp.parallel.mesh import DeviceMesh
 from tests.helpers import run_cli
 from tests.reference import (
     TENSOR_RULES,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jddp
-from jddp.experiment import train_and_evaluate
-from jddp.weights import load_params
+from jddp.checkpoints.weights import load_params
+from jddp.run.experiment import train_and_evaluate
 from tests.helpers import save_and_restore
 from tests.reference import (
     TENSOR_RULES,
@@ -73,7 +73,9 @@ def test_two_processes_with_a_tensor_axis_train_what_one_process_trains(tmp_path
         per_example_ce,
         optimizer,
         strategy="zero3",
-        mesh=jddp.strategies.device_mesh_for("zero3", "fsdp:2,tensor:2", jax.devices()[:4]),
+        mesh=jddp.parallel.strategies.device_mesh_for(
+            "zero3", "fsdp:2,tensor:2", jax.devices()[:4]
+        ),
         rules=TENSOR_RULES,
         min_shard_size=1,
         grad_accum_steps=2,

@@ -8,9 +8,9 @@ import optax
 import jddp
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
-from jddp.objectives import OBJECTIVES
-from jddp.sharding.rules import fit_preset
-from jddp.strategies import device_mesh_for
+from jddp.parallel.rules import fit_preset
+from jddp.parallel.strategies import device_mesh_for
+from jddp.run.objectives import OBJECTIVES
 from tests.reference import assert_trees_close, plain_training
 
 LM = OBJECTIVES["language_model"]
@@ -190,7 +190,7 @@ def assert_copies_identical(tree):
 def tensor_group_ops(trainer, state, batch, tensor: int):
     """(kind, bytes) of every collective in the compiled step over groups of `tensor` devices
     (the tensor groups on a mesh whose other axes have another size)."""
-    from jddp.hlo import collectives
+    from jddp.observe.hlo import collectives
 
     placed = trainer.place_batch(batch).arrays
     text = trainer.strategy.lower_train_step(state, placed).compile().as_text()

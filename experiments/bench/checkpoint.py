@@ -21,7 +21,7 @@ import optax
 
 import jddp
 from experiments.bench import common
-from jddp.checkpoint import Checkpoints
+from jddp.checkpoints.store import Checkpoints
 from jddp.models import MLP
 
 MODELS = {"mlp-1.9M": (1024, 1024), "mlp-10M": (2048, 2048, 2048)}

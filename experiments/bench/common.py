@@ -9,10 +9,15 @@ from collections.abc import Callable
 
 import jax
 
-from jddp import device_peak
-from jddp.fs import directory_problem
-from jddp.host_memory import minor_faults
+from jddp.observe import device_peak
+from jddp.runtime import host_memory
+from jddp.runtime.fs import directory_problem
+from jddp.runtime.host_memory import minor_faults
 from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
+
+# Benchmarks are jddp's own programs: they run with the host-memory settings its CLI applies
+# (jddp/runtime/host_memory.py), before any JAX backend starts its threads.
+host_memory.keep_freed_memory()
 
 MATMUL_SIZE = device_peak.MATMUL_SIZE
 # A window that takes fewer fresh pages from the OS than this (10 MiB of 4 KiB pages) runs
@@ -172,7 +177,7 @@ def check_output_folder(path: str) -> None:
 
 
 def _fail(message: str) -> None:
-    from jddp.cli import fail  # needs ml_collections, which gpu_mfu's GPU machine may lack
+    from jddp.run.cli import fail  # needs ml_collections, which gpu_mfu's GPU machine may lack
 
     fail(message)
 

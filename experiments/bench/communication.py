@@ -17,7 +17,8 @@ global batch 128 of synthetic data, in two settings:
   one 64 MB bucket, see `torch_worker`).
 - 8 simulated devices in one process (jddp only: PyTorch has no simulated devices), variants
   interleaved in timed windows.
-Bytes per step and device use one convention (`jddp.hlo.ring_bytes`: an all-reduce moves twice
+Bytes per step and device use one convention (`jddp.observe.hlo.ring_bytes`: an all-reduce moves
+twice
 its size): jddp's are read from its compiled HLO; PyTorch's are counted from what its hooks send
 (float32 or bfloat16 buckets; PowerSGD's P and Q of the matrices its `_should_compress` picks,
 plus the rest).
@@ -103,7 +104,7 @@ def jddp_window(run: dict, steps: int) -> float:
 
 def jddp_worker(order: list[str], steps: int) -> dict:
     pin_to_own_core()
-    from jddp import runtime
+    from jddp.runtime import processes as runtime
 
     runtime.initialize()
     import jax

@@ -44,7 +44,7 @@ def run(variant: str, steps: int, processes: int, workdir: str) -> dict:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         command = train
     else:
-        launcher = [sys.executable, "-m", "jddp.launch", f"--nproc={processes}"]
+        launcher = [sys.executable, "-m", "jddp.runtime.launch", f"--nproc={processes}"]
         command = [*launcher, "--devices_per_proc=1", "--", *train]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=7200)

@@ -7,8 +7,8 @@ jddp's own step (the shared core under the ddp strategy on one device): GPT-2 sm
 float32 master weights, global-norm clipping, bfloat16 activations and matmuls. Variants
 (attention implementation x batch size) run in order of promise, none starting after
 `--budget-sec`; each compiles, warms up, then times 3 windows of 10 steps (median); the JSON is
-saved after each. MFU = model FLOPs
-(jddp/flops.py: 6 N tokens + attention) / step time / the datasheet peak (jddp/device_peak.py).
+saved after each. MFU = model FLOPs (jddp/observe/flops.py: 6 N tokens + attention) / step time
+/ the datasheet peak (jddp/observe/device_peak.py).
 A variant that fails (cuDNN attention unavailable, out of memory) is reported and skipped.
 `--small` runs a tiny GPT on whatever device there is (CPU: the measured matmul rate is the peak),
 to check the script without a GPU.
@@ -62,11 +62,11 @@ def make_variant(attention: str, batch_size: int, small: bool, device):
     import numpy as np
     import optax
 
-    from jddp import flops
-    from jddp.core import Task
+    from jddp.core.task import Task
     from jddp.models.gpt import GPT
-    from jddp.objectives import OBJECTIVES
-    from jddp.strategies import make_strategy
+    from jddp.observe import flops
+    from jddp.parallel.strategies import make_strategy
+    from jddp.run.objectives import OBJECTIVES
 
     if small:
         model = GPT(512, 2, 4, 128, max_seq_len=128, attention_impl=attention)
@@ -116,7 +116,7 @@ def main() -> None:
     from experiments.bench import common
 
     common.check_output_folder(args.out)
-    from jddp.device_peak import peak_flops_per_device
+    from jddp.observe.device_peak import peak_flops_per_device
 
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.small:

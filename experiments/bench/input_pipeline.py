@@ -21,8 +21,9 @@ import numpy as np
 import jddp
 from experiments.bench import common
 from experiments.configs import fashion_mnist_cnn
-from jddp import data, losses, models, optim
+from jddp import data, losses, models
 from jddp.data import transforms
+from jddp.run import optim
 
 WARMUP_STEPS = 3  # untimed steps at the start of each window
 

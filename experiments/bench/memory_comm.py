@@ -22,8 +22,8 @@ import optax
 
 import jddp
 from experiments.bench import common
-from jddp.hlo import collectives, ring_bytes
 from jddp.models import MLP
+from jddp.observe.hlo import collectives, ring_bytes
 
 MODELS = {"mlp-1.9M": (1024, 1024), "mlp-10M": (2048, 2048, 2048)}
 STRATEGIES = {

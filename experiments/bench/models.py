@@ -8,7 +8,7 @@
 One device-resident global batch per model, Adam, float32. For each model, the variants'
 timed windows (`steps` steps each) are interleaved with 2048^3 matmul windows, `repeats` rounds,
 order reversed every round; the fraction is the median over rounds of (model FLOP/s, all
-devices) / (matmul FLOP/s of one device in the same round). Model FLOPs are jddp/flops.py's:
+devices) / (matmul FLOP/s of one device in the same round). Model FLOPs are jddp/observe/flops.py's:
 remat's recomputation is not counted, so remat shows as a lower fraction. With `--devices` > 1
 the devices are simulated CPU devices sharing the same cores: the fraction is then of the whole
 machine. `--smoke` runs tiny sizes, to prove the benchmark works.
@@ -83,8 +83,8 @@ def make_case(name: str, smoke: bool) -> Case:
 def variant(case: Case, strategy: str, remat: bool, devices):
     """(one timed window of `steps` steps -> seconds per step, FLOPs per step) for one variant."""
     import jddp
-    from jddp import flops
-    from jddp.objectives import OBJECTIVES
+    from jddp.observe import flops
+    from jddp.run.objectives import OBJECTIVES
 
     objective = OBJECTIVES[case.kind]
     model = case.make(remat)

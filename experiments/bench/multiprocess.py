@@ -42,7 +42,7 @@ def pin_to_own_core() -> int:
 # --------------------------------------------------------------------------- workers
 def jddp_worker(steps: int) -> float:
     pin_to_own_core()
-    from jddp import runtime
+    from jddp.runtime import processes as runtime
 
     runtime.initialize()
     import jax
@@ -133,14 +133,15 @@ def torch_worker(steps: int) -> float:
 def launch(worker_args: list[str], module: str = "experiments.bench.multiprocess") -> str:
     """`python -m MODULE WORKER_ARGS` as 2 processes of 1 device under jddp-launch; returns
     what process 0 printed after `RESULT `. Either framework's processes start with the glibc
-    malloc settings `import jddp` makes (jddp/host_memory.py): PyTorch's steps page-fault the
+    malloc settings `import jddp` makes (jddp/runtime/host_memory.py): PyTorch's steps page-fault
+    the
     same way without them (2,500-19,000 faults a step of the communication benchmark's MLP)."""
-    from jddp.host_memory import ENVIRONMENT
+    from jddp.runtime.host_memory import ENVIRONMENT
 
     command = [
         sys.executable,
         "-m",
-        "jddp.launch",
+        "jddp.runtime.launch",
         "--nproc=2",
         "--devices_per_proc=1",
         "--",

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from jddp.cli import fail
+from jddp.run.cli import fail
 
 CORES_FLAGS = "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
 PARTS = ("simulated", "cores", "compile")
@@ -43,8 +43,8 @@ def gpt_trainer(
 
     import jddp
     from jddp.models import GPT
-    from jddp.objectives import OBJECTIVES
-    from jddp.pipeline.options import PipelineOptions
+    from jddp.parallel.pipeline.options import PipelineOptions
+    from jddp.run.objectives import OBJECTIVES
 
     objective = OBJECTIVES["language_model"]
     staged = mesh is not None and "stage" in mesh
@@ -168,8 +168,9 @@ def compile_times():
     import numpy as np
 
     from experiments.configs import gpt_124m
-    from jddp import data, optim
-    from jddp.experiment import build_trainer
+    from jddp import data
+    from jddp.run import optim
+    from jddp.run.factory import build_trainer
 
     rows = []
     for scan in (False, True):

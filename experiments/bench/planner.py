@@ -69,16 +69,16 @@ def layout_of(strategy: str, mesh: str | None, devices: int):
 
 
 def make_trainer(strategy: str, mesh: str | None, devices):
-    """The GPT under `strategy` on `mesh`, laid out as jddp.experiment.build_trainer lays it."""
+    """The GPT under `strategy` on `mesh`, laid out as jddp.run.factory.build_trainer lays it."""
     import optax
 
     import jddp
     from jddp.models import GPT
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
-    from jddp.objectives import OBJECTIVES
-    from jddp.pipeline import PipelineOptions
-    from jddp.sharding.rules import fit_preset
-    from jddp.strategies import device_mesh_for
+    from jddp.parallel.pipeline import PipelineOptions
+    from jddp.parallel.rules import fit_preset
+    from jddp.parallel.strategies import device_mesh_for
+    from jddp.run.objectives import OBJECTIVES
 
     layout, tensor_axis, staged = {}, None, False
     if strategy != "ddp":
@@ -104,8 +104,8 @@ def workload():
 
     from jddp.models import GPT
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
+    from jddp.parallel.rules import fit_preset
     from jddp.planner.workload import model_workload
-    from jddp.sharding.rules import fit_preset
 
     model = GPT(VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ)
     return model_workload(
@@ -201,7 +201,7 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
     """One process of a 2 x 2 run: the layout's windows, each between windows of the
     calibration GPT on the job's 4 devices (its copies need no communication: each process
     runs its own 2, at the same time as the other's), as `timed_between_references`."""
-    from jddp import runtime
+    from jddp.runtime import processes as runtime
 
     runtime.initialize()
     import jax
@@ -239,7 +239,8 @@ def process_timings(rounds: int, repeats: int, steps: int) -> dict[str, dict]:
         order = PROCESSES if round_index % 2 == 0 else PROCESSES[::-1]
         for strategy, mesh in order:
             command = [
-                sys.executable, "-m", "jddp.launch", "--nproc=2", "--devices_per_proc=2", "--",
+                sys.executable, "-m", "jddp.runtime.launch", "--nproc=2", "--devices_per_proc=2",
+                "--",
                 sys.executable, "-m", "experiments.bench.planner", "--worker",
                 json.dumps([strategy, mesh, repeats, steps]),
             ]  # fmt: skip
@@ -261,7 +262,7 @@ def byte_check() -> list[dict]:
     """Every layout of the tiny test GPT on 8 devices: modelled bytes vs the HLO's."""
     import jax
 
-    from jddp.hlo import bytes_by_axes, collective_ops
+    from jddp.observe.hlo import bytes_by_axes, collective_ops
     from jddp.planner import comm
     from jddp.planner.search import layouts_for
     from tests.planner_programs import compiled_text, tiny_workload
@@ -290,13 +291,13 @@ def byte_check() -> list[dict]:
 
 def traffic_check() -> list[dict]:
     """The bytes each layout's compiled step (and the calibration GPT's) reads and writes
-    outside its matmuls and collectives (jddp/hlo.py `memory_traffic`), against what the
+    outside its matmuls and collectives (jddp/observe/hlo.py `memory_traffic`), against what the
     planner counts for it (jddp/planner/timing.py `memory_traffic`): the layouts without
     stages (a pipeline's timetable runs in conditional branches, which the reader leaves out),
     in one process on 8 devices and, as one process sees them, on 4."""
     import jax
 
-    from jddp.hlo import memory_traffic
+    from jddp.observe.hlo import memory_traffic
     from jddp.planner.calibrate import gpt_copies_step
     from jddp.planner.layouts import Layout
     from jddp.planner.timing import memory_traffic as counted
@@ -370,10 +371,10 @@ def main():
         common.report("planner_traffic", rows, {"min": min(ratios), "max": max(ratios)}, args.out)
         return
 
-    from jddp import cli
     from jddp.errors import JddpError
     from jddp.planner.calibrate import calibrate
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
+    from jddp.run import cli
 
     load = os.getloadavg()[0]
     profile_file = os.path.join(args.out, "cpu_profile.json")

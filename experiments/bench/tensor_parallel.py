@@ -28,12 +28,12 @@ import optax
 
 import jddp
 from experiments.bench import common
-from jddp.hlo import collectives, ring_bytes
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
-from jddp.objectives import OBJECTIVES
-from jddp.sharding.rules import fit_preset, spec_axes
-from jddp.strategies import device_mesh_for
+from jddp.observe.hlo import collectives, ring_bytes
+from jddp.parallel.rules import fit_preset, spec_axes
+from jddp.parallel.strategies import device_mesh_for
+from jddp.run.objectives import OBJECTIVES
 
 LM = OBJECTIVES["language_model"]
 DEVICES, LAYERS, WIDTH, HEADS, VOCAB, SEQ, GLOBAL_BATCH = 8, 6, 384, 8, 1024, 128, 16

@@ -4,7 +4,7 @@ reads cifar-10-binary.tar.gz from --config.data.manual_dir."""
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

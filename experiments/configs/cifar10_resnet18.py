@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

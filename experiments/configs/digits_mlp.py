@@ -1,6 +1,6 @@
 """The default experiment: an MLP on the UCI digits that scikit-learn ships (no download)."""
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

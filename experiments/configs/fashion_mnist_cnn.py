@@ -3,7 +3,7 @@ the default. Offline, TFDS prepares it from Debian's `dataset-fashion-mnist` pac
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ corpus is added.
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

@@ -4,7 +4,7 @@ in --config.data.manual_dir (TFDS's manual download); JPEG decoding wants loader
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 
 def get_config():

@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from jddp.config import default_config
+from jddp.run.config import default_config
 
 STEPS_PER_EPOCH = 1251  # 1,281,167 training images / 1024
 

@@ -11,8 +11,8 @@ from jddp.data.datasets import (
     get_dataset,
     open_dataset,
 )
+from jddp.data.loader import TrainBatches, eval_batches, train_batches
 from jddp.data.padding import pad_batch
-from jddp.data.pipeline import TrainBatches, eval_batches, train_batches
 from jddp.data.prefetch import DevicePrefetch, prefetch_to_device
 
 __all__ = [

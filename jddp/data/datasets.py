@@ -22,13 +22,13 @@ from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
 from jddp.data.imagenet import Imagenet2012
+from jddp.data.loader import Transform, read_batch
 from jddp.data.mnist import FashionMnist, Mnist
-from jddp.data.pipeline import Transform, read_batch
 from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
 from jddp.data.source_files import LocalFilesBuilder
 from jddp.errors import ConfigError, DataError
-from jddp.fs import directory_problem
-from jddp.quiet import library_warnings_muted
+from jddp.runtime.fs import directory_problem
+from jddp.runtime.quiet import library_warnings_muted
 
 CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
 

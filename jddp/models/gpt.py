@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import tensor_parallel
-from jddp.pipeline.layers import Pipelined
+from jddp.parallel.pipeline.layers import Pipelined
 
 POSITIONS = ("learned", "rotary")
 ATTENTION_IMPLS = (None, "xla", "cudnn")
@@ -34,7 +34,7 @@ INIT_STD = 0.02  # GPT-2's initializer
 PER_LAYER, STACKED = "block_", "blocks"  # block_{i}/... per layer; blocks/... stacked
 
 # Megatron's layout, written for a mesh with fsdp and tensor axes (axes a mesh lacks are
-# dropped: jddp.sharding.rules.fit_preset). Rows or columns not split over tensor go over fsdp.
+# dropped: jddp.parallel.rules.fit_preset). Rows or columns not split over tensor go over fsdp.
 TENSOR_PARALLEL_RULES = (
     (r"token_embed/embedding$", "tensor,fsdp"),  # vocabulary-parallel embedding
     (r"attn/qkv/kernel$", "fsdp,tensor"),  # column split: whole heads per rank
@@ -151,13 +151,13 @@ class GPT(nn.Module):
     is `vocab_size=50257, num_layers=12, num_heads=12, embed_dim=768, max_seq_len=1024`.
 
     `remat=True` recomputes each block's activations in the backward pass (activation
-    checkpointing). `scan_layers=True` runs the blocks as one `nn.scan` (`jddp.pipeline.Pipelined`)
-    with their parameters stacked under `blocks/` (leading axis = layer): one block is compiled
-    instead of `num_layers`, and it is the layout pipeline parallelism splits into stages (a
-    mesh with a `stage` axis turns it on). `attention_impl`: None or "xla" (any device),
-    "cudnn" (fused flash attention on NVIDIA GPUs, bfloat16 only). Dropout (on embeddings and
-    residual branches, not on attention probabilities, so fused attention stays usable) draws
-    from the `dropout` RNG stream.
+    checkpointing). `scan_layers=True` runs the blocks as one `nn.scan`
+    (`jddp.parallel.pipeline.Pipelined`) with their parameters stacked under `blocks/` (leading axis
+    = layer): one block is compiled instead of `num_layers`, and it is the layout pipeline
+    parallelism splits into stages (a mesh with a `stage` axis turns it on). `attention_impl`: None
+    or "xla" (any device), "cudnn" (fused flash attention on NVIDIA GPUs, bfloat16 only). Dropout
+    (on embeddings and residual branches, not on attention probabilities, so fused attention stays
+    usable) draws from the `dropout` RNG stream.
 
     `tensor_axis` (set by jddp from the mesh) keeps the logits split over the vocabulary there;
     `sequence_parallel` also splits the residual stream along the sequence over it.

@@ -11,7 +11,8 @@
                     step and overhead per op fitted to the ring formulas of
                     jddp/planner/network.py
     inter-host      the same over 2 processes x 2 devices, gloo between them (started with
-                    jddp.launch on 127.0.0.1): what crosses "hosts" when a job runs as several
+                    jddp.runtime.launch on 127.0.0.1): what crosses "hosts" when a job runs as
+                    several
                     processes (every collective of such a job, on XLA:CPU)
     matmul shapes   every device at once through matmuls whose smallest dimension is 32 to
                     512: the rate by that dimension, relative to the widest (a tensor split
@@ -347,7 +348,7 @@ def gpt_copies_step(devices, scan_layers: bool = False) -> GptCopies:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jddp.core import jit_init
+    from jddp.core.task import jit_init
     from jddp.losses import token_cross_entropy
     from jddp.models import GPT
     from jddp.planner.workload import model_workload
@@ -411,7 +412,7 @@ def gpt_copies_step(devices, scan_layers: bool = False) -> GptCopies:
 
 def _launch_gloo_worker(timeout: int = 300) -> dict:
     command = [
-        sys.executable, "-m", "jddp.launch", f"--nproc={GLOO_PROCESSES}",
+        sys.executable, "-m", "jddp.runtime.launch", f"--nproc={GLOO_PROCESSES}",
         f"--devices_per_proc={GLOO_DEVICES_PER_PROCESS}", "--",
         sys.executable, "-m", "jddp.planner.calibrate", "--worker",
     ]  # fmt: skip
@@ -439,7 +440,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
     the process's simulated devices (jax_num_cpu_devices) set before the first JAX call."""
     import jax
 
-    from jddp.device_peak import measured_matmul_rate
+    from jddp.observe.device_peak import measured_matmul_rate
     from jddp.planner.devices import DeviceProfile, check_profile_path, save_cpu_profile
 
     devices = jax.devices()
@@ -520,7 +521,7 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
 
 
 def _worker() -> None:
-    from jddp import runtime
+    from jddp.runtime import processes as runtime
 
     runtime.initialize()
     import jax

@@ -1,7 +1,7 @@
 """The collectives one training step runs, per mesh axis: what each strategy communicates
-(jddp/strategies/zero.py, ddp.py) and what tensor parallelism adds (jddp/models/gpt.py), written
+(jddp/parallel/zero.py, ddp.py) and what tensor parallelism adds (jddp/models/gpt.py), written
 out op by op. The byte totals per (axes, kind) equal those read from the compiled HLO
-(jddp/hlo.py `bytes_by_axes`), exactly, on every mesh that compiles on 8 simulated devices
+(jddp/observe/hlo.py `bytes_by_axes`), exactly, on every mesh that compiles on 8 simulated devices
 (tests/test_planner_comm.py; all of them: experiments/bench/planner.py).
 
 Bytes are per device, counted as the HLO counts them: the result of each op (an all-gather's
@@ -72,7 +72,7 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
     def reduce(kind, axes, nbytes, count, what):  # a gradient reduction
         if not workload.grad_comm_bytes:
             return add(kind, axes, nbytes, count, BACKWARD, what)
-        # bfloat16 crosses as bit patterns (jddp/strategies/compression.py): an all-to-all of
+        # bfloat16 crosses as bit patterns (jddp/parallel/compression.py): an all-to-all of
         # the whole gradient and a float32 sum of the slice each device keeps ...
         if kind == "reduce-scatter":  # (`nbytes` is that slice)
             whole = nbytes * math.prod(layout.sizes[a] for a in axes)
@@ -150,14 +150,14 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
 def _pipeline_microbatches(workload: Workload, layout: Layout) -> int:
     if layout.stage == 1:
         return 1
-    from jddp.planner.pipeline import microbatches
+    from jddp.planner.stages import microbatches
 
     return microbatches(workload, layout)
 
 
 def step_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     """Every collective of one training step of `workload` under `layout`."""
-    from jddp.planner.pipeline import stage_collectives
+    from jddp.planner.stages import stage_collectives
 
     return (
         gradient_collectives(workload, layout)
@@ -177,7 +177,8 @@ def merged(collectives) -> list[Collective]:
 
 
 def bytes_by_axes(collectives) -> dict[tuple[tuple[str, ...], str], float]:
-    """{(axes, kind): bytes} over `collectives`, keyed as jddp.hlo.bytes_by_axes keys them."""
+    """{(axes, kind): bytes} over `collectives`, keyed as jddp.observe.hlo.bytes_by_axes keys
+    them."""
     totals: dict[tuple[tuple[str, ...], str], float] = {}
     for c in collectives:
         totals[(c.axes, c.kind)] = totals.get((c.axes, c.kind), 0) + c.total

@@ -11,28 +11,14 @@ from jddp.planner.layouts import Layout
 def compiled_peaks(config, layouts: list[Layout]) -> dict[str, int]:
     """{layout name: the compiled step's peak bytes per device} for the layouts jddp runs
     today (no stage axis); needs `jax.device_count()` equal to the layouts' devices."""
-    import jax
-    import numpy as np
 
-    from jddp import data, optim
     from jddp.errors import ConfigError
-    from jddp.experiment import build_trainer
-    from jddp.memory import peak_bytes
+    from jddp.observe.memory import peak_bytes
+    from jddp.run import factory
 
-    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
-    schedule = optim.learning_rate_schedule(config)
-    if dataset.kind == data.LANGUAGE_MODEL:
-        tokens = np.zeros((1, config.data.seq_len), np.int32)
-        sample = {"inputs": tokens, "targets": tokens}
-    else:  # one real example gives the shapes (the dataset is prepared if it is not yet)
-        options = data.DataOptions.from_config(config.data)
-        sample = data.open_dataset(dataset, options).sample_batch()
-    batch = {
-        name: jax.ShapeDtypeStruct(
-            (config.global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype
-        )
-        for name, x in sample.items()
-    }
+    dataset = factory.dataset_spec(config)
+    sample = factory.sample_batch(config, dataset)
+    batch = factory.global_batch_shapes(sample, config.global_batch_size)
     peaks = {}
     for layout in layouts:
         if layout.stage > 1:
@@ -41,7 +27,7 @@ def compiled_peaks(config, layouts: list[Layout]) -> dict[str, int]:
         variant.parallel.sequence_parallel = layout.sequence_parallel
         mesh = None if layout.strategy == "ddp" else layout.mesh_spec
         try:
-            trainer = build_trainer(variant, dataset, schedule, strategy=layout.strategy, mesh=mesh)
+            trainer = factory.build_trainer(variant, dataset, strategy=layout.strategy, mesh=mesh)
             state = trainer.abstract_state(sample)
         except ConfigError:
             continue  # the model does not split this way

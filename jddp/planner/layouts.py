@@ -1,6 +1,6 @@
 """The layouts to plan: a strategy on a `data x fsdp x tensor x stage` mesh.
 
-A layout names the mesh axes by role (jddp/sharding/mesh.py), major to minor in the order
+A layout names the mesh axes by role (jddp/parallel/mesh.py), major to minor in the order
 `stage, data, fsdp, tensor`: tensor varies fastest over the device list, so it stays inside a
 host; stage is outermost, so the pipeline crosses hosts (Megatron-LM's placement).
 """

@@ -7,9 +7,9 @@ import dataclasses
 from jddp.errors import ConfigError
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout, candidates
-from jddp.planner.memory import activation_bytes, gathered_bytes, state_bytes
-from jddp.planner.pipeline import check_stages, microbatches
+from jddp.planner.memory_model import activation_bytes, gathered_bytes, state_bytes
 from jddp.planner.shards import all_shards
+from jddp.planner.stages import check_stages, microbatches
 from jddp.planner.timing import predict
 from jddp.planner.workload import Workload
 

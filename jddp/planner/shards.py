@@ -1,6 +1,6 @@
 """Which mesh axes each parameter, gradient and optimizer moment is split over under a layout:
-the partition rules of jddp/sharding/rules.py applied to an abstract mesh (no devices), and the
-ZeRO stage's choice among them, as jddp/strategies/zero.py makes it:
+the partition rules of jddp/parallel/rules.py applied to an abstract mesh (no devices), and the
+ZeRO stage's choice among them, as jddp/parallel/zero.py makes it:
 
     zero1   parameters and gradients whole over fsdp, optimizer state split as the rules say
     zero2   gradients split too
@@ -18,10 +18,10 @@ import jax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.rules import mirror_specs, path_str, spec_axes, spec_for
 from jddp.planner.layouts import AXES, Layout
 from jddp.planner.workload import Workload, block_index
-from jddp.sharding.mesh import DeviceMesh
-from jddp.sharding.rules import mirror_specs, path_str, spec_axes, spec_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _param_table(workload: Workload) -> tuple[tuple[str, tuple[int, ...], int], 
 @functools.lru_cache(maxsize=64)
 def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
     """(index of the parameter a leaf mirrors, or None, its bytes) for every optimizer-state
-    leaf: the mapping of jddp.sharding.rules.mirror_specs, computed once (the default state is
+    leaf: the mapping of jddp.parallel.rules.mirror_specs, computed once (the default state is
     Adam's two float32 moments per parameter)."""
     if workload.opt_state is None:
         table = _param_table(workload)
@@ -95,7 +95,7 @@ def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
 
 @functools.lru_cache(maxsize=512)
 def _specs(workload: Workload, fsdp: int, tensor: int) -> tuple[P, ...]:
-    """Each parameter's spec by the rules (jddp.sharding.rules.spec_for, as param_specs)."""
+    """Each parameter's spec by the rules (jddp.parallel.rules.spec_for, as param_specs)."""
     mesh = abstract_mesh(Layout("zero3", fsdp=fsdp, tensor=tensor))
     rules = workload.rules_for(mesh)
     return tuple(

@@ -17,7 +17,7 @@ overlap     each collective by when it runs (jddp/planner/comm.py phases):
             collectives (`overlap=False`, the CPU) everything is exposed, as it is for the
             axes a workload names in `exposed_axes`.
 bubble      compute and critical communication run inside the pipeline, so its idle share
-            b (jddp/planner/pipeline.py) stretches them by b / (1 - b); on simulated devices
+            b (jddp/planner/stages.py) stretches them by b / (1 - b); on simulated devices
             sharing a machine's cores (`shared_compute`) an idle stage's ticks do no work and
             its cores serve the busy stages, so the bubble costs nothing there (measured:
             stage:4's step 3-18% slower than stage:2's in four runs of
@@ -35,9 +35,9 @@ import math
 from jddp.planner import comm
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout
-from jddp.planner.memory import state_bytes
+from jddp.planner.memory_model import state_bytes
 from jddp.planner.network import collective_time
-from jddp.planner.pipeline import bubble_fraction
+from jddp.planner.stages import bubble_fraction
 from jddp.planner.workload import Workload
 
 COMBINE_BYTES = 32 * 2**20  # per combined collective (XLA's combiners default to ~30 MiB)

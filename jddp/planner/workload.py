@@ -75,7 +75,7 @@ class Transformer:
         return (*((macs * self.layers, dim) for macs, dim in layer), head)
 
     def train_flops(self, sequences: int) -> float:
-        """Model FLOPs of a training step on `sequences` sequences (jddp/flops.py's
+        """Model FLOPs of a training step on `sequences` sequences (jddp/observe/flops.py's
         convention: 6 x matmul parameters x tokens + 12 x layers x heads x head size x
         sequence length x tokens)."""
         matmul = self.layers * self.layer_matmul_params() + self.width * self.vocab
@@ -147,7 +147,7 @@ def transformer_params(t: Transformer, dtype=np.float32) -> dict:
 class Workload:
     """One training step's shape. `params`: a tree of ShapeDtypeStructs; `rules_for(mesh)`:
     the partition rules a run on `mesh` (a DeviceMesh) uses; `model_flops`: the MFU numerator
-    per step (jddp/flops.py's convention)."""
+    per step (jddp/observe/flops.py's convention)."""
 
     name: str
     params: Any
@@ -162,10 +162,10 @@ class Workload:
     opt_state: Any = None  # ShapeDtypeStructs of the optimizer state; None: Adam's two moments
     comm_bytes: int = 0  # bytes per parameter / gradient element on the wire; 0: their own
     grad_comm_bytes: int = 0  # bytes per gradient element reduced (grad_comm_dtype); 0: as above
-    microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/pipeline.py)
+    microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/stages.py)
     virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
     pipeline_schedule: str = "1f1b"  # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
-    lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/pipeline.py)
+    lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/stages.py)
     vocab_parallel_loss: bool = False  # jddp's language-model loss and accuracy over tensor
     regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute
     recompute_drops_output: bool = True  # XLA skips a recomputed layer's last reduction
@@ -216,8 +216,8 @@ def model_workload(
     """The workload of training a Flax Linen `model` on `global_batch` examples shaped like
     `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None: Adam's
     two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
-    from jddp import flops
     from jddp.models import GPT
+    from jddp.observe import flops
 
     shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
     variables = jax.eval_shape(
@@ -256,29 +256,24 @@ def model_workload(
 def from_config(config) -> Workload:
     """The workload a jddp experiment config trains, from shapes only (a language model needs
     no data; other datasets give one example, preparing the dataset if it is not yet)."""
-    from jddp import data, models, optim
-    from jddp.sharding.rules import fit_preset
+    from jddp import models
+    from jddp.parallel.mesh import DeviceMesh
+    from jddp.run import factory, optim
 
-    dataset = data.get_dataset(config.dataset, config.data.get("text_file", ""))
+    dataset = factory.dataset_spec(config)
+    # Axis names as a data x fsdp x tensor mesh gives them: the layouts vary only the sizes.
+    tensor_axis = "tensor" if config.model in models.TENSOR_RULES else None
     model = models.create_model(
         config.model,
         dataset.num_classes,
         batch_axis_name=("data", "fsdp"),
-        tensor_axis="tensor" if config.model in models.TENSOR_RULES else None,
+        tensor_axis=tensor_axis,
         **config.model_args,
     )
-    if dataset.kind == data.LANGUAGE_MODEL:
-        sample_input = np.zeros((1, config.data.seq_len), np.int32)
-    else:
-        splits = data.open_dataset(dataset, data.DataOptions.from_config(config.data))
-        sample_input = splits.sample_batch()[dataset.input_key]
-    user_rules = tuple(tuple(rule) for rule in config.parallel.rules)
-    preset = models.TENSOR_RULES.get(config.model, ())
+    sample_input = factory.sample_batch(config, dataset)[dataset.input_key]
 
-    def rules_for(mesh):  # as jddp.experiment.build_trainer chooses them
-        if user_rules or mesh.size("tensor") == 1:
-            return user_rules
-        return fit_preset(preset, mesh)
+    def rules_for(mesh: DeviceMesh):  # what the trainer gets on that mesh
+        return factory.partition_rules(config, mesh)
 
     return model_workload(
         model,
@@ -289,7 +284,7 @@ def from_config(config) -> Workload:
         rules_for=rules_for,
         min_shard_size=config.parallel.min_shard_size,
         grad_accum_steps=config.grad_accum_steps,
-        compute_bytes=2 if config.compute_dtype == "bfloat16" else 4,
+        compute_bytes=factory.compute_bytes(config),
         grad_comm_bytes=2 if config.parallel.grad_comm_dtype == "bfloat16" else 0,
         microbatches=config.parallel.pipeline.microbatches,
         pipeline_schedule=config.parallel.pipeline.schedule,

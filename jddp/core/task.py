@@ -1,0 +1,353 @@
+"""The loss / gradient / update core that every strategy shares.
+
+Nothing here places data or talks to other devices: a strategy wraps these pure functions with its
+placement (pmap replicas, mesh shardings) and its collectives (pmean, reduce-scatter, all-gather).
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jddp.core.loss_scale import DynamicLossScale
+from jddp.core.modules import ModelInputs, as_functional
+from jddp.core.state import TrainState
+from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
+from jddp.errors import ConfigError, ShapeError
+from jddp.parallel.pipeline.layers import finding_stacks
+
+Batch = Mapping[str, jax.Array]
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype_of(name: str):
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(
+            f"unknown compute_dtype {name!r}; choose one of {', '.join(COMPUTE_DTYPES)}"
+        )
+    return COMPUTE_DTYPES[name]
+
+
+def cast_floats(tree, dtype):
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+    """What to train: a Flax module (Linen or NNX), a per-example loss on its outputs, an optax
+    optimizer.
+
+    Parameters and optimizer state stay float32; with `compute_dtype` bfloat16 or float16
+    parameters and inputs are cast on the way into the model (activations and matmuls in that
+    type) and outputs cast back to float32 before the loss, so gradients arrive in float32.
+    float16 also scales the loss (`loss_scaling`, default `DynamicLossScale()`).
+    `input_key` names the model's inputs (`jddp.core.modules.ModelInputs`); `train` /
+    `deterministic`
+    / NNX `rngs` arguments of `__call__` are filled in (jddp/core/modules.py).
+    Loss and metrics are means over the global batch, weighted where `weight_key` names a batch
+    entry of per-example weights or a function returns (weighted sums, weights) per example:
+    sum(w * l) / sum(w) over the whole global batch, whatever the device count and accumulation.
+    `regularizer(params) -> scalar` is added to the training loss (not to the `loss` metric, which
+    stays comparable with eval; it is logged as `regularizer`).
+    BatchNorm statistics: with `grad_accum_steps` > 1 they are those of each micro-batch (as in
+    PyTorch), and running averages are updated once per micro-batch.
+    """
+
+    model: Any  # a flax.linen.Module or a flax.nnx.Module instance (see jddp/core/modules.py)
+    loss_fn: PerExampleFn
+    optimizer: optax.GradientTransformation
+    metrics: Mapping[str, PerExampleFn] = dataclasses.field(default_factory=dict)
+    input_key: str | Sequence[str] | Mapping[str, str] = "image"
+    compute_dtype: Any = jnp.float32
+    grad_accum_steps: int = 1
+    log_grad_norm: bool = True
+    skip_nonfinite: bool = False
+    regularizer: Callable[[Any], jax.Array] | None = None
+    weight_key: str | None = None
+    loss_scaling: DynamicLossScale | None = None  # None: DynamicLossScale() for float16
+    # Axis names the model uses -> the strategy's axes they mean ({"batch": ("data", "fsdp")}).
+    axis_aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # (params, key) -> the strategy's gradient-communication state (PowerSGD's), like the
+    # optimizer's; None: an empty dict.
+    init_comm_state: Callable[[Any, jax.Array], Any] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise ConfigError(
+                f"grad_accum_steps must be a positive integer, got {self.grad_accum_steps!r}"
+            )
+        reserved = {"loss", "regularizer", "grad_norm", "loss_scale"} & set(self.metrics)
+        if reserved:
+            raise ConfigError(
+                f"metric name {sorted(reserved)[0]!r} is reserved for jddp's own; give the "
+                "metric another name"
+            )
+        if self.regularizer is not None and not callable(self.regularizer):
+            raise ConfigError(
+                f"regularizer must be a function of the parameters, got {self.regularizer!r}"
+            )
+        scaling = self.loss_scaling
+        if scaling is None and self.compute_dtype == jnp.float16:
+            scaling = DynamicLossScale()
+        object.__setattr__(self, "loss_scaling", scaling)
+        # Linen and NNX modules alike, as init -> (params, model_state) and apply.
+        object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
+        object.__setattr__(self, "inputs", ModelInputs.parse(self.input_key))
+        self.inputs.check_fits(self.model)
+        object.__setattr__(self, "stack", None)  # set by init_state
+
+    # ----------------------------------------------------------------------------- init
+    def init_state(self, seed_key: jax.Array, sample_inputs) -> TrainState:
+        """A fresh state from a PRNG key and the model's inputs for one example (a batch holding
+        the entries `input_key` names, or the one input array itself; its batch size does not
+        matter). Also notes where the model's `Pipelined` stack of layers is, if it has one
+        (`stack`)."""
+        params_key, dropout_key, step_key = jax.random.split(seed_key, 3)
+        args, kwargs = self._call_args(sample_inputs)
+        with finding_stacks() as stacks:
+            params, model_state = self._module.init(
+                {"params": params_key, "dropout": dropout_key}, args, kwargs
+            )
+        if len(stacks) > 1:
+            raise ConfigError(
+                "a model may hold one jddp.parallel.pipeline.Pipelined stack, not several"
+            )
+        object.__setattr__(self, "stack", stacks[0] if stacks else None)
+        comm_state = None
+        if self.init_comm_state is not None:
+            comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
+        return TrainState.create(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=model_state,
+            rng=jax.random.key_data(step_key),
+            loss_scale=self.loss_scaling.init() if self.loss_scaling else None,
+            comm_state=comm_state,
+        )
+
+    # -------------------------------------------------------------------------- forward
+    def _call_args(self, inputs) -> tuple[tuple, dict]:
+        """The model's call arguments from a batch, or from its one input array itself."""
+        if not isinstance(inputs, Mapping):
+            if len(self.inputs.entries) != 1:
+                raise ShapeError(
+                    f"the model takes the batch entries {list(self.inputs.entries)}: pass a "
+                    "batch holding them, not one array"
+                )
+            inputs = {self.inputs.entries[0]: inputs}
+        return self.inputs.call_args(inputs)
+
+    def batch_rows(self, batch: Batch) -> int:
+        """How many examples `batch` holds (the first model input's leading size)."""
+        return batch[self.inputs.entries[0]].shape[0]
+
+    def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
+        """Model outputs in float32 and the updated mutable collections."""
+        args, kwargs = self._call_args(cast_floats(self.model_inputs(batch), self.compute_dtype))
+        outputs, model_state = self._module.apply(
+            cast_floats(params, self.compute_dtype),
+            model_state,
+            args,
+            kwargs,
+            train=train,
+            rng=rng,
+        )
+        return cast_floats(outputs, jnp.float32), model_state
+
+    def model_inputs(self, batch: Batch) -> dict:
+        """The entries of `batch` the model takes."""
+        return {entry: batch[entry] for entry in self.inputs.entries}
+
+    def weighted_values(self, outputs, batch: Batch) -> dict[str, tuple[jax.Array, Any]]:
+        """`loss` and every metric per example as (weighted values, weights or None), see
+        jddp/core/weighted.py."""
+        fns = {"loss": self.loss_fn, **self.metrics}
+        return weighted_values(fns, outputs, batch, self.batch_rows(batch), self.weight_key)
+
+    def per_example(self, outputs, batch: Batch) -> dict[str, jax.Array]:
+        """`loss` and every metric, one unweighted value per example (what the pipeline engine
+        averages: it takes no weights)."""
+        values = {}
+        for name, (value, weight) in self.weighted_values(outputs, batch).items():
+            if weight is not None:
+                raise ConfigError(
+                    f"{name} is weighted, which pipeline parallelism does not take yet; drop "
+                    "weight_key and (sums, weights) pairs, or the mesh's stage axis"
+                )
+            values[name] = value
+        return values
+
+    # ------------------------------------------------------------------------- gradients
+    def _micro_grads(self, params, model_state, batch, rng, params_fn, scale):
+        def scaled_loss(params):
+            outputs, new_model_state = self.forward(
+                params_fn(params), model_state, batch, train=True, rng=rng
+            )
+            totals = Totals.of(self.weighted_values(outputs, batch))
+            loss = totals.sums["loss"]
+            return (loss if scale is None else loss * scale), (totals, new_model_state)
+
+        (_, (totals, model_state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, totals, model_state
+
+    def local_grads(
+        self, params, model_state, batch: Batch, rng: jax.Array, params_fn=None, loss_scale=None
+    ):
+        """(gradient, `Totals`, mutable collections) of `batch`, over `grad_accum_steps`
+        micro-batches: the gradient of the mean (weighted) loss, before `apply_gradients`
+        divides it by the mean weight and the loss scale.
+
+        No collective of its own: a strategy averages the result across devices once per step.
+        `params_fn` maps the state's parameters to the ones the model uses (ZeRO-3 gathers its
+        shards there); gradients are taken with respect to `params`. `loss_scale` is the state's
+        (float16: the loss is multiplied by its scale).
+        """
+        params_fn = params_fn or (lambda params: params)
+        scale = loss_scale["scale"] if self.loss_scaling else None
+        steps = self.grad_accum_steps
+        if steps == 1:
+            return self._micro_grads(params, model_state, batch, rng, params_fn, scale)
+        size = self.batch_rows(batch)
+        if size % steps:
+            raise ShapeError(
+                f"a device's batch of {size} examples does not split into {steps} micro-batches; "
+                "make global_batch_size divisible by devices x grad_accum_steps"
+            )
+        micro_batches = jax.tree.map(lambda x: x.reshape(steps, size // steps, *x.shape[1:]), batch)
+
+        def accumulate(carry, inputs):
+            grad_sum, totals_sum, model_state = carry
+            index, micro_batch = inputs
+            grads, totals, model_state = self._micro_grads(
+                params, model_state, micro_batch, jax.random.fold_in(rng, index), params_fn, scale
+            )
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (add(grad_sum, grads), add(totals_sum, totals), model_state), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(
+            lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale)[1]
+        )
+        totals_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (grad_sum, totals_sum, model_state), _ = jax.lax.scan(
+            accumulate,
+            (zeros, totals_zeros, model_state),
+            (jnp.arange(steps), micro_batches),
+        )
+        mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
+        return mean(grad_sum), mean(totals_sum), model_state
+
+    # ---------------------------------------------------------------------------- update
+    def apply_gradients(
+        self, state: TrainState, grads, model_state, totals: Totals, comm_state=None
+    ):
+        """The optimizer update with gradients and `Totals` already averaged over devices (and
+        the strategy's next `comm_state`, kept or dropped with the update; None: unchanged).
+
+        Divides the gradient by the mean loss weight and the loss scale, adds the regularizer's.
+        Counts a step whose loss (or gradient norm, when computed) is not finite in
+        `nonfinite_steps`; with `skip_nonfinite` such a step leaves parameters, optimizer state and
+        mutable collections as they were, on every device alike (the decision is made on the
+        averaged values). With loss scaling a step whose gradients are not finite is always
+        skipped and the scale lowered; it counts as non-finite only when its loss is, or the scale
+        is at its minimum. Adds `grad_norm` to metrics when `log_grad_norm`: one more pass over the
+        gradients, shared with clipping when the optimizer clips.
+        """
+        metrics = totals.means()
+        grads = self._unscaled(grads, totals, state.loss_scale)
+        if self.regularizer is not None:
+            penalty, penalty_grads = jax.value_and_grad(self.regularizer)(state.params)
+            grads = jax.tree.map(jnp.add, grads, penalty_grads)
+            metrics["regularizer"] = penalty
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        comm_state = state.comm_state if comm_state is None else comm_state
+        updated = (optax.apply_updates(state.params, updates), opt_state, model_state, comm_state)
+        finite = finite_loss = jnp.isfinite(metrics["loss"])
+        if self.log_grad_norm or self.skip_nonfinite or self.loss_scaling:
+            grad_norm = optax.global_norm(grads)
+            finite &= jnp.isfinite(grad_norm)
+            if self.log_grad_norm:
+                metrics["grad_norm"] = grad_norm
+        counted, loss_scale = ~finite, state.loss_scale
+        if self.loss_scaling:
+            metrics["loss_scale"] = loss_scale["scale"]  # the scale this step used
+            counted = ~finite_loss | (~finite & self.loss_scaling.at_minimum(loss_scale))
+            loss_scale = self.loss_scaling.update(loss_scale, finite)
+        if self.skip_nonfinite or self.loss_scaling:
+            kept = (state.params, state.opt_state, state.model_state, state.comm_state)
+            updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+        params, opt_state, model_state, comm_state = updated
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            nonfinite_steps=state.nonfinite_steps + counted.astype(jnp.int32),
+            loss_scale=loss_scale,
+            comm_state=comm_state,
+        )
+        return new_state, metrics
+
+    def _unscaled(self, grads, totals: Totals, loss_scale):
+        """The gradient of the mean loss: the averaged gradient over the mean loss weight and
+        the loss scale (untouched when there are neither)."""
+        divisor = totals.weights.get("loss")
+        if self.loss_scaling:
+            scale = loss_scale["scale"]
+            divisor = scale if divisor is None else divisor * scale
+        if divisor is None:
+            return grads
+        return jax.tree.map(lambda g: g / divisor, grads)
+
+    # ------------------------------------------------------------------------------ eval
+    def eval_sums(self, params, model_state, batch: Batch) -> dict:
+        """Over the examples whose `mask` is 1: `sums` of loss and each metric (weighted),
+        their `weights` (1 per example where unweighted), and the `count` of examples."""
+        outputs, _ = self.forward(params, model_state, batch, train=False)
+        return masked_sums(self.weighted_values(outputs, batch), batch["mask"])
+
+
+def check_divisible(
+    global_batch_size: int, num_devices: int, grad_accum_steps: int, what: str = "devices"
+) -> int:
+    """The per-device micro-batch size, or a ConfigError naming the sizes that do not divide
+    (`what` names `num_devices`: the parts each batch is split into)."""
+    parts = num_devices * grad_accum_steps
+    if global_batch_size < 1 or global_batch_size % parts:
+        below = global_batch_size // parts * parts
+        nearest = " or ".join(str(n) for n in (below, below + parts) if n > 0)
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} is not divisible by {what} x grad_accum_steps "
+            f"= {num_devices} x {grad_accum_steps} = {parts}; use a multiple of {parts}, "
+            f"e.g. {nearest}"
+        )
+    return global_batch_size // parts
+
+
+def check_rows_divide(rows: int, parts: int) -> None:
+    """A ShapeError unless a batch of `rows` examples splits evenly into `parts` slices."""
+    if rows % parts:
+        raise ShapeError(
+            f"a batch of {rows} examples does not split over {parts} devices; "
+            f"use a multiple of {parts}"
+        )
+
+
+def init_compiler_options() -> dict | None:
+    """XLA options for programs that run once, such as initialization: on CPU, no LLVM
+    optimization. Optimizing threefry's random-number kernels costs seconds per parameter tensor
+    on CPU (a small ResNet-18's init: 55 s to compile, 6 s without); the unoptimized program
+    runs in milliseconds to seconds."""
+    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+
+def jit_init(fn, *args, **jit_kwargs):
+    """`jax.jit(fn, **jit_kwargs)(*args)`, compiled with `init_compiler_options()`."""
+    return jax.jit(fn, **jit_kwargs).lower(*args).compile(init_compiler_options())(*args)

@@ -1,0 +1,115 @@
+"""Model FLOPs of one training step: analytic for the built-in models, XLA's count otherwise.
+
+Convention (the one MFU uses, PaLM appendix B): a matmul of (m, k) by (k, n) is 2mkn FLOPs; a
+training step is 3x the forward pass (the backward pass computes two matmuls per forward one);
+element-wise work (activations, normalization, softmax, optimizer) is not counted; activation
+recomputation (remat) is not counted either, so MFU does not reward it.
+
+- GPT: 6 x (matmul parameters) x tokens + 12 x layers x width x seq_len x tokens, where the
+  matmul parameters are the blocks' kernels and the output projection (tied or not), and the
+  attention term counts Q.K^T and attention x V over the whole (unmasked) T x T square.
+- Conv nets and MLPs: every `nn.Conv` and `nn.Dense` layer, 2 x outputs x kernel fan-in.
+- Any other module (your own Linen module, an NNX module): the FLOPs XLA counts in the compiled
+  forward pass (all ops, element-wise too), times 3.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+
+from jddp.core.modules import as_functional
+from jddp.models.cnn import CNN
+from jddp.models.gpt import GPT
+from jddp.models.mlp import MLP
+from jddp.models.resnet import ResNet
+
+LAYERWISE_MODELS = (MLP, CNN, ResNet)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one training step on a batch, and how they were counted."""
+
+    per_step: float
+    method: str  # "analytic (...)" or "xla"
+
+
+def gpt_matmul_params(model: GPT) -> int:
+    """Parameters that multiply activations: per block qkv, out, fc, proj kernels; the head."""
+    width, mlp = model.embed_dim, model.mlp_dim or 4 * model.embed_dim
+    per_block = width * 3 * width + width * width + 2 * width * mlp
+    return model.num_layers * per_block + width * model.vocab_size
+
+
+def gpt_train_flops(model: GPT, batch_size: int, seq_len: int) -> int:
+    """6 N T_total + 12 L d T T_total for `batch_size` sequences of `seq_len` tokens."""
+    tokens = batch_size * seq_len
+    attention = 12 * model.num_layers * model.embed_dim * seq_len
+    return (6 * gpt_matmul_params(model) + attention) * tokens
+
+
+def layerwise_forward_flops(model: nn.Module, sample_input, **call_kwargs) -> int:
+    """Forward FLOPs of every `nn.Dense` and `nn.Conv` call of a Linen model on `sample_input`
+    (shapes only: nothing is computed)."""
+    total = 0
+
+    def count(next_fun, args, kwargs, context):
+        nonlocal total
+        out = next_fun(*args, **kwargs)
+        module = context.module
+        if context.method_name == "__call__" and isinstance(module, nn.Dense | nn.Conv):
+            fan_in = args[0].shape[-1]
+            if isinstance(module, nn.Conv):
+                fan_in = math.prod(module.kernel_size) * fan_in // module.feature_group_count
+            total += 2 * math.prod(out.shape) * fan_in
+        return out
+
+    def init(inputs):
+        with nn.intercept_methods(count):
+            return model.init(jax.random.key(0), inputs, **call_kwargs)
+
+    jax.eval_shape(init, sample_input)
+    return total
+
+
+def xla_forward_flops(model, sample_input) -> float | None:
+    """FLOPs XLA counts in the forward pass of a Linen or NNX model, or None if it reports none.
+    Compiles the forward pass once."""
+    functional = as_functional(model)
+    params, model_state = jax.eval_shape(
+        lambda inputs: functional.init({"params": jax.random.key(0)}, (inputs,), {}), sample_input
+    )
+
+    def forward(params, model_state, inputs):
+        return functional.apply(params, model_state, (inputs,), {}, train=False)[0]
+
+    compiled = jax.jit(forward).lower(params, model_state, sample_input).compile()
+    return xla_flops(compiled)
+
+
+def xla_flops(compiled) -> float | None:
+    """The `flops` entry of a compiled program's cost analysis (a dict, or a list of one dict in
+    older JAX), or None."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list | tuple):
+        analysis = analysis[0] if analysis else {}
+    flops = (analysis or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+def train_step_flops(model, sample_batch_input) -> StepFlops | None:
+    """Model FLOPs of one training step on a batch like `sample_batch_input` (its whole batch:
+    pass the global batch for the global count). None if nothing can count them."""
+    batch_size = sample_batch_input.shape[0]
+    if isinstance(model, GPT):
+        flops = gpt_train_flops(model, batch_size, sample_batch_input.shape[1])
+        return StepFlops(flops, "analytic (6 N tokens + attention)")
+    if isinstance(model, LAYERWISE_MODELS):
+        kwargs = {"train": False} if isinstance(model, ResNet) else {}
+        forward = layerwise_forward_flops(model, sample_batch_input, **kwargs)
+        return StepFlops(3 * forward, "analytic (per layer)")
+    shape = jax.ShapeDtypeStruct(sample_batch_input.shape, sample_batch_input.dtype)
+    forward = xla_forward_flops(model, shape)
+    return StepFlops(3 * forward, "xla") if forward else None

@@ -1,0 +1,90 @@
+"""Where logged metrics go: `metrics.jsonl` and TensorBoard event files in the workdir."""
+
+import json
+import os
+
+from absl import logging
+from tensorboardX import SummaryWriter
+
+from jddp.errors import WorkdirError
+from jddp.runtime.quiet import drop_thread_errors, drop_unraisable
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard.
+
+    Only one process of a multi-process run should write: pass `enabled=False` elsewhere.
+    """
+
+    def __init__(self, workdir: str, *, start_step: int = 0, enabled: bool = True):
+        """Continues a run restored at `start_step`: records of later steps (written before the
+        run stopped, and about to be written again) are dropped from both."""
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        _drop_records_after(self.path, start_step)
+        self._file = open(self.path, "a")
+        self._tensorboard = SummaryWriter(
+            os.path.join(workdir, "tensorboard"), purge_step=start_step + 1
+        )
+
+    def write(self, step: int, metrics: dict) -> None:
+        """One record: numbers (ints stay ints), and JSON-able notes such as `config_changes`,
+        which only `metrics.jsonl` receives. A failed write (a full disk) is a WorkdirError."""
+        if not self.enabled:
+            return
+        record = {"step": int(step)}
+        for name, value in metrics.items():
+            record[name] = value if isinstance(value, int | dict | str) else float(value)
+        try:
+            # json writes floats with repr(): the shortest string that reads back bit-exactly.
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise WorkdirError(
+                f"could not write {self.path}: {e.strerror}; free space or move the workdir, "
+                "then run the same command to resume from the newest checkpoint"
+            ) from None
+        for name, value in record.items():
+            if name != "step" and isinstance(value, int | float):
+                tag = f"eval/{name[5:]}" if name.startswith("eval_") else f"train/{name}"
+                self._tensorboard.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        """Closes both; TensorBoard files that cannot be written any more (a full disk) are a
+        warning, not an error: metrics.jsonl holds every record."""
+        if not self.enabled:
+            return
+        try:
+            self._file.close()
+            self._tensorboard.close()
+        except OSError as e:
+            logging.warning("could not finish writing %s: %s", self.path, e.strerror)
+            # tensorboardX retries at exit and its writer thread fails: nothing new to say.
+            drop_unraisable("tensorboardX", lambda u: _from_tensorboardx(u.object))
+            drop_thread_errors("tensorboardX", lambda args: _from_tensorboardx(args.thread))
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+
+
+def _step_of(line: str) -> int | None:
+    try:  # a line torn by a crash mid-write has no step
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _from_tensorboardx(thing) -> bool:
+    module = getattr(thing, "__module__", "") or type(thing).__module__
+    return module.startswith("tensorboardX")

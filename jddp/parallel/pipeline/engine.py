@@ -1,0 +1,361 @@
+"""The pipeline engine: one replica's gradients, its model split into stages over a mesh axis.
+
+Runs inside the strategy's per-device program (a shard_map manual over `stage` and the batch
+axes; `tensor` stays with the compiler). Every device is one stage and holds that stage's layers
+of the `Pipelined` stack; the parts before and after the stack (embedding, head, loss) are
+replicated over the stages and run on the first and last stage only. A `lax.scan` over the
+schedule's ticks does, on every stage at once, what the timetable says (jddp/parallel/pipeline/
+schedule.py): a forward keeps `jax.vjp`'s residuals (less the stage's weights, which every
+micro-batch shares) in a stash slot, a backward calls the pullback with the cotangent from the
+next stage; activations go forward and cotangents back by one `ppermute` each per tick.
+Nothing is recomputed: the stash holds what an ordinary backward pass would, for the
+micro-batches in flight (GPipe: all M; 1F1B: at most S).
+
+Gradients are summed over micro-batches on each stage, the replicated parts' summed over the
+stages, and returned unreduced over the batch axes: the strategy reduces them once per step.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp.core.task import Task, cast_floats
+from jddp.errors import ShapeError
+from jddp.parallel.pipeline import layers
+from jddp.parallel.pipeline.schedule import (
+    BACKWARD_HIGH,
+    BACKWARD_LOW,
+    FORWARD,
+    Schedule,
+    bubble_fraction,
+)
+
+# What idle slots hold and idle sends carry. 0.0; the bubble test sets NaN to prove that no
+# idle value ever reaches a result.
+BUBBLE_FILL = 0.0
+
+
+def split_stack(params, path):
+    """(the stacked parameters at `path`, every other parameter)."""
+    rest = dict(params)
+    node = rest
+    for key in path[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    stacked = node.pop(path[-1])
+    return stacked, rest
+
+
+def join_stack(rest, stacked, path):
+    """`rest` with `stacked` put back at `path`."""
+    tree = dict(rest)
+    node = tree
+    for key in path[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    node[path[-1]] = stacked
+    return tree
+
+
+class Pipeline:
+    """The gradients of `task` on a replica's batch, over `schedule` on mesh axis `axis`."""
+
+    def __init__(self, task: Task, schedule: Schedule, axis: str):
+        self.task, self.schedule, self.axis = task, schedule, axis
+        self.stack = task.stack  # where the stacked layers are, and how many
+        self.layers_per_stage = self.stack.num_layers // schedule.stages
+        self._call = None  # the stack's block and extra arguments, found at the first trace
+
+    def describe(self) -> dict:
+        """The schedule, its micro-batches and the bubble fraction it implies (the log and
+        the first metrics record)."""
+        sched = self.schedule
+        return {
+            "pipeline_schedule": sched.name,
+            "pipeline_stages": sched.stages,
+            "pipeline_microbatches": sched.microbatches,
+            "pipeline_bubble": bubble_fraction(sched.stages, sched.microbatches),
+        }
+
+    def _find_call(self, rest, batch, rng) -> layers.StackCall:
+        """How the model calls its stack in training (its block and arguments): traced once."""
+        if self._call is None:
+            with layers.capture_stack() as split:
+                jax.eval_shape(
+                    lambda rest, batch: self.task.forward(rest, {}, batch, train=True, rng=rng),
+                    rest,
+                    batch,
+                )
+            self._call = split.call
+        return self._call
+
+    # -------------------------------------------------------------- the model's three parts
+    def _pre(self, rest, batch, rng):
+        """The stack's input (compute dtype) for a micro-batch: embedding and whatever else
+        comes before the stack; what follows it is traced but unused (XLA drops it)."""
+        with layers.capture_stack() as split:
+            self.task.forward(rest, {}, batch, train=True, rng=rng)
+        return split.call.inputs
+
+    def _post(self, rest, outputs, batch, rng):
+        """(mean loss, metric means) of a micro-batch from the stack's output."""
+        with layers.inject_stack(outputs):
+            logits, _ = self.task.forward(rest, {}, batch, train=True, rng=rng)
+        values = self.task.per_example(logits, batch)
+        means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
+        return means["loss"], means
+
+    def _stage(self, stage_params, x, rng, offset: int = 0):
+        """Layers of this stage, from its `offset`-th on (as many as `stage_params`, already in
+        the compute dtype, holds), in order, on `x`."""
+        first = lax.axis_index(self.axis) * self.layers_per_stage + offset
+        call = self._call
+
+        def layer(x, inputs):
+            index, layer_params = inputs
+            key = jax.random.fold_in(rng, first + index)
+            y = call.block.apply({"params": layer_params}, x, *call.args, rngs={"dropout": key})
+            return y, None
+
+        count = jax.tree.leaves(stage_params)[0].shape[0]
+        x, _ = lax.scan(layer, x, (jnp.arange(count), stage_params))
+        return x
+
+    # ------------------------------------------------------------------------- gradients
+    def grads(self, params, model_state, batch, rng):
+        """Mean gradient and metrics over `batch`, with `grad_accum_steps` pipelines of the
+        schedule's micro-batches each (same signature and result as `Task.local_grads`)."""
+        steps, micro = self.task.grad_accum_steps, self.schedule.microbatches
+        size = self.task.batch_rows(batch)
+        if size % (steps * micro):
+            raise ShapeError(
+                f"a replica's batch of {size} examples does not split into grad_accum_steps x "
+                f"microbatches = {steps} x {micro}; make global_batch_size divisible by the "
+                f"batch slices x {steps * micro}"
+            )
+        parts = jax.tree.map(lambda x: x.reshape(steps, micro, -1, *x.shape[1:]), batch)
+
+        def accumulate(carry, inputs):
+            index, microbatches = inputs
+            grads, metrics = self._pipeline(params, microbatches, jax.random.fold_in(rng, index))
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (add(carry[0], grads), add(carry[1], metrics)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        metric_zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)}
+        (grads, metrics), _ = lax.scan(
+            accumulate, (zeros, metric_zeros), (jnp.arange(steps), parts)
+        )
+        mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
+        return mean(grads), mean(metrics), model_state
+
+    def _pipeline(self, params, microbatches, rng):
+        """Summed-over-micro-batches gradients (of the mean loss) and metric means of one
+        pipeline of `microbatches` (leading axis M)."""
+        sched, axis = self.schedule, self.axis
+        S, M = sched.stages, sched.microbatches
+        stage = lax.axis_index(axis)
+        last = stage == S - 1
+        stacked, rest = split_stack(params, self.stack.path)
+        # The stage's layers in two halves: the backward of each is one tick (schedule.py).
+        # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
+        # copies of the weights among each micro-batch's stashed residuals.
+        low = self.layers_per_stage // 2 if sched.split_backward else 0
+        halves = [
+            cast_floats(jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked), self.task.compute_dtype)
+            for a, b in ((0, low), (low, None))
+        ]
+        names = ("op", "microbatch", "stash", "read", "middle", "arrive_forward", "arrive_backward")
+        tables = {name: jnp.asarray(getattr(sched, name)) for name in names}
+
+        def take(m):
+            return jax.tree.map(lambda x: x[m], microbatches)
+
+        def key(m):
+            return jax.random.fold_in(rng, m)
+
+        def half_vjp(h, x, m):
+            """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) on `x`:
+            the pullback's leaves less the half's own parameters, which every micro-batch
+            shares (stashing them copied the stage's weights into every slot)."""
+            offset = low if h else 0
+            y, pullback = jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
+            params = {id(p): i for i, p in enumerate(jax.tree.leaves(halves[h]))}
+            leaves, tree = jax.tree.flatten(pullback)
+            which = [params.get(id(leaf)) for leaf in leaves]
+            # Traced alike each time: the stash is laid out from the first trace.
+            first = shared.setdefault(h, (which, tree))[0]
+            assert first == which, "the pullback's parameters changed between traces"
+            return y, [leaf for leaf, i in zip(leaves, which, strict=True) if i is None]
+
+        def pullback_of(h, residuals):
+            """The pullback of half `h` from its stashed residuals and its parameters."""
+            which, tree = shared[h]
+            params, residuals = jax.tree.leaves(halves[h]), iter(residuals)
+            leaves = [next(residuals) if i is None else params[i] for i in which]
+            return jax.tree.unflatten(tree, leaves)
+
+        self._find_call(rest, take(0), key(0))
+        # Shapes of what moves and what is kept, from one abstract micro-batch.
+        x_shape = jax.eval_shape(self._pre, rest, take(0), key(0))
+        used = [1] if low == 0 else [0, 1]
+        shared = {}  # per half: (for each pullback leaf, the parameter it is or None; treedef)
+        residual_shapes = {
+            h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0)[1], x_shape) for h in used
+        }
+
+        # The big buffers (stash, gradients) go through a tick's conditionals and are updated
+        # in place by the branch that computes (XLA leaves a buffer that a branch returns
+        # unchanged where it is). Branches return no zeros the size of a micro-batch's
+        # residuals or of the parameters: only sends and activations. The small buffers
+        # (inboxes, middle) take what arrives after the conditionals, at a spare slot when
+        # nothing arrives.
+        def fill(shape, slots, spare=1):
+            return jnp.full((slots + spare, *shape.shape), BUBBLE_FILL, shape.dtype)
+
+        zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
+        add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)  # noqa: E731
+        carry = {
+            "stash": {
+                h: [fill(r, sched.stash_slots, spare=0) for r in residual_shapes[h]] for h in used
+            },
+            "inbox_f": fill(x_shape, sched.forward_slots),
+            "inbox_b": fill(x_shape, sched.backward_slots),
+            "middle": fill(x_shape, sched.middle_slots),
+            "grad_halves": [zeros(halves[0]), zeros(halves[1])],
+            "grad_rest": zeros(rest),
+            "metrics": {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)},
+        }
+        idle_send = jnp.full(x_shape.shape, BUBBLE_FILL, x_shape.dtype)
+
+        def forward(kept, x_in, slot, m):
+            """Forward of micro-batch `m`: residuals into the stash at `slot`; on the last
+            stage, head and loss too. Returns (kept, send forward, own output cotangent)."""
+            stash, grad_rest, metrics = kept
+            batch = take(m)
+            x = lax.cond(stage == 0, lambda: self._pre(rest, batch, key(m)), lambda: x_in)
+            stash = dict(stash)
+            for h in used:
+                x, residuals = half_vjp(h, x, m)
+                stash[h] = [buf.at[slot].set(r) for buf, r in zip(stash[h], residuals, strict=True)]
+
+            def head(grad_rest, metrics):  # the cotangent the last stage sends itself
+                (loss, means), post_pullback = _vjp_with_aux(
+                    lambda rest, y: self._post(rest, y, batch, key(m)), rest, x
+                )
+                d_rest, dy = post_pullback(jnp.asarray(1.0 / M, loss.dtype))
+                means = jax.tree.map(lambda v: v / M, means)
+                return add(grad_rest, d_rest), add(metrics, means), dy.astype(x_shape.dtype)
+
+            def not_last(grad_rest, metrics):
+                return grad_rest, metrics, idle_send
+
+            grad_rest, metrics, own = lax.cond(last, head, not_last, grad_rest, metrics)
+            return (stash, grad_rest, metrics), jnp.where(last, idle_send, x), own
+
+        def no_forward(kept, x_in, slot, m):
+            del x_in, slot, m
+            return kept, idle_send, idle_send
+
+        def backward(h):
+            """The backward of half `h` of micro-batch `m` from its residuals at `slot` and
+            `cotangent`, its gradients added in place. Returns (grads, grad_rest, d_x for the
+            middle buffer, send back)."""
+
+            def run(grads, grad_rest, stash, cotangent, slot, m):
+                pullback = pullback_of(h, [buf[slot] for buf in stash[h]])
+                d_half, d_x = pullback(cotangent)
+                grads = list(grads)
+                grads[h] = add(grads[h], d_half)
+                if h == 1 and low > 0:  # the first of two backward ticks
+                    return grads, grad_rest, d_x, idle_send
+
+                def embedding(grad_rest):  # the first stage: into the embedding's gradients
+                    _, pre_pullback = jax.vjp(lambda r: self._pre(r, take(m), key(m)), rest)
+                    return add(grad_rest, pre_pullback(d_x)[0])
+
+                grad_rest = lax.cond(stage == 0, embedding, lambda g: g, grad_rest)
+                return grads, grad_rest, idle_send, jnp.where(stage == 0, idle_send, d_x)
+
+            return run
+
+        def no_backward(grads, grad_rest, stash, cotangent, slot, m):
+            del stash, cotangent, slot, m
+            return grads, grad_rest, idle_send, idle_send
+
+        def stored(buffer, slot, value, store):
+            """`buffer` with `value` at `slot` where `store`, else at the spare slot."""
+            return buffer.at[jnp.where(store, slot, buffer.shape[0] - 1)].set(value)
+
+        def tick(carry, t):
+            op, read = tables["op"][t, stage], tables["read"][t, stage]
+            slot, m = tables["stash"][t, stage], tables["microbatch"][t, stage]
+            kept, send_f, own = lax.cond(
+                op == FORWARD,
+                forward,
+                no_forward,
+                (carry["stash"], carry["grad_rest"], carry["metrics"]),
+                carry["inbox_f"][read],
+                slot,
+                m,
+            )
+            stash, grad_rest, metrics = kept
+            # Two conditionals of two branches, not one switch of three: XLA copied every
+            # buffer that a three-way switch passed through. BACKWARD_HIGH: the later half's
+            # backward (or the whole one); BACKWARD_LOW: the first half's, from the middle.
+            grads, grad_rest, middle, send_b = lax.cond(
+                op == BACKWARD_HIGH,
+                backward(1),
+                no_backward,
+                carry["grad_halves"],
+                grad_rest,
+                stash,
+                carry["inbox_b"][read],
+                slot,
+                m,
+            )
+            if low > 0:
+                grads, grad_rest, _, send_b_low = lax.cond(
+                    op == BACKWARD_LOW,
+                    backward(0),
+                    no_backward,
+                    grads,
+                    grad_rest,
+                    stash,
+                    carry["middle"][read],
+                    slot,
+                    m,
+                )
+                send_b = jnp.where(op == BACKWARD_LOW, send_b_low, send_b)
+            received_f = lax.ppermute(send_f, axis, [(i, i + 1) for i in range(S - 1)])
+            received_b = lax.ppermute(send_b, axis, [(i + 1, i) for i in range(S - 1)])
+            slot_f, slot_b = tables["arrive_forward"][t, stage], tables["arrive_backward"][t, stage]
+            # The last stage's own output cotangent (from its forward) arrives in its inbox.
+            arrived_b = jnp.where(last, own, received_b)
+            carry = {
+                "stash": stash,
+                "inbox_f": stored(carry["inbox_f"], slot_f, received_f, slot_f >= 0),
+                "inbox_b": stored(carry["inbox_b"], slot_b, arrived_b, slot_b >= 0),
+                "middle": stored(
+                    carry["middle"],
+                    tables["middle"][t, stage],
+                    middle,
+                    (op == BACKWARD_HIGH) & (low > 0),
+                ),
+                "grad_halves": grads,
+                "grad_rest": grad_rest,
+                "metrics": metrics,
+            }
+            return carry, None
+
+        carry, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+        grad_stack = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *carry["grad_halves"])
+        # The replicated parts' gradients and the metrics live on the first and last stage.
+        grad_rest, metrics = lax.psum((carry["grad_rest"], carry["metrics"]), axis)
+        return join_stack(grad_rest, grad_stack, self.stack.path), metrics
+
+
+def _vjp_with_aux(fn, *primals):
+    """jax.vjp of `fn` returning (value, aux), as ((value, aux), pullback of value)."""
+    value, pullback, aux = jax.vjp(fn, *primals, has_aux=True)
+    return (value, aux), pullback

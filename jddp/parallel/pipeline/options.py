@@ -1,0 +1,67 @@
+"""`parallel.pipeline.*`: how a mesh's `stage` axis is used, checked against the model."""
+
+import dataclasses
+
+from jddp.errors import ConfigError
+from jddp.parallel.pipeline.schedule import SCHEDULES, make_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """`microbatches` per pipeline (0: as many as stages), `schedule` (`1f1b` or `gpipe`),
+    `repeats` (layer groups per device; only 1: see the README)."""
+
+    microbatches: int = 0
+    schedule: str = "1f1b"
+    repeats: int = 1
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"unknown parallel.pipeline.schedule {self.schedule!r}; choose one of "
+                f"{', '.join(SCHEDULES)}"
+            )
+        if not isinstance(self.microbatches, int) or self.microbatches < 0:
+            raise ConfigError(
+                f"parallel.pipeline.microbatches={self.microbatches!r} must be >= 0 (0: as many "
+                "as stages)"
+            )
+        if self.repeats != 1:
+            raise ConfigError(
+                f"parallel.pipeline.repeats={self.repeats}: interleaved (circular) schedules are "
+                "not available; use repeats=1"
+            )
+
+    def engine(self, task, mesh):
+        """The pipeline engine for `task` over `mesh`'s stage axis; a ConfigError for a model
+        with no `Pipelined` stack, layers that do not split into the stages, or too few
+        micro-batches."""
+        from jddp.parallel.pipeline.engine import Pipeline
+
+        stages = mesh.size("stage")
+        if task.stack is None:
+            raise ConfigError(
+                "parallel.mesh has a stage axis but the model has no stack of identical blocks "
+                "to split into stages; wrap them in jddp.parallel.pipeline.Pipelined (the built-in "
+                "GPT does), or remove the stage axis"
+            )
+        layers = task.stack.num_layers
+        if layers % (stages * self.repeats):
+            raise ConfigError(
+                f"the model's {layers} layers do not split into stage={stages} x repeats="
+                f"{self.repeats} equal groups; choose a stage size that divides {layers}"
+            )
+        microbatches = self.microbatches or stages
+        if microbatches < stages:
+            raise ConfigError(
+                f"parallel.pipeline.microbatches={microbatches} is fewer than the {stages} "
+                f"stages (every stage would idle); use at least {stages}, e.g. {4 * stages}"
+            )
+        # With 2 layers or more per stage the backward is split into two ticks of about a
+        # forward's cost each, so that no stage waits for another (schedule.py).
+        split = layers // (stages * self.repeats) >= 2
+        schedule = make_schedule(self.schedule, stages, microbatches, split)
+        return Pipeline(task, schedule, "stage")

@@ -1,0 +1,125 @@
+"""Strategies by the name `parallel.strategy` gives them, and the mesh each one runs on.
+
+A run builds its mesh first (`device_mesh_for`), then the model (which takes its axis names from
+the mesh), then the strategy (`make_strategy`). What callers may use of a strategy is the
+`Strategy` protocol in jddp/parallel/strategy.py.
+"""
+
+from collections.abc import Sequence
+
+import jax
+
+from jddp.core.task import Task
+from jddp.errors import ConfigError
+from jddp.parallel.compression import GradComm
+from jddp.parallel.ddp import DDP
+from jddp.parallel.mesh import BATCH_ROLES, DeviceMesh, build_mesh, parse_mesh_spec
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.strategy import Strategy
+from jddp.parallel.zero import (
+    DEFAULT_MIN_SHARD_SIZE,
+    STAGE_OF,
+    ZeroStrategy,
+    check_mesh_for,
+    default_mesh_spec,
+)
+
+STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid
+DDP_AXIS = DDP.batch_axis_name  # the pmap axis: what a synchronized BatchNorm names under ddp
+
+__all__ = [
+    "DDP_AXIS",
+    "STRATEGIES",
+    "Strategy",
+    "batch_axis_name",
+    "device_mesh_for",
+    "make_strategy",
+]
+
+
+def _check_name(name: str) -> None:
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"unknown parallel.strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
+        )
+
+
+def device_mesh_for(
+    name: str,
+    mesh: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    allow_cross_host_tensor: bool = False,
+) -> DeviceMesh | None:
+    """The mesh strategy `name` runs on (`mesh` like "data:2,fsdp:2,tensor:2", or the strategy's
+    default), over `devices` (default: every device of every process); None for ddp, which
+    maps over its devices with pmap. A tensor axis across processes is refused unless
+    `allow_cross_host_tensor`."""
+    _check_name(name)
+    if name == "ddp":
+        if mesh:
+            raise ConfigError(
+                "parallel.mesh does not apply to ddp (every device holds a full replica); use "
+                "zero1, zero2, zero3 or hybrid, or leave it empty"
+            )
+        return None
+    device_mesh = build_mesh(
+        mesh or default_mesh_spec(name),
+        devices or jax.devices(),
+        allow_cross_host_tensor=allow_cross_host_tensor,
+    )
+    check_mesh_for(name, device_mesh)
+    return device_mesh
+
+
+def batch_axis_name(strategy: str, mesh: str | None = None) -> str | tuple[str, ...]:
+    """What `nn.BatchNorm(axis_name=...)` names for statistics over the whole global batch (as
+    PyTorch's SyncBatchNorm computes them): "batch" for ddp; the mesh's batch axes (`data`,
+    `fsdp`) for the mesh strategies. Only the axis names of `mesh` are read, not its sizes.
+    Writing `axis_name="batch"` (the Flax convention) works under every strategy as well."""
+    _check_name(strategy)
+    if strategy == "ddp":
+        return DDP.batch_axis_name
+    axes = parse_mesh_spec(mesh or default_mesh_spec(strategy))
+    return tuple(name for name, _ in axes if name in BATCH_ROLES)
+
+
+def make_strategy(
+    name: str,
+    task: Task,
+    mesh: DeviceMesh | None,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    rules: Sequence[tuple[str, str]] = (),
+    min_shard_size: int | None = None,
+    pipeline: PipelineOptions | None = None,
+    grad_comm: GradComm | None = None,
+) -> Strategy:
+    """The strategy `name` for `task` on `mesh` (from `device_mesh_for`); `rules` and
+    `min_shard_size` lay out the mesh strategies' parameters; `pipeline` says how a stage axis
+    is used; `grad_comm` how gradients cross devices (jddp/parallel/compression.py)."""
+    _check_name(name)
+    grad_comm = grad_comm or GradComm()
+    if grad_comm.powersgd and name != "ddp":
+        # ZeRO-2/3 shard gradients away, while PowerSGD needs each device's whole gradient and a
+        # whole error matrix per device; zero1 could run it but is left out for now.
+        raise ConfigError(
+            f"parallel.grad_compression=powersgd runs under ddp only, not {name}; use "
+            "parallel.strategy=ddp, or grad_comm_dtype=bfloat16 to halve the bytes under ZeRO"
+        )
+    if name == "ddp":
+        if rules:
+            raise ConfigError(
+                "parallel.rules do not apply to ddp (every device holds a full replica); use "
+                "zero1, zero2, zero3 or hybrid, or leave them empty"
+            )
+        return DDP(task, devices, grad_comm)
+    return ZeroStrategy(
+        task,
+        mesh,
+        name=name,
+        rules=rules,
+        min_shard_size=DEFAULT_MIN_SHARD_SIZE if min_shard_size is None else min_shard_size,
+        pipeline=pipeline,
+        grad_comm=grad_comm,
+    )

@@ -1,0 +1,83 @@
+"""The strategy seam: everything the trainer, checkpoints, planner and experiments use of a
+strategy, and nothing more. DDP (pmap) and the mesh strategies (ZeRO stages, tensor
+parallelism) both fill it; each owns placement and collectives around the shared core
+(`jddp.core.task.Task`).
+
+Life of a strategy: built from a task and its devices (the mesh comes first, before the model);
+`prepare(abstract_state)` once, when the state's shapes are known, lays the state out and builds
+the step programs; then `init_state`, `place_batch`, `train_step` / `eval_step` per step.
+"""
+
+from typing import Any, Protocol
+
+import jax
+from jax.sharding import Mesh
+
+from jddp.core.state import TrainState
+
+
+class Strategy(Protocol):
+    name: str  # the `parallel.strategy` it implements
+    mesh: Mesh  # every device it uses; its axis names are what checkpoints record
+
+    @property
+    def num_devices(self) -> int: ...
+
+    @property
+    def batch_axis_name(self) -> str | tuple[str, ...]:
+        """The axes a synchronized BatchNorm reduces over inside the per-device program; a model
+        that names the batch axis `"batch"` (the Flax convention) is bound to them."""
+        ...
+
+    def prepare(self, abstract_state: TrainState) -> None:
+        """Lays out states shaped like `abstract_state` and builds the step programs, once."""
+        ...
+
+    def state_shardings(self) -> TrainState:
+        """NamedShardings of every state leaf (after `prepare`)."""
+        ...
+
+    def layout(self) -> tuple[TrainState, Any]:
+        """(PartitionSpecs of the state, PartitionSpecs of the averaged gradients)."""
+        ...
+
+    def init_state(self, seed: int, sample_input) -> TrainState:
+        """A fresh state from `seed`, already placed (after `prepare`)."""
+        ...
+
+    def lower_init(self, seed: int, sample_input) -> jax.stages.Lowered: ...
+
+    def batch_part(self) -> tuple[int, int]:
+        """(part, parts): this process reads block `part` of `parts` equal consecutive blocks
+        of rows of every global batch (processes along tensor or stage read the same block)."""
+        ...
+
+    def place_batch(self, batch) -> Any:
+        """This process's rows of a global batch (its `batch_part`), on the devices as
+        `train_step` takes them."""
+        ...
+
+    def abstract_batch(self, batch) -> Any:
+        """ShapeDtypeStructs of a placed global batch shaped like `batch` (no data needed)."""
+        ...
+
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]: ...
+
+    def eval_step(self, state: TrainState, batch) -> dict: ...
+
+    def lower_train_step(self, state, batch) -> jax.stages.Lowered:
+        """The step lowered for a state and a placed batch (arrays or ShapeDtypeStructs)."""
+        ...
+
+    def global_state(self, state: TrainState) -> TrainState:
+        """`state` as global arrays over every process's devices: what orbax saves."""
+        ...
+
+    def host_state(self, state: TrainState) -> TrainState:
+        """The whole state as host numpy arrays."""
+        ...
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        """`state` with what differs between devices made the same (PowerSGD's per-device
+        errors become their mean): what a checkpoint holds."""
+        ...

@@ -1,0 +1,336 @@
+"""ZeRO-1/2/3 over the `fsdp` axis, replicas over `data`, tensor parallelism over `tensor`: one
+strategy on a `jax.sharding.Mesh` whose axes have roles (jddp/parallel/mesh.py).
+
+Each step is one `jax.jit` with explicit in/out shardings and donated state. Inside it a
+`shard_map`, manual over the batch axes (`data`, `fsdp`), runs the shared core on every device's
+slice of the batch and performs exactly the ZeRO stage's collectives, written out (XLA:CPU
+would turn a sharding constraint into an all-reduce plus a slice). The `tensor` axis stays
+automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner inserts
+Megatron's activation all-reduces, so any Flax module is tensor-parallel without a change. The
+optimizer update then runs at the jit level on sharded arrays, so global-norm clipping sees the
+whole gradient and each device updates only what it holds.
+
+    stage   parameters  gradients         optimizer  collectives per step over fsdp
+    zero1   replicated  all-reduced       sharded    all-reduce grads, all-gather params
+    zero2   replicated  reduce-scattered  sharded    reduce-scatter grads, all-gather params
+    zero3   sharded     reduce-scattered  sharded    all-gather params, reduce-scatter grads
+
+Over `data` gradients (or their shards) are all-reduced; over `tensor` each parameter is split
+as its rule says, under every stage. `fsdp` is another name for `zero3`; `hybrid` is zero3 whose
+default mesh replicates across hosts (`data:<processes>,fsdp:-1`).
+"""
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jddp.core.state import TrainState
+from jddp.core.task import Task, check_rows_divide, init_compiler_options
+from jddp.core.weighted import Totals
+from jddp.errors import ConfigError
+from jddp.parallel.collectives import fused_pmean, gather
+from jddp.parallel.compression import GradComm
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
+
+# stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
+STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}
+STAGE_OF = {
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "fsdp": "zero3",
+    "hybrid": "zero3",
+}
+DEFAULT_MIN_SHARD_SIZE = 2**12  # elements; smaller tensors stay replicated under "fsdp"
+
+
+def default_mesh_spec(name: str) -> str:
+    # Hybrid shards within a host and replicates across hosts (FSDP's HYBRID_SHARD).
+    return f"data:{jax.process_count()},fsdp:-1" if name == "hybrid" else "fsdp:-1"
+
+
+def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
+    """A ConfigError for a mesh on which `name` would shard nothing: before axes had roles,
+    `data:-1` meant what `fsdp:-1` means now."""
+    if mesh.fsdp_axis is None and mesh.tensor_axis is None and mesh.stage_axis is None:
+        raise ConfigError(
+            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor or stage axis, so {name} would "
+            "shard nothing (data only replicates); write 'fsdp:-1' (formerly 'data:-1'), or "
+            "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
+        )
+
+
+class ZeroStrategy:
+    """One ZeRO stage (with replicas and tensor parallelism) over a mesh of every device of
+    every process, or of the devices given."""
+
+    def __init__(
+        self,
+        task: Task,
+        mesh: DeviceMesh,
+        *,
+        name: str,
+        rules=(),
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        pipeline: PipelineOptions | None = None,
+        grad_comm: GradComm | None = None,
+    ):
+        check_mesh_for(name, mesh)
+        self.name = name
+        self.task = task
+        self.device_mesh = mesh
+        self.mesh = mesh.mesh
+        self.batch_axes = mesh.batch_axes
+        self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
+        self.rules = validate_rules(rules, mesh)
+        self.grad_comm = grad_comm or GradComm()
+        self.min_shard_size = min_shard_size
+        self.pipeline_options = pipeline or PipelineOptions()
+        # Axes the per-device program splits by hand: the batch axes, and the pipeline stages.
+        self.manual_axes = self.batch_axes + (("stage",) if mesh.stage_axis else ())
+        self.pipeline = None  # the engine, when the mesh has a stage axis (set by prepare)
+        self._replicated = NamedSharding(self.mesh, P())
+        self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
+        self._batch_part = mesh.batch_part()  # checked now: a mesh that cannot be fed fails here
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    @property
+    def batch_axis_name(self) -> tuple[str, ...]:
+        return self.batch_axes
+
+    # ---------------------------------------------------------------------------- layout
+    def prepare(self, abstract_state: TrainState) -> None:
+        """The state's layout and the jitted steps for states shaped like `abstract_state`."""
+        stack = self.task.stack
+        if self.device_mesh.stage_axis:
+            if jax.tree.leaves(abstract_state.model_state):
+                raise ConfigError(
+                    "pipeline parallelism does not take models with mutable state (BatchNorm "
+                    "statistics); remove the stage axis from parallel.mesh"
+                )
+            self.pipeline = self.pipeline_options.engine(self.task, self.device_mesh)
+        full = param_specs(
+            abstract_state.params,
+            self.rules,
+            self.device_mesh,
+            self.min_shard_size,
+            stack.path if stack else (),
+        )
+        self._check_tensor_axis_used(full)
+        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage")), full)
+        self._specs = TrainState(
+            step=P(),
+            params=full if self.shard_params else whole_over_fsdp,
+            opt_state=mirror_specs(abstract_state.opt_state, abstract_state.params, full),
+            model_state=jax.tree.map(lambda _: P(), abstract_state.model_state),
+            rng=P(),
+            nonfinite_steps=P(),
+            loss_scale=jax.tree.map(lambda _: P(), abstract_state.loss_scale),
+            comm_state=jax.tree.map(lambda _: P(), abstract_state.comm_state),
+        )
+        self._grad_specs = full if self.shard_grads else whole_over_fsdp
+        self._state_shardings = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), self._specs
+        )
+        # What the per-device program sees split: the manual axes' part of each spec (tensor is
+        # left to the compiler), and of that the part over the batch axes (ZeRO's collectives).
+        part = lambda tree, axes: jax.tree.map(lambda s: restrict(s, axes), tree)  # noqa: E731
+        self._manual_params = part(self._specs.params, self.manual_axes)
+        self._manual_grads = part(self._grad_specs, self.manual_axes)
+        self._fsdp_params = part(self._specs.params, self.batch_axes)
+        self._fsdp_grads = part(self._grad_specs, self.batch_axes)
+        self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        self._train_step = jax.jit(
+            self._train,
+            in_shardings=(self._state_shardings, self._batch_sharding),
+            out_shardings=(self._state_shardings, self._replicated),
+            donate_argnums=0,
+        )
+        self._eval_step = jax.jit(
+            self._eval,
+            in_shardings=(self._state_shardings, self._batch_sharding),
+            out_shardings=self._replicated,
+        )
+        self._abstract_state = abstract_state
+
+    def _check_tensor_axis_used(self, specs) -> None:
+        tensor = self.device_mesh.size("tensor")
+        if tensor > 1 and not any("tensor" in spec_axes(s) for s in jax.tree.leaves(specs)):
+            raise ConfigError(
+                f"parallel.mesh has tensor:{tensor} but no partition rule splits a parameter "
+                "over tensor, so every tensor rank would hold and compute everything; add rules "
+                "such as ('attn/qkv/kernel', 'fsdp,tensor'), ('attn/out/kernel', "
+                "'tensor,fsdp') (the built-in GPT has them as a preset)"
+            )
+
+    def state_shardings(self) -> TrainState:
+        return self._state_shardings
+
+    def layout(self) -> tuple[TrainState, object]:
+        return self._specs, self._grad_specs
+
+    def abstract_batch(self, batch):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding), batch
+        )
+
+    # ------------------------------------------------------------ per-device programs
+    def _per_device(self, fn, in_specs, out_specs):
+        """`fn` as a shard_map that is manual over the batch axes and leaves tensor to XLA."""
+        if not self.manual_axes:  # tensor parallelism alone: nothing is split by hand
+            return fn
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(self.manual_axes),
+            # Per-device gradients as under pmap: every collective is written out below.
+            check_vma=False,
+        )
+
+    def _gather_params(self, params, over_stages: bool = False):
+        """Parameters whole over fsdp (and with `over_stages`, every stage's layers)."""
+        # Training gathers with the gradient communication's reduce-scatter as its derivative.
+        on_shards = self._on_tensor_shards(gather if over_stages else self.grad_comm.gather)
+        specs = self._manual_params if over_stages else self._fsdp_params
+        return jax.tree.map(on_shards, params, specs, self._tensor_specs)
+
+    def _on_tensor_shards(self, collective):
+        """`collective(x, spec)` (over the batch axes) applied to each device's own tensor
+        shard of `x`. Under the partitioner a collective over a manual axis needs its operand
+        whole over the automatic ones (an fsdp all-gather of a tensor-split kernel became an
+        all-gather over tensor first); inside a shard_map manual over tensor as well, the
+        collective sees the local shard only."""
+        if self.device_mesh.size("tensor") == 1:
+            return lambda x, spec, _: collective(x, spec)
+
+        def on_shards(x, spec, tensor_spec):
+            return jax.shard_map(
+                lambda shard: collective(shard, spec),
+                in_specs=tensor_spec,
+                out_specs=tensor_spec,
+                axis_names={"tensor"},
+                check_vma=False,
+            )(x)
+
+        return on_shards
+
+    def _reduce_grads(self, grads):
+        """Per-device gradients to the mean over the batch slices, laid out as `_grad_specs`."""
+
+        def reduce(grad, spec):
+            # zero3 got the reduce-scatter from AD of the gather (the pipeline gathers first)
+            if not self.shard_params or self.pipeline:
+                grad = self.grad_comm.scatter_sum(grad, spec)
+            rest = tuple(a for a in self.batch_axes if a not in spec_axes(spec))
+            summed = self.grad_comm.psum(grad, rest) if rest else grad
+            return summed / self.device_mesh.batch_shards
+
+        on_shards = self._on_tensor_shards(reduce)
+        return jax.tree.map(on_shards, grads, self._fsdp_grads, self._tensor_specs)
+
+    def _pmean(self, tree):
+        return fused_pmean(tree, self.batch_axes) if self.batch_axes else tree
+
+    def _per_device_grads(self, params, model_state, step_key, batch, loss_scale):
+        index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
+        rng = jax.random.fold_in(step_key, index)  # the same on every stage and tensor rank
+        if self.pipeline:  # parameters gathered once per step, not per micro-batch
+            params = self._gather_params(params) if self.shard_params else params
+            grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)
+            metrics = Totals(metrics, {})  # unweighted means
+        else:
+            params_fn = self._gather_params if self.shard_params else None
+            grads, metrics, model_state = self.task.local_grads(
+                params, model_state, batch, rng, params_fn, loss_scale
+            )
+        return self._reduce_grads(grads), self._pmean(metrics), self._pmean(model_state)
+
+    def _train(self, state: TrainState, batch):
+        grads, metrics, model_state = self._per_device(
+            self._per_device_grads,
+            in_specs=(self._manual_params, self._specs.model_state, P(), P(self.batch_axes), P()),
+            out_specs=(self._manual_grads, P(), self._specs.model_state),
+        )(state.params, state.model_state, state.step_key(), batch, state.loss_scale)
+        return self.task.apply_gradients(state, grads, model_state, metrics)
+
+    def _eval(self, state: TrainState, batch):
+        def per_device(params, model_state, batch):
+            if self.shard_params or self.pipeline:  # eval runs the whole model on every stage
+                params = self._gather_params(params, over_stages=True)
+            sums = self.task.eval_sums(params, model_state, batch)
+            return lax.psum(sums, self.batch_axes) if self.batch_axes else sums
+
+        return self._per_device(
+            per_device,
+            in_specs=(self._manual_params, self._specs.model_state, P(self.batch_axes)),
+            out_specs=P(),
+        )(state.params, state.model_state, batch)
+
+    # ----------------------------------------------------------------------- placement
+    def init_state(self, seed: int, sample_input) -> TrainState:
+        """Initialize directly into the shardings: no device ever holds the whole sharded state."""
+        compiled = self.lower_init(seed, sample_input).compile(init_compiler_options())
+        return compiled(jax.random.key(seed), sample_input)
+
+    def lower_init(self, seed: int, sample_input):
+        """The initialization lowered with the state's shardings as its output shardings.
+
+        With JAX's partitionable threefry each device draws only its own shard, and the values
+        equal an unsharded initialization from the same seed."""
+        return jax.jit(self.task.init_state, out_shardings=self._state_shardings).lower(
+            jax.random.key(seed), sample_input
+        )
+
+    def batch_part(self) -> tuple[int, int]:
+        return self._batch_part
+
+    def place_batch(self, batch):
+        """This process's rows of a global batch (its `batch_part`), as global arrays split over
+        the batch axes."""
+        _, parts = self.batch_part()
+        local_slices = self.device_mesh.batch_shards // parts
+
+        def place(x):
+            x = np.asarray(x)
+            check_rows_divide(x.shape[0], local_slices)
+            global_shape = (x.shape[0] * parts, *x.shape[1:])
+            return jax.make_array_from_process_local_data(self._batch_sharding, x, global_shape)
+
+        return jax.tree.map(place, batch)
+
+    def global_state(self, state: TrainState) -> TrainState:
+        return state  # jit's outputs already span every process's devices
+
+    def consolidate(self, state: TrainState) -> TrainState:
+        return state  # no per-device state: PowerSGD runs under ddp only
+
+    def host_state(self, state: TrainState) -> TrainState:
+        """The whole state as host numpy arrays (gathered from the shards)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.process_allgather(state, tiled=True)
+        return jax.device_get(state)
+
+    # ---------------------------------------------------------------------------- steps
+    # Traced with the mesh as the context mesh: models place tensor-parallel pieces on it.
+    def train_step(self, state: TrainState, batch):
+        with jax.set_mesh(self.mesh):
+            return self._train_step(state, batch)
+
+    def eval_step(self, state: TrainState, batch):
+        with jax.set_mesh(self.mesh):
+            return self._eval_step(state, batch)
+
+    def lower_train_step(self, state, batch):
+        with jax.set_mesh(self.mesh):
+            return self._train_step.lower(state, batch)

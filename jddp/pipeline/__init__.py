@@ -1,7 +1,0 @@
-"""Pipeline parallelism: `Pipelined` stacks of blocks, their schedules, and the SPMD engine
-that runs them over a mesh's `stage` axis."""
-
-from jddp.pipeline.layers import Pipelined
-from jddp.pipeline.options import PipelineOptions
-
-__all__ = ["PipelineOptions", "Pipelined"]

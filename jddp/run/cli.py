@@ -1,0 +1,146 @@
+"""Command-line plumbing shared by jddp's programs: an ml_collections config file flag whose every
+user mistake (missing file, unknown key, bad value) ends in one line on stderr and exit code 2."""
+
+import ast
+import logging
+import os
+import re
+import sys
+
+from absl import flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+USAGE_EXIT_CODE = 2
+
+
+def quiet_library_logs() -> None:
+    """Keeps orbax's per-save and TFDS's per-read INFO chatter out of the training log
+    (their warnings still show)."""
+
+    def keep(record) -> bool:
+        noisy = "/orbax/" in record.pathname or "/tensorflow_datasets/" in record.pathname
+        return record.levelno >= logging.WARNING or not noisy
+
+    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
+        handler.addFilter(keep)
+    # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def fail(message: str) -> None:
+    """Ends the program the way every user mistake ends: `error: ...`, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USAGE_EXIT_CODE)
+
+
+class ConfigFlag:
+    """`--config=FILE` plus `--config.KEY=VALUE` overrides; pass `parse` to `app.run`.
+
+    `--config.model_args.NAME=VALUE` may name any argument of the model, whether or not the file
+    sets it (the model refuses names it lacks); every other key must exist in the file.
+    `examples_dir` (a folder of config files) is suggested when the file is not found.
+    """
+
+    def __init__(self, default_path: str, examples_dir: str | None = None):
+        self.default_path = default_path
+        self.examples_dir = examples_dir
+        self._holder = None
+
+    @property
+    def value(self):
+        return self._holder.value
+
+    @property
+    def path(self) -> str:
+        return config_flags.get_config_filename(flags.FLAGS["config"])
+
+    def parse(self, argv: list[str]) -> list[str]:
+        """absl's parse, with every user mistake turned into one line and exit code 2."""
+        model_args, argv = _split_model_args(argv)
+        path = _config_path(argv, self.default_path)  # the flag is unreadable if parsing failed
+        try:
+            # DEFINE_config_file reads the --config.KEY overrides from argv as it defines them.
+            self._holder = config_flags.DEFINE_config_file(
+                "config",
+                self.default_path,
+                "Experiment config file (get_config() -> ConfigDict).",
+                sys_argv=argv,
+            )
+            rest = flags.FLAGS(argv)
+            config = self._holder.value
+            config.keys()  # a missing file surfaces only when the config is read
+        except OSError:
+            fail(f"config file {path!r} not found; pass --config=PATH{self._examples()}")
+        except AttributeError as e:
+            if "attribute 'get_config'" in str(e):
+                fail(
+                    f"config file {path!r} defines no get_config(); define get_config() "
+                    "returning an ml_collections.ConfigDict (start from "
+                    "jddp.run.config.default_config())"
+                )
+            fail(
+                f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
+                "overrides against the keys in the config file"
+            )
+        except KeyError as e:
+            fail(
+                f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
+                "overrides against the keys in the config file"
+            )
+        except flags.Error as e:
+            raised = re.findall(r"^(\w+(?:Error|Exception): .*)$", str(e), re.MULTILINE)
+            reason = raised[-1] if raised else str(e).splitlines()[0]
+            fail(f"{reason} (in --config or a flag; see --help)")
+        except Exception as e:  # the user's config file raised: one line
+            fail(f"config file failed to load: {type(e).__name__}: {str(e).splitlines()[0]}")
+        if model_args:
+            if "model_args" not in config:
+                fail("config has no key model_args; start get_config() from default_config()")
+            with config.unlocked():
+                config.model_args.update(model_args)
+        return rest
+
+    def _examples(self) -> str:
+        folder = self.examples_dir
+        if not folder or not os.path.isdir(folder):
+            return " to a file that defines get_config()"
+        names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n[0] != "_")
+        return f", e.g. one of {os.path.relpath(folder)}/{{{','.join(names)}}}.py"
+
+
+def _config_path(argv: list[str], default: str) -> str:
+    """The config file `--config=PATH` (or `--config PATH`) names in `argv`, else `default`."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+_MODEL_ARG = re.compile(r"^--config\.model_args\.(\w+)(?:=(.*))?$", re.DOTALL)
+
+
+def _split_model_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """({name: value}, the other arguments) from `--config.model_args.NAME=VALUE` (or
+    `... NAME VALUE`); values are Python literals (`(64,64)`, `0.1`, `true`) or else strings."""
+    found, rest, args = {}, [], iter(argv)
+    for arg in args:
+        match = _MODEL_ARG.match(arg)
+        if not match:
+            rest.append(arg)
+            continue
+        text = match.group(2)
+        found[match.group(1)] = _literal(next(args, "") if text is None else text)
+    return found, rest
+
+
+def _literal(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

@@ -1,0 +1,178 @@
+"""The experiment config: its keys and defaults, and the checks that reject bad values early.
+
+Experiment files (`experiments/configs/NAME.py` in the repository) start from `default_config()`
+and override. Every key here is part of the contract with users; see the README's config table.
+This file is itself a config file (`get_config()`: the defaults, an MLP on the UCI digits), the
+one the installed `python -m jddp.plan` reads when given no `--config`.
+"""
+
+import math
+
+import ml_collections
+
+from jddp.errors import ConfigError
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    # What to train.
+    c.model = "mlp"
+    c.model_args = ml_collections.ConfigDict()  # fields of the model class, e.g. hidden_sizes
+    c.dataset = "digits"
+    c.data = ml_collections.ConfigDict()
+    c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.manual_dir = ""  # local source files; "" = <data_dir>/downloads/manual
+    c.data.text_file = ""  # dataset text_file: the UTF-8 file to model
+    c.data.seq_len = 256  # language models: characters per example
+    c.data.image_size = 224  # ImageNet: side of the square crops
+    c.data.augment = True  # random crops and flips in training (CIFAR, ImageNet, text offsets)
+    c.data.threads = 1  # grain loader threads
+    c.data.workers = 0  # grain loader processes (0: none; ImageNet wants several)
+    c.data.device_prefetch = 2  # batches placed on the devices ahead of the step
+    c.data.cache_max_mb = 256.0  # splits up to this size on disk are decoded once into numpy
+    # Batches and steps. global_batch_size is the whole step's batch over all devices.
+    c.global_batch_size = 128
+    c.eval_batch_size = 0  # 0 = global_batch_size
+    c.grad_accum_steps = 1
+    c.num_train_steps = 1000
+    c.seed = 0
+    # Optimizer: warmup + cosine decay, decoupled weight decay, global-norm clipping.
+    c.optimizer = "adamw"
+    c.learning_rate = 1e-3
+    c.warmup_steps = 0
+    c.min_lr_ratio = 0.0
+    c.weight_decay = 0.0
+    c.grad_clip_norm = 0.0  # 0 = no clipping
+    c.adam_b1 = 0.9
+    c.adam_b2 = 0.999
+    c.momentum = 0.9  # sgd only
+    c.compute_dtype = "float32"  # or bfloat16: activations and matmuls; float32 master weights
+    c.log_grad_norm = True  # log the global norm of the averaged gradient (one extra pass)
+    # Cadence, in steps.
+    c.log_every = 50
+    c.eval_every = 500
+    # Checkpoints (WORKDIR/checkpoints): every N steps and at the end; 0 = none at all.
+    c.checkpoint_every = 500
+    c.max_to_keep = 3
+    c.nan_policy = "halt"  # halt: stop, keep the last good checkpoint | skip: drop that update
+    # Seconds without a finished training step (after the first) before every process writes
+    # its threads' stacks to WORKDIR/hang-<process>.txt and the job exits; 0 = off.
+    c.hang_timeout_s = 0.0
+    c.init_from = ""  # a workdir or checkpoint/export dir whose parameters start this run
+    c.init_from_optimizer = False  # ... and its optimizer state too
+    c.allow_config_change = False  # resume checkpoints written by another model config
+    # Performance: MFU's denominator and a profiler trace of chosen steps.
+    c.peak_flops_per_device = 0.0  # 0 = datasheet table (GPU/TPU) or measured matmul rate (CPU)
+    c.profile_start_step = 0  # 0 = off; else trace this step and the next profile_num_steps - 1
+    c.profile_num_steps = 3
+    # Parallelism.
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
+    # Mesh strategies only. "ROLE:SIZE,..." over the roles data, fsdp, tensor, major to minor; one
+    # size may be -1; "" = the strategy's default ("fsdp:-1"; hybrid: "data:<processes>,fsdp:-1").
+    c.parallel.mesh = ""
+    # ((regex over the parameter path, spec), ...), first match wins; then (".*", "fsdp"). Empty
+    # on a mesh with a tensor axis: the model's tensor-parallel preset (GPT: Megatron's layout).
+    c.parallel.rules = ()
+    c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
+    c.parallel.sequence_parallel = False  # GPT: split activations along the sequence over tensor
+    c.parallel.allow_cross_host_tensor = False  # a tensor axis spanning processes is refused
+    # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats.
+    c.parallel.pipeline = ml_collections.ConfigDict()
+    c.parallel.pipeline.microbatches = 0
+    c.parallel.pipeline.schedule = "1f1b"
+    c.parallel.pipeline.repeats = 1
+    # How gradients cross devices (jddp/parallel/compression.py): float32 | bfloat16 on the
+    # wire; grad_compression none | powersgd (ddp only): rank-r factors with error feedback,
+    # uncompressed for the first powersgd_start_step steps.
+    c.parallel.grad_comm_dtype = "float32"
+    c.parallel.grad_compression = "none"
+    c.parallel.powersgd_rank = 4
+    c.parallel.powersgd_start_step = 0
+    return c
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The defaults as an experiment: what `--config=<this file>` loads."""
+    return default_config()
+
+
+_POSITIVE_INTS = (
+    "global_batch_size",
+    "num_train_steps",
+    "grad_accum_steps",
+    "log_every",
+    "eval_every",
+)
+_NON_NEGATIVE = (
+    "eval_batch_size",
+    "checkpoint_every",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip_norm",
+    "peak_flops_per_device",
+    "profile_start_step",
+    "profile_num_steps",
+    "hang_timeout_s",
+)
+# Real-valued keys with a bounded range: (low, high, whether high itself is allowed).
+_RANGES = {
+    "min_lr_ratio": (0.0, 1.0, True),
+    "adam_b1": (0.0, 1.0, False),  # a decay of 1 never forgets; optax divides by 1 - b^t = 0
+    "adam_b2": (0.0, 1.0, False),
+    "momentum": (0.0, 1.0, False),
+}
+NAN_POLICIES = ("halt", "skip")
+
+_DATA_MINIMUMS = {"seq_len": 1, "image_size": 1, "threads": 1, "workers": 0, "device_prefetch": 1}
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError, naming the key and the fix, for the first bad value found."""
+    missing = [key for key in default_config() if key not in config]
+    if missing:
+        raise ConfigError(
+            f"config lacks {', '.join(missing)}; "
+            "start get_config() from jddp.run.config.default_config()"
+        )
+    for key in _POSITIVE_INTS:
+        value = config[key]
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{key} must be a positive integer, got {value!r}; set --config.{key}"
+            )
+    for key in _NON_NEGATIVE:
+        if not _is_finite_number(config[key]) or config[key] < 0:
+            raise ConfigError(
+                f"{key} must be a finite number >= 0, got {config[key]!r}; set --config.{key}"
+            )
+    if not _is_finite_number(config.learning_rate) or config.learning_rate <= 0:
+        raise ConfigError(
+            f"learning_rate must be a finite number > 0, got {config.learning_rate!r}; set "
+            "--config.learning_rate"
+        )
+    for key, (low, high, high_allowed) in _RANGES.items():
+        value = config[key]
+        if (
+            not _is_finite_number(value)
+            or not low <= value <= high
+            or (value == high and not high_allowed)
+        ):
+            interval = f"[{low:g}, {high:g}{']' if high_allowed else ')'}"
+            raise ConfigError(f"{key} must be in {interval}, got {value!r}; set --config.{key}")
+    if config.nan_policy not in NAN_POLICIES:
+        raise ConfigError(
+            f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {config.nan_policy!r}"
+        )
+    if config.max_to_keep < 1:
+        raise ConfigError(f"max_to_keep must be >= 1, got {config.max_to_keep}")
+    for key, low in _DATA_MINIMUMS.items():
+        value = config.data.get(key, low)
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(
+                f"data.{key} must be an integer >= {low}, got {value!r}; set --config.data.{key}"
+            )

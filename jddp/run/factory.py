@@ -1,0 +1,120 @@
+"""From an experiment config to what a run trains with: its dataset, objective, model, trainer
+and one sample batch. The CLI's loop and the planner both build from here, so they agree on the
+model, the partition rules and the bytes of the compute dtype.
+
+The mesh comes first: the model takes its axis names from it (big_vision's order).
+"""
+
+import jax
+import numpy as np
+
+from jddp import data, models
+from jddp.core.task import compute_dtype_of
+from jddp.parallel import strategies
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import fit_preset
+from jddp.run import objectives, optim
+from jddp.run.objectives import Objective
+from jddp.trainer import Trainer
+
+
+def dataset_spec(config) -> data.DatasetSpec:
+    """The dataset `config.dataset` names (nothing is read or prepared yet)."""
+    return data.get_dataset(config.dataset, config.data.get("text_file", ""))
+
+
+def objective(dataset: data.DatasetSpec) -> Objective:
+    """What the dataset's task asks of training: loss, metrics, eval extras."""
+    return objectives.objective_for(dataset.kind)
+
+
+def compute_bytes(config) -> int:
+    """Bytes of one activation element in `config.compute_dtype` (float16: 2, like bfloat16)."""
+    return np.dtype(compute_dtype_of(config.compute_dtype)).itemsize
+
+
+def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh | None):
+    """The config's model, with the axis names and sizes `device_mesh` gives it (None: ddp)."""
+    if device_mesh is None:
+        return models.create_model(
+            config.model, dataset.num_classes, batch_axis_name=strategies.DDP_AXIS,
+            **config.model_args,
+        )  # fmt: skip
+    return models.create_model(
+        config.model,
+        dataset.num_classes,
+        batch_axis_name=device_mesh.batch_axes,
+        tensor_axis=device_mesh.tensor_axis,
+        tensor_size=device_mesh.size("tensor"),
+        sequence_parallel=config.parallel.sequence_parallel,
+        pipelined=bool(device_mesh.stage_axis),
+        **config.model_args,
+    )
+
+
+def partition_rules(config, device_mesh: DeviceMesh | None) -> tuple:
+    """The rules that lay the parameters out on `device_mesh`: the config's own, or, on a mesh
+    with a tensor axis and none given, the model's preset fitted to the mesh; ddp (no mesh)
+    has none."""
+    if device_mesh is None:
+        return ()
+    rules = tuple(tuple(rule) for rule in config.parallel.rules)
+    if device_mesh.tensor_axis and not rules:
+        rules = fit_preset(models.TENSOR_RULES.get(config.model, ()), device_mesh)
+    return rules
+
+
+def build_trainer(
+    config, dataset: data.DatasetSpec, schedule=None, *, strategy=None, mesh=None
+) -> Trainer:
+    """The Trainer a config describes for `dataset`'s task; `strategy` and `mesh` override
+    `parallel.*`; `schedule` defaults to the config's learning-rate schedule."""
+    strategy = strategy or config.parallel.strategy
+    if mesh is None and strategy == config.parallel.strategy:
+        mesh = config.parallel.mesh or None
+    device_mesh = strategies.device_mesh_for(
+        strategy, mesh, allow_cross_host_tensor=config.parallel.allow_cross_host_tensor
+    )
+    schedule = schedule or optim.learning_rate_schedule(config)
+    task_objective = objective(dataset)
+    return Trainer(
+        create_model(config, dataset, device_mesh),
+        task_objective.loss_fn,
+        optim.create_optimizer(config, schedule),
+        metrics=dict(task_objective.metrics),
+        strategy=strategy,
+        mesh=device_mesh,
+        rules=partition_rules(config, device_mesh),
+        min_shard_size=config.parallel.min_shard_size,
+        pipeline=PipelineOptions(**config.parallel.pipeline),
+        grad_accum_steps=config.grad_accum_steps,
+        compute_dtype=config.compute_dtype,
+        log_grad_norm=config.log_grad_norm,
+        skip_nonfinite=config.nan_policy == "skip",
+        input_key=dataset.input_key,
+        grad_comm_dtype=config.parallel.grad_comm_dtype,
+        grad_compression=config.parallel.grad_compression,
+        powersgd_rank=config.parallel.powersgd_rank,
+        powersgd_start_step=config.parallel.powersgd_start_step,
+    )
+
+
+def sample_batch(config, dataset: data.DatasetSpec, splits=None) -> dict[str, np.ndarray]:
+    """One example as a batch of 1, to shape the model: a language model's from the sequence
+    length alone; other datasets' from `splits` (opened here, and prepared if need be, when not
+    given)."""
+    if dataset.kind == data.LANGUAGE_MODEL and splits is None:
+        tokens = np.zeros((1, config.data.seq_len), np.int32)
+        return {"inputs": tokens, "targets": tokens}
+    if splits is None:
+        splits = data.open_dataset(dataset, data.DataOptions.from_config(config.data))
+    return splits.sample_batch()
+
+
+def global_batch_shapes(sample: dict, global_batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one global batch of `sample`'s entries."""
+    return {
+        name: jax.ShapeDtypeStruct((global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype)
+        for name, x in sample.items()
+    }

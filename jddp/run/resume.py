@@ -1,0 +1,272 @@
+"""Where a run starts: the newest complete checkpoint of its workdir (resume), weights saved
+elsewhere (`init_from`), or a fresh initialization from the seed; and the checks, all made before
+anything is written, that the start can go ahead."""
+
+import dataclasses
+import json
+import os
+
+import jax
+from absl import logging
+
+from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints import weights
+from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
+from jddp.parallel.pipeline import stage_layouts as layouts
+
+# Keys a resumed run may change without it counting as a config change: they decide how the run
+# is logged, evaluated, checkpointed, profiled, read from disk or placed on devices (checkpoints
+# restore into any strategy, as into any device count), not what it trains. Any other difference
+# (learning rate, steps, seed, batch size, model, data, dtype, ...) is refused unless
+# allow_config_change=true. A key ending in "." covers every key under it.
+RESUME_MAY_CHANGE = (
+    "log_every",
+    "eval_every",
+    "eval_batch_size",
+    "log_grad_norm",
+    "checkpoint_every",
+    "max_to_keep",
+    "profile_start_step",
+    "profile_num_steps",
+    "peak_flops_per_device",
+    "hang_timeout_s",
+    "init_from",  # used only by a fresh start
+    "init_from_optimizer",
+    "allow_config_change",
+    "data.data_dir",
+    "data.manual_dir",
+    "data.threads",
+    "data.workers",
+    "data.device_prefetch",
+    "data.cache_max_mb",
+    "parallel.",
+)
+_SHOWN_CHANGES = 4  # changed keys spelled out in the refusal; the rest are counted
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What the checks found: `resume_step` of the workdir's newest checkpoint (None: a fresh
+    start), the config changes allowed on resume ({key: [saved, now]}), and whether the saved
+    data order continues (else the data restarts at `resume_step` in this config's order)."""
+
+    resume_step: int | None = None
+    config_changes: dict = dataclasses.field(default_factory=dict)
+    data_order_continues: bool = True
+
+
+def _resolved(config) -> dict:
+    return json.loads(config.to_json_best_effort())
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict, config) -> dict[str, list]:
+    """{dotted key: [saved value, this config's value]} for every key that differs between a
+    checkpoint's config and `config`, except the keys in RESUME_MAY_CHANGE."""
+    before, now = _flat(saved), _flat(_resolved(config))
+
+    def may_change(key: str) -> bool:
+        return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
+
+    return {
+        key: [before.get(key), now.get(key)]
+        for key in sorted(before.keys() | now.keys())
+        if not may_change(key) and (key in before, before.get(key)) != (key in now, now.get(key))
+    }
+
+
+def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> Start:
+    """Refuses, before anything is written and from metadata only: a workdir whose checkpoints
+    were written with another config (unless `allow_config_change`) or are of another model, a
+    saved data order that does not fit, and an `init_from` that is missing or of another model."""
+    abstract = trainer.abstract_state(sample_batch)
+    directory = os.path.join(workdir, "checkpoints")
+    found = checkpoint.peek_latest(directory) if config.checkpoint_every > 0 else None
+    if found is None:
+        if config.init_from:
+            _check_init_from(config, abstract)
+        return Start()
+    meta, saved_shapes = found
+    changes = _check_resumable(meta, saved_shapes, config, abstract, directory)
+    step = int(meta["step"])
+    if step > config.num_train_steps:
+        raise ConfigError(
+            f"the checkpoints in {directory} reach step {step}, past num_train_steps="
+            f"{config.num_train_steps}; raise --config.num_train_steps or pass a new --workdir"
+        )
+    misfit = batches.misfit(meta["data"]) if meta.get("data") else []
+    if misfit and not config.allow_config_change:
+        raise DataError(
+            f"the data order saved in {directory} does not fit this run ({', '.join(misfit)}); "
+            "resume with the data it was trained on, or pass --config.allow_config_change=true "
+            "to continue in this data's order"
+        )
+    if changes:
+        logging.warning("resuming with config changes (allow_config_change): %s", changes)
+    return Start(step, changes, not misfit)
+
+
+def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> dict:
+    """The config changes (allowed) of resuming the checkpoint `meta` describes; refuses other
+    changes, and a checkpoint of another model."""
+    changes = config_changes(meta.get("config", {}), config)
+    if changes and not config.allow_config_change:
+        listed = list(changes.items())[:_SHOWN_CHANGES]
+        shown = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in listed)
+        more = len(changes) - _SHOWN_CHANGES
+        workdir = os.path.dirname(directory)
+        raise WorkdirError(
+            f"the checkpoints in {directory} were written with another config ({shown}"
+            f"{f' and {more} more' if more > 0 else ''}); resume with the config it was trained "
+            f"with ({os.path.join(workdir, 'config.json')}), pass a new --workdir, or pass "
+            "--config.allow_config_change=true to continue with these changes"
+        )
+    _check_comm_state(meta, saved_shapes, config, abstract_state, directory)
+    mismatch = checkpoint.first_mismatch(
+        _layer_by_layer(abstract_state),
+        layouts.per_layer_shapes(saved_shapes),
+        f"the checkpoints of {directory}",
+    )
+    if mismatch:
+        raise CheckpointError(
+            f"{mismatch}; these checkpoints belong to another model: pass a new --workdir"
+        )
+    return changes
+
+
+def _check_comm_state(meta, saved_shapes, config, abstract_state, directory) -> None:
+    """Refuses a checkpoint whose gradient-communication state (PowerSGD's) is not the one this
+    run keeps: its error feedback and factors belong to the compression it was saved with."""
+    ours = {
+        path: shape
+        for path, shape in checkpoint.shapes_by_path(abstract_state).items()
+        if path.startswith("comm_state/")
+    }
+    if ours == {p: s for p, s in saved_shapes.items() if p.startswith("comm_state/")}:
+        return
+    keys = ("grad_compression", "powersgd_rank")
+    saved = meta.get("config", {}).get("parallel", {})
+    shown = ", ".join(f"{k}={saved.get(k, 'none')!r} -> {config.parallel[k]!r}" for k in keys)
+    raise WorkdirError(
+        f"the checkpoints in {directory} hold the gradient compression state of another setting "
+        f"(parallel.{shown}); resume with the setting they were saved with, or pass a new "
+        "--workdir"
+    )
+
+
+def _check_init_from(config, abstract_state) -> None:
+    if not os.path.exists(config.init_from):
+        raise CheckpointError(
+            f"init_from {config.init_from!r} does not exist; point it at a jddp workdir (or its "
+            "checkpoints/STEP or export dir), or at a checkpoint directory written by orbax or "
+            "flax.training.checkpoints"
+        )
+    params, model_state, saved = weights.weight_shapes(config.init_from)
+    trees = [(abstract_state.params, params)]
+    if model_state is not None and jax.tree.leaves(abstract_state.model_state):
+        trees.append((abstract_state.model_state, model_state))
+    for tree, shapes in trees:
+        mismatch = checkpoint.first_mismatch(
+            _layer_by_layer(tree), layouts.per_layer_shapes(shapes), f"init_from {saved!r}"
+        )
+        if mismatch:
+            raise CheckpointError(f"{mismatch}; point init_from at weights of the same model")
+    if config.init_from_optimizer and weights.jddp_state_in(config.init_from) is None:
+        raise CheckpointError(
+            f"init_from {config.init_from!r} holds no jddp optimizer state (an export, or another "
+            "program's checkpoint, has weights only); set init_from_optimizer=false, or use "
+            "Trainer.replace_state(opt_state=...) from the library"
+        )
+
+
+def restore_or_start(trainer, config, checkpoints, sample_batch):
+    """(start step, state, data iterator state or None) for this run."""
+    if checkpoints is not None and checkpoints.steps():
+        abstract = trainer.abstract_state(sample_batch)
+
+        def check(meta, saved_shapes):
+            _check_resumable(meta, saved_shapes, config, abstract, checkpoints.directory)
+
+        step, state, meta = checkpoints.restore_latest(abstract, check, restore_layout)
+        logging.info("resuming from the checkpoint at step %d in %s", step, checkpoints.directory)
+        return step, state, meta.get("data")
+    state = trainer.init(config.seed, sample_batch)
+    if config.init_from:
+        state = _init_from(trainer, state, config, sample_batch)
+    return 0, state, None
+
+
+def _init_from(trainer, state, config, sample_batch):
+    """`state` with the weights saved at `config.init_from` (parameters, and batch statistics
+    where the checkpoint has them) and with `init_from_optimizer`, the optimizer state; the step,
+    RNG and data order stay this run's own."""
+    saved = weights.load_weights(config.init_from)
+    has_model_state = bool(jax.tree.leaves(state.model_state))
+    if has_model_state and saved.model_state is None:
+        logging.warning(
+            "%s holds no batch statistics: the model's start from their initial values",
+            saved.source,
+        )
+    stacked = layouts.is_stacked(checkpoint.shapes_by_path(state.params))
+    convert = layouts.to_stacked if stacked else layouts.to_per_layer
+    state = trainer.replace_state(
+        state,
+        params=convert(saved.params),
+        model_state=saved.model_state if has_model_state else None,
+    )
+    if config.init_from_optimizer:
+        abstract = trainer.abstract_state(sample_batch)
+        target, to_ours = restore_layout(abstract, weights.state_shapes(config.init_from))
+        loaded = weights.load_state(config.init_from, target)
+        loaded = to_ours(loaded) if to_ours else loaded
+        state = state.replace(opt_state=loaded.opt_state, model_state=loaded.model_state)
+    logging.info(
+        "initialized from %s%s",
+        saved.source,
+        " (parameters and optimizer state)" if config.init_from_optimizer else "",
+    )
+    return state
+
+
+def _layer_by_layer(tree) -> dict:
+    """Shapes of `tree` by path, stacked layers written layer by layer: the same model compares
+    equal whether its layers are stacked (scan_layers, pipelines) or not."""
+    return layouts.per_layer_shapes(checkpoint.shapes_by_path(tree))
+
+
+def restore_layout(abstract_state, saved_shapes):
+    """(what to restore into, a function to this run's layout or None): a checkpoint whose
+    layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
+    its own layout and converted on the devices, into this run's shardings."""
+    ours = layouts.is_stacked(checkpoint.shapes_by_path(abstract_state))
+    if layouts.is_stacked(saved_shapes) == ours:
+        return abstract_state, None
+    target = layouts.to_per_layer(abstract_state) if ours else layouts.to_stacked(abstract_state)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+    convert = layouts.to_stacked if ours else layouts.to_per_layer
+    return target, jax.jit(convert, out_shardings=shardings)
+
+
+def checkpoint_meta(config, trainer, step: int, data_state) -> dict:
+    """What a checkpoint records besides the state: enough to know what wrote it."""
+    from jddp import __version__
+
+    return {
+        "step": step,
+        "jddp_version": __version__,
+        "config": _resolved(config),
+        "strategy": trainer.strategy.name,
+        "mesh": {name: int(size) for name, size in trainer.strategy.mesh.shape.items()},
+        "devices": trainer.num_devices,
+        "processes": jax.process_count(),
+        "data": data_state,
+    }

@@ -1,0 +1,190 @@
+"""Start N processes of one job on this machine, as torchrun does.
+
+    python -m jddp.runtime.launch --nproc 2 [--devices_per_proc 2 | --gpus_per_proc 1] -- \
+        python -m experiments.train --config=... --workdir=...
+
+(also installed as `jddp-launch`). Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on
+127.0.0.1), `JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize`
+reads; `--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives
+each its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is.
+Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child. When a
+child fails, the others are stopped and the launcher exits with the failed child's code; if the
+child said why in an `error: ...` line, that line is the launcher's last. The launcher's own
+mistakes (a bad flag, a command that does not exist) are one `error:` line and exit code 2.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SEC = 10  # after SIGTERM, before SIGKILL, when stopping the survivors of a failure
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, args, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JDDP_NUM_PROCESSES=str(args.nproc),
+        JDDP_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
+    if args.devices_per_proc:
+        flags = env.get("XLA_FLAGS", "").split()
+        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={args.devices_per_proc}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    if args.gpus_per_proc:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = (
+            visible.split(",")
+            if visible
+            else [str(i) for i in range(args.nproc * args.gpus_per_proc)]
+        )
+        mine = ids[rank * args.gpus_per_proc : (rank + 1) * args.gpus_per_proc]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return env
+
+
+USAGE_EXIT_CODE = 2
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT_CODE)
+
+
+def _relay(rank: int, stream, lock: threading.Lock, last_errors: dict) -> None:
+    """Copies a child's output lines, prefixed with its rank; remembers its last `error:` line."""
+    for line in iter(stream.readline, ""):
+        if line.startswith("error: "):
+            last_errors[rank] = line.rstrip("\n")
+        with lock:
+            sys.stdout.write(f"[{rank}] {line}")
+            sys.stdout.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def run(args) -> int:
+    port = free_port()
+    lock = threading.Lock()
+    children, relays, last_errors = [], [], {}
+    for rank in range(args.nproc):
+        try:
+            child = subprocess.Popen(
+                args.command,
+                env=child_env(rank, args, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError as e:  # the command does not exist or cannot be run
+            _stop(children)
+            _fail(f"cannot run {args.command[0]!r}: {e.strerror}; check the command after --")
+        relay = threading.Thread(
+            target=_relay, args=(rank, child.stdout, lock, last_errors), daemon=True
+        )
+        relay.start()
+        children.append(child)
+        relays.append(relay)
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(
+                    f"[launcher] process {rank} of {args.nproc} failed ({_describe(code)}); "
+                    "stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(children)
+                relays[rank].join(timeout=GRACE_SEC)  # its last lines are read
+                if rank in last_errors:
+                    print(last_errors[rank], file=sys.stderr, flush=True)
+                return code if code > 0 else 128 - code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(children) -> None:
+    """SIGTERM, then SIGKILL after GRACE_SEC: a survivor may be stuck in a collective."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + GRACE_SEC
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage too: one line is the contract
+        _fail(f"{message}; see jddp-launch --help")
+
+
+def main(argv=None) -> int:
+    parser = _Parser(
+        prog="jddp-launch", description="Start N processes of one JAX job on this machine."
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--devices_per_proc",
+        type=int,
+        default=0,
+        help="simulated CPU devices per process (sets XLA_FLAGS)",
+    )
+    parser.add_argument(
+        "--gpus_per_proc",
+        type=int,
+        default=0,
+        help="GPUs per process (slices CUDA_VISIBLE_DEVICES)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the command every process runs"
+    )
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the command to run after --, e.g. -- python -m experiments.train")
+    for name in ("nproc", "devices_per_proc", "gpus_per_proc"):
+        lowest = 1 if name == "nproc" else 0
+        if getattr(args, name) < lowest:
+            parser.error(f"--{name} must be at least {lowest}, got {getattr(args, name)}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test lint bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,13 @@ test: setup
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile
 
+## Build the documentation site into site/; a broken link or API reference fails (--strict).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: setup
 	$(PY) -m experiments.bench.ddp_overhead
 	$(PY) -m experiments.bench.input_pipeline
 
 clean:
-	rm -rf $(VENV) bench_results .pytest_cache
+	rm -rf $(VENV) bench_results .pytest_cache site

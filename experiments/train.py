@@ -15,7 +15,8 @@ import sys
 
 from absl import app, flags, logging
 
-from jddp.run.cli import ConfigFlag, fail, quiet_library_logs
+from jddp.run.cli import ConfigFlag, fail
+from jddp.runtime.quiet import quiet_library_logs
 
 _CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
@@ -78,6 +79,10 @@ def main(argv: list[str]) -> None:
         summary = train_and_evaluate(CONFIG.value, workdir)
     except JddpError as e:
         fail(str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C: jddp.fit saved at the end of the step, if it ran
+        saved = f": {e}" if str(e) else ""
+        print(f"interrupted{saved}; run the same command to resume", file=sys.stderr)
+        sys.exit(130)
     except jax.errors.JaxRuntimeError as e:
         supervise.await_lost_peer_verdict(e, _HEARTBEAT.value)
         raise

@@ -3,6 +3,7 @@
 trainer = jddp.Trainer(model, loss_fn, optax.adam(1e-3))   # DDP over all local devices
 state = trainer.init(seed=0, sample_batch=batch)
 state, metrics = trainer.step(state, batch)                  # batch = one *global* batch
+state = jddp.fit(trainer, batches, workdir="runs/a", num_steps=1000)  # or the whole loop
 
 `model` is a Flax Linen or NNX module; a BatchNorm with `axis_name="batch"` averages over the
 whole global batch under every strategy. `mesh="data:2,fsdp:2,tensor:2"` (with partition `rules`)
@@ -10,6 +11,7 @@ lays the mesh strategies out over replicas, ZeRO shards and tensor parallelism.
 """
 
 from jddp import losses
+from jddp.checkpoints.save_restore import restore, save
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.state import TrainState
 from jddp.core.task import Task
@@ -23,12 +25,12 @@ from jddp.errors import (
     UsageError,
     WorkdirError,
 )
+from jddp.loop import fit
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.run.config import default_config
 from jddp.trainer import PlacedBatch, Trainer
-
-__version__ = "0.1.0"
+from jddp.version import __version__ as __version__
 
 __all__ = [
     "STRATEGIES",
@@ -49,5 +51,8 @@ __all__ = [
     "batch_axis_name",
     "default_config",
     "device_mesh_for",
+    "fit",
     "losses",
+    "restore",
+    "save",
 ]

@@ -3,7 +3,7 @@
     python -m jddp.plan --config=experiments/configs/gpt_1b.py --devices=1024 \\
         --devices_per_host=8 --device=h100 [--top=10] [--json]
     python -m jddp.plan --published [--json]     # the published runs it reproduces
-    python -m jddp.plan --calibrate              # measure this machine as --device=cpu
+    python -m experiments.calibrate              # (a checkout) measure this machine as --device=cpu
 
 For ddp and every data x fsdp x tensor x stage mesh the model admits (zero1/2/3 where they
 differ, tensor meshes with and without sequence parallelism), it prints the bytes one device
@@ -20,11 +20,13 @@ import sys
 
 from absl import app, flags
 
-from jddp.run.cli import ConfigFlag, fail, quiet_library_logs
+from jddp.planner.devices import CALIBRATE
+from jddp.run.cli import ConfigFlag, fail
+from jddp.runtime.quiet import quiet_library_logs
 
 # The library's own defaults (jddp/run/config.py is a config file too): jddp never reads
 # experiments/.
-CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "config.py"))
+CONFIG = ConfigFlag(os.path.join(os.path.dirname(__file__), "run", "config.py"))
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices to plan for.")
 _DEVICES_PER_HOST = flags.DEFINE_integer(
     "devices_per_host",
@@ -54,7 +56,9 @@ _COMPILE = flags.DEFINE_enum(
     "Compile each step for N simulated CPU devices for its exact peak (auto: up to 8 devices).",
 )  # fmt: skip
 _PUBLISHED = flags.DEFINE_bool("published", False, "Reproduce published large-scale runs.")
-_CALIBRATE = flags.DEFINE_bool("calibrate", False, "Measure this machine as the cpu profile.")
+_CALIBRATE = flags.DEFINE_bool(
+    "calibrate", False, "Moved: measuring this machine is `python -m experiments.calibrate`."
+)
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
 _UNITS |= {"GI": 2**30, "TI": 2**40}
@@ -188,24 +192,6 @@ def run_published() -> None:
         print_published(points)
 
 
-def run_calibrate() -> None:
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    from jddp.errors import JddpError
-    from jddp.planner.calibrate import calibrate
-
-    try:
-        path, m = calibrate()
-    except JddpError as e:
-        fail(str(e))
-    print(
-        f"cpu profile written to {path}: matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, memory "
-        f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, load average {m['load_average']:.1f}"
-    )
-
-
 def run_plan() -> None:
     from jddp.errors import JddpError
     from jddp.planner import search
@@ -283,10 +269,12 @@ def main(argv: list[str]) -> None:
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
     if _TOP.value < 0:
         fail(f"--top={_TOP.value} must be a number of plans to show, or 0 for all of them")
-    quiet_library_logs()
     if _CALIBRATE.value:
-        run_calibrate()
-    elif _PUBLISHED.value:
+        # The measuring programs and their scipy fit live in the repository's experiments/,
+        # not in the installed library.
+        fail(f"--calibrate moved: run `{CALIBRATE}` from a jddp checkout")
+    quiet_library_logs()
+    if _PUBLISHED.value:
         run_published()
     else:
         run_plan()

@@ -14,14 +14,15 @@ from flax import linen as nn
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.state import TrainState, arranged_like
 from jddp.core.task import PerExampleFn, Task, check_divisible, compute_dtype_of
+from jddp.core.tree_paths import path_str
 from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError, UsageError
 from jddp.observe import hlo
 from jddp.observe.memory import peak_bytes, state_bytes_per_device
 from jddp.parallel.compression import GradComm
-from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.mesh import DDP_AXIS, DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.rules import path_str
+from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.strategies import device_mesh_for, make_strategy
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
@@ -62,11 +63,11 @@ class Trainer:
     `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
     or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
     `min_shard_size` elements replicated); see `jddp/parallel/zero.py` and
-    `jddp/parallel/rules.py`. A mesh with a `stage` axis pipelines the model's
+    `jddp/parallel/rules.py`. `device_mesh` is the mesh it runs on under every strategy (ddp's:
+    one `batch` axis over the devices). A mesh with a `stage` axis pipelines the model's
     `jddp.parallel.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer
-    reducing
-    over the axis `"batch"` (a pmap-era
-    `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
+    reducing over the axis `"batch"` (a pmap-era `nn.BatchNorm(axis_name="batch")`) reduces
+    over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
     ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
     `jddp/parallel/compression.py`.
@@ -83,7 +84,7 @@ class Trainer:
         devices: Sequence[jax.Device] | None = None,
         mesh: str | DeviceMesh | None = None,
         rules: Sequence[tuple[str, str]] = (),
-        min_shard_size: int | None = None,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         pipeline: PipelineOptions | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: str = "float32",
@@ -93,17 +94,20 @@ class Trainer:
         regularizer=None,
         weight_key: str | None = None,
         loss_scaling: DynamicLossScale | None = None,
-        grad_comm_dtype: str = "float32",
-        grad_compression: str = "none",
-        powersgd_rank: int = 4,
-        powersgd_start_step: int = 0,
+        grad_comm_dtype: str = GradComm.dtype,
+        grad_compression: str = GradComm.compression,
+        powersgd_rank: int = GradComm.powersgd_rank,
+        powersgd_start_step: int = GradComm.powersgd_start_step,
     ):
         grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
             mesh if isinstance(mesh, DeviceMesh) else device_mesh_for(strategy, mesh, devices)
         )
-        batch_axes = self.device_mesh.batch_axes if self.device_mesh else ()
+        # A layer reducing over "batch" (the Flax convention) reduces over the mesh's batch
+        # axes; ddp's one axis has that name already.
+        batch_axes = self.device_mesh.batch_axes
+        aliases = {} if batch_axes == (DDP_AXIS,) else {"batch": batch_axes}
         self.task = Task(
             model=model,
             loss_fn=loss_fn,
@@ -117,10 +121,10 @@ class Trainer:
             regularizer=regularizer,
             weight_key=weight_key,
             loss_scaling=loss_scaling,
-            axis_aliases={"batch": batch_axes} if self.device_mesh else {},
+            axis_aliases=aliases,
             init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
         )
-        if self.device_mesh and self.device_mesh.stage_axis:
+        if self.device_mesh.stage_axis:
             if weight_key or self.task.loss_scaling:
                 raise ConfigError(
                     "pipeline parallelism (a stage axis) takes neither weight_key nor float16 "
@@ -130,7 +134,6 @@ class Trainer:
             strategy,
             self.task,
             self.device_mesh,
-            devices,
             rules=rules,
             min_shard_size=min_shard_size,
             pipeline=pipeline,
@@ -147,13 +150,13 @@ class Trainer:
     def microbatches(self) -> int:
         """Micro-batches per pipeline (1 without a stage axis); known once the state is laid
         out (`abstract_state`, `init`)."""
-        pipeline = getattr(self.strategy, "pipeline", None)
+        pipeline = self.strategy.pipeline
         return pipeline.schedule.microbatches if pipeline else 1
 
     @property
     def batch_shards(self) -> int:
         """Into how many slices each global batch is split (devices along `tensor` share one)."""
-        return self.device_mesh.batch_shards if self.device_mesh else self.num_devices
+        return self.device_mesh.batch_shards
 
     @property
     def batch_part(self) -> tuple[int, int]:

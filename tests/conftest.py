@@ -2,6 +2,7 @@
 programs compiled in the test processes without LLVM optimization (see below)."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,7 +10,15 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-os.environ.setdefault("TFDS_DATA_DIR", os.path.join(tempfile.gettempdir(), "jddp-test-tfds"))
+# Datasets go to a directory made for this test run, never to one an older run (older code) left
+# behind nor to the developer's own $TFDS_DATA_DIR. The process that makes it (pytest, or
+# pytest-xdist's controller) hands it down in the environment: workers and the programs tests
+# start prepare and read the same data, and the maker removes it at the end.
+_TFDS_DIR_VAR = "JDDP_TEST_TFDS_DIR"
+_MADE_TFDS_DIR = _TFDS_DIR_VAR not in os.environ
+if _MADE_TFDS_DIR:
+    os.environ[_TFDS_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-tfds-")
+os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
 
 import jax  # noqa: E402
 
@@ -61,6 +70,11 @@ LONGEST_FIRST = (
     "test_checkpoint.py",
     "test_compression.py",
 )
+
+
+def pytest_unconfigure(config):
+    if _MADE_TFDS_DIR:
+        shutil.rmtree(os.environ[_TFDS_DIR_VAR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -9,11 +9,39 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from jddp.runtime import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What a process running JAX's coordinator says when it cannot bind the port it was given (a
+# port picked free may be taken by another program before the coordinator binds it).
+PORT_TAKEN = "Failed to start RPC server"
+
+
+def small_net_trainer(
+    strategy="ddp", num_devices=8, mesh=None, *, model=None, optimizer=None, **kwargs
+):
+    """A `jddp.Trainer` of `model` (SmallNet) with `optimizer` (Adam with clipping) and
+    per-example cross-entropy under `strategy`, on the first `num_devices` devices; sharded
+    strategies on `mesh` with every tensor sharded (`min_shard_size` 1 unless given)."""
+    import jddp
+    from tests.reference import SmallNet, optimizer_for, per_example_ce
+
+    if strategy != "ddp":
+        kwargs = {"mesh": mesh, "min_shard_size": 1, **kwargs}
+    elif mesh is not None:
+        kwargs["mesh"] = mesh  # refused: ddp takes no mesh
+    return jddp.Trainer(
+        model or SmallNet(),
+        per_example_ce,
+        optimizer or optimizer_for(clip=True),
+        strategy=strategy,
+        devices=jax.devices()[:num_devices],
+        **kwargs,
+    )
 
 
 def checkout_env(**extra: str) -> dict[str, str]:
@@ -72,8 +100,7 @@ def save_and_restore(writer, state, reader, sample_batch, directory: str, step: 
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
     `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns
     (step, state, meta)."""
-    from jddp.checkpoints.store import Checkpoints
-    from jddp.run.resume import restore_layout
+    from jddp.checkpoints.store import Checkpoints, restore_layout
 
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)
@@ -131,8 +158,64 @@ def assert_one_line(error, *words) -> None:
     """`error` (a pytest.raises result) is one line holding each of `words`."""
     message = str(error.value)
     assert "\n" not in message, message
+    _assert_holds(message, words)
+
+
+def assert_error_output(text: str, *words) -> str:
+    """`text` (a program's stderr) is one line, `error: ...`, holding each of `words`; returns
+    that line."""
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), text
+    _assert_holds(lines[0], words)
+    return lines[0]
+
+
+def assert_error_exit(result: subprocess.CompletedProcess, *words, code: int = 2) -> str:
+    """`result` exited with `code` (2: a usage error) and said why in one `error:` line holding
+    each of `words`; returns that line."""
+    assert result.returncode == code, result.stderr
+    return assert_error_output(result.stderr, *words)
+
+
+def error_line(output: str, prefix: str = "") -> str:
+    """The one line of `output` (among others) starting with `prefix` + "error: "."""
+    lines = [line for line in output.splitlines() if line.startswith(prefix + "error: ")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def _assert_holds(line: str, words) -> None:
     for word in words:
-        assert word in message, (word, message)
+        assert word in line, (word, line)
+
+
+def param_count(model, *inputs, **kwargs) -> int:
+    """How many parameters `model.init(key, *inputs, **kwargs)` makes, from shapes alone
+    (nothing is allocated)."""
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *inputs, **kwargs))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+
+
+# A short run of the digits MLP: checkpoints at steps 5 and 10.
+SMALL = {
+    "num_train_steps": 10,
+    "log_every": 5,
+    "eval_every": 10,
+    "checkpoint_every": 5,
+    "warmup_steps": 0,
+    "max_to_keep": 2,
+}
+SMALL_FLAGS = [f"--config.{key}={value}" for key, value in SMALL.items()]
+
+
+def small_config(**overrides):
+    """experiments/configs/digits_mlp.py with `SMALL`'s settings and then `overrides`."""
+    from experiments.configs import digits_mlp
+
+    config = digits_mlp.get_config()
+    for key, value in {**SMALL, **overrides}.items():
+        setattr(config, key, value)
+    return config
 
 
 def run_in_fresh_process(program: str, **env) -> dict:
@@ -151,3 +234,75 @@ def run_in_fresh_process(program: str, **env) -> dict:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def metrics_lines(workdir) -> list[str]:
+    """The complete lines of `workdir`'s metrics.jsonl (a line cut short by a kill is left out)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line[:-1] for line in f if line.endswith("\n")]
+
+
+def committed_checkpoints(workdir) -> dict[int, tuple[int, int]]:
+    """{step: (inode, mtime)} of `workdir`'s committed checkpoints (orbax writes a save in
+    progress to STEP.orbax-checkpoint-tmp-*, and renames it to STEP when it is complete)."""
+    folder = os.path.join(workdir, "checkpoints")
+    found = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.isdigit():
+            stat = os.stat(os.path.join(folder, name))
+            found[int(name)] = (stat.st_ino, stat.st_mtime_ns)
+    return found
+
+
+class BeforeRerun:
+    """What a workdir holds before a run resumes it: its records and committed checkpoints, and
+    the step it must resume from (its newest checkpoint unless `resume_step` says otherwise).
+
+    `assert_resumed` then proves the run resumed there and did not train from scratch (training
+    is deterministic, so equal end results alone cannot tell)."""
+
+    def __init__(self, workdir, resume_step: int | None = None):
+        self.workdir = str(workdir)
+        self.lines = metrics_lines(self.workdir)
+        self.checkpoints = committed_checkpoints(self.workdir)
+        self.resume_step = max(self.checkpoints, default=0) if resume_step is None else resume_step
+
+    def assert_resumed(self, log_every: int) -> None:
+        """The run since kept the records up to `resume_step` as they were and wrote its own from
+        the next logged step on (timings make each run's records differ), and rewrote no
+        checkpoint at or below `resume_step`."""
+        old = set(self.lines)
+        after = metrics_lines(self.workdir)
+        kept = [json.loads(line)["step"] for line in after if line in old]
+        written = [json.loads(line)["step"] for line in after if line not in old]
+        expected = [json.loads(line)["step"] for line in self.lines]
+        assert kept == [s for s in expected if s <= self.resume_step], (kept, self.resume_step)
+        first = (self.resume_step // log_every + 1) * log_every
+        assert written and written[0] == first, (
+            f"expected a run resumed at step {self.resume_step}: first record at step {first}, "
+            f"got the steps {written[:3]}"
+        )
+        for step, identity in committed_checkpoints(self.workdir).items():
+            if step <= self.resume_step:
+                assert self.checkpoints.get(step) == identity, f"checkpoint {step} was rewritten"
+
+
+def assert_accuracy_over(accuracy: float, examples: int) -> None:
+    """`accuracy` is k / `examples` for a whole number k: each of the eval split's examples
+    counted once (padding rows masked out, none dropped or repeated)."""
+    hits = accuracy * examples
+    assert 0 <= accuracy <= 1 and abs(hits - round(hits)) < 1e-3, (accuracy, examples)
+
+
+def requires_data(path: str, how: str) -> None:
+    """Skips the calling test when `path` (real data it reads) is missing, saying `how` to get
+    it; under CI (CI=true, as `.ci/run` sets) a missing file fails the test instead."""
+    if os.path.exists(path):
+        return
+    reason = f"{path} is missing: {how}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)

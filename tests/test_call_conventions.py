@@ -168,7 +168,9 @@ class NnxMnistStyle(nnx.Module):
         return self.linear2(self.dropout(x, rngs=rngs))
 
 
-class LinenTwin(nn.Module):
+class LinenMnistStyle(nn.Module):
+    """NnxMnistStyle in Linen, without dropout (the reference for rate 0)."""
+
     @nn.compact
     def __call__(self, x):
         x = nn.relu(nn.Dense(24, name="linear1")(x.reshape(x.shape[0], -1)))
@@ -189,10 +191,10 @@ def image_batches(seed=0, steps=STEPS):
 @functools.cache
 def nnx_reference():
     data = image_batches()
-    initial = LinenTwin().init(jax.random.key(1), data[0]["image"][:1])["params"]
+    initial = LinenMnistStyle().init(jax.random.key(1), data[0]["image"][:1])["params"]
 
     def reference_loss(params, model_state, batch):
-        logits = LinenTwin().apply({"params": params}, batch["image"])
+        logits = LinenMnistStyle().apply({"params": params}, batch["image"])
         return per_example_ce(logits, batch).mean(), model_state
 
     params, _, losses = plain_training(reference_loss, initial, {}, optax.adam(1e-2), data)

@@ -5,7 +5,7 @@ to the library are tested in-process (tests/test_bad_input.py)."""
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import assert_error_exit, run_cli
 
 # (flags, words the one-line message must contain)
 MISTAKES = [
@@ -70,22 +70,13 @@ MISTAKES = [
 ]
 
 
-def assert_one_line_usage_error(result, words):
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-
-
 @pytest.mark.parametrize("flags,words", MISTAKES, ids=[m[0][0] for m in MISTAKES])
 def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, words):
     workdir = tmp_path / "run"
     (tmp_path / "no_get_config.py").write_text("def config():\n    return None\n")
     (tmp_path / "corpus.txt").write_text("to be or not to be\n" * 40)
     result = run_cli(f"--workdir={workdir}", *(flag.format(tmp=tmp_path) for flag in flags))
-    assert_one_line_usage_error(result, words)
+    assert_error_exit(result, *words)
     assert not workdir.exists()  # nothing created for a run that never started
 
 
@@ -93,12 +84,12 @@ def test_workdir_that_is_a_file_is_refused_and_untouched(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("keep me")
     result = run_cli(f"--workdir={path}")
-    assert_one_line_usage_error(result, ["is a file", "directory"])
+    assert_error_exit(result, "is a file", "directory")
     assert path.read_text() == "keep me"
 
 
 def test_workdir_holding_a_run_is_refused_and_untouched(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     result = run_cli(f"--workdir={tmp_path}")
-    assert_one_line_usage_error(result, ["already holds a run", "new --workdir"])
+    assert_error_exit(result, "already holds a run", "new --workdir")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

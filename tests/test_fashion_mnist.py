@@ -2,8 +2,8 @@
 `fashion_mnist_cnn` experiment reaches 90% test accuracy, eval counts each test image once, and
 compressed gradients (bfloat16, PowerSGD) reach float32's test accuracy at the same steps.
 
-`.ci/run` installs the package where the files are missing and apt-get exists; elsewhere these
-tests skip and say why.
+`.ci/run` installs the package where the files are missing (and fails if it cannot); elsewhere
+these tests skip and say why, and fail under CI=true.
 """
 
 import json
@@ -17,14 +17,15 @@ from experiments.configs import fashion_mnist_cnn
 from jddp import data
 from jddp.data.mnist import FashionMnist
 from jddp.run.experiment import train_and_evaluate
-from tests.helpers import optimized_compiles
+from tests.helpers import optimized_compiles, requires_data
 from tests.test_multiprocess import launch
 
 FILES = os.path.join(FashionMnist.DEBIAN_DIR, "train-images-idx3-ubyte.gz")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(FILES),
-    reason=f"{FILES} is missing: run `apt-get install dataset-fashion-mnist` (.ci/run does)",
-)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def debian_files():
+    requires_data(FILES, "run `apt-get install dataset-fashion-mnist` (.ci/run does)")
 
 
 @pytest.fixture(scope="module")

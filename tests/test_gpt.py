@@ -14,8 +14,9 @@ import jddp
 from jddp import models
 from jddp.models import GPT
 from jddp.run.objectives import OBJECTIVES
-from tests.helpers import train_steps
+from tests.helpers import param_count, train_steps
 from tests.reference import assert_trees_close, plain_training
+from tests.tiny_gpt import tiny_gpt
 
 LANGUAGE_MODEL = OBJECTIVES["language_model"]
 
@@ -40,9 +41,12 @@ class CharWindows:
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
-def tiny_gpt(vocab_size, **kwargs) -> GPT:
-    fields = dict(num_layers=2, num_heads=4, embed_dim=32, max_seq_len=32) | kwargs
-    return GPT(vocab_size, **fields)
+WINDOW = 32  # the longest sequence the character-level model takes
+
+
+def char_gpt(vocab_size, **fields) -> GPT:
+    """The tests' tiny GPT over a character vocabulary, taking windows of `WINDOW`."""
+    return tiny_gpt(vocab_size=vocab_size, max_seq_len=WINDOW, **fields)
 
 
 def lm_trainer(model, optimizer, num_devices=8, **kwargs):
@@ -60,7 +64,7 @@ def lm_trainer(model, optimizer, num_devices=8, **kwargs):
 def test_char_level_model_learns_a_text_and_reports_perplexity():
     data = CharWindows(local_corpus())
     vocab = len(data.vocab)
-    trainer = lm_trainer(tiny_gpt(vocab), optax.adam(3e-3))
+    trainer = lm_trainer(char_gpt(vocab), optax.adam(3e-3))
     rng = np.random.default_rng(0)
     state = trainer.init(seed=0, sample_batch=data.batch(data.train, rng, 1, 32))
     losses = []
@@ -76,7 +80,7 @@ def test_char_level_model_learns_a_text_and_reports_perplexity():
     assert perplexity == pytest.approx(np.exp(result["loss"]))
     # Reference for the held-out loss: the mean token cross-entropy computed here by hand.
     params = trainer.host_state(state).params
-    logits = tiny_gpt(vocab).apply({"params": params}, held_out[0]["inputs"])
+    logits = char_gpt(vocab).apply({"params": params}, held_out[0]["inputs"])
     expected = optax.softmax_cross_entropy_with_integer_labels(logits, held_out[0]["targets"])
     assert result["loss"] == pytest.approx(float(jnp.mean(expected)), rel=1e-5)
     assert perplexity < vocab / 3  # far better than uniform guessing over the vocabulary
@@ -91,7 +95,7 @@ def test_ddp_on_4_devices_equals_one_device_with_dropout_off():
     # SGD, not Adam: the key bias's gradient is zero in exact arithmetic (softmax ignores a
     # constant added to every score), and Adam would turn rounding noise into steps of size lr.
     optimizer = optax.sgd(0.5, momentum=0.9)
-    model = tiny_gpt(vocab, positions="rotary", tie_embeddings=False)
+    model = char_gpt(vocab, positions="rotary", tie=False)
     trainer = lm_trainer(model, optimizer, num_devices=4)
     state = trainer.init(seed=0, sample_batch=batches[0])
     initial = trainer.host_state(state)
@@ -111,7 +115,7 @@ def test_ddp_on_4_devices_equals_one_device_with_dropout_off():
 def test_dropout_masks_are_deterministic_per_step():
     data = CharWindows(local_corpus())
     batch = data.batch(data.train, np.random.default_rng(3), 8, 16)
-    trainer = lm_trainer(tiny_gpt(len(data.vocab), dropout_rate=0.3), optax.sgd(0.0), 2)
+    trainer = lm_trainer(char_gpt(len(data.vocab), dropout_rate=0.3), optax.sgd(0.0), 2)
 
     def losses(seed):
         state = trainer.init(seed=seed, sample_batch=batch)
@@ -130,8 +134,8 @@ def test_dropout_masks_are_deterministic_per_step():
 def test_remat_recomputes_the_same_gradients():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(2, 16)), jnp.int32)
     # One layer: each dropout site costs seconds of CPU compile time (threefry).
-    fields = dict(num_layers=1, dropout_rate=0.1)
-    plain, remat = tiny_gpt(50, **fields), tiny_gpt(50, remat=True, **fields)
+    fields = dict(layers=1, dropout_rate=0.1)
+    plain, remat = char_gpt(50, **fields), char_gpt(50, remat=True, **fields)
     params = plain.init(jax.random.key(0), tokens)["params"]
 
     def grads(model):
@@ -148,8 +152,7 @@ def test_remat_recomputes_the_same_gradients():
 
 def test_gpt2_small_has_the_published_parameter_count():
     model = GPT(50257, num_layers=12, num_heads=12, embed_dim=768, max_seq_len=1024)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == 124_439_808
+    assert param_count(model, jnp.zeros((1, 8), jnp.int32)) == 124_439_808
 
 
 BAD_DIMENSIONS = [
@@ -166,7 +169,7 @@ BAD_DIMENSIONS = [
 @pytest.mark.parametrize("kwargs,message", BAD_DIMENSIONS, ids=lambda x: str(x)[:24])
 def test_inconsistent_dimensions_are_one_line_config_errors(kwargs, message):
     with pytest.raises(jddp.ConfigError) as raised:
-        tiny_gpt(65, **kwargs)
+        char_gpt(65, **kwargs)
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -180,7 +183,7 @@ def test_inconsistent_dimensions_are_one_line_config_errors(kwargs, message):
 )
 def test_bad_inputs_are_one_line_shape_errors(tokens, message):
     with pytest.raises(jddp.ShapeError) as raised:
-        tiny_gpt(65).init(jax.random.key(0), tokens)
+        char_gpt(65).init(jax.random.key(0), tokens)
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 

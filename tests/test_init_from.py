@@ -157,8 +157,7 @@ def test_init_from_finds_parameters_and_batch_statistics_by_name(tmp_path):
         start = resume.check_before_start(str(tmp_path / "run"), config, trainer, sample, batches)
         assert start.resume_step is None
         if state is None:  # the whole start, as train_and_evaluate makes it, once
-            step, state, _ = resume.restore_or_start(trainer, config, None, sample)
-            assert step == 0
+            state = resume.fresh_state(trainer, config, sample)
         else:  # its loading and placing, for the other writers (initializing is the slow part)
             weights = jddp.checkpoints.weights.load_weights(folder)
             params, model_state = weights.params, weights.model_state

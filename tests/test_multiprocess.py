@@ -21,10 +21,10 @@ from experiments.configs import digits_mlp
 from jddp import data
 from jddp.checkpoints.store import Checkpoints
 from jddp.checkpoints.weights import load_params
-from jddp.parallel.rules import nest_paths
+from jddp.core.tree_paths import nest_paths
 from jddp.run import optim
 from jddp.run.factory import build_trainer
-from tests.helpers import REPO
+from tests.helpers import PORT_TAKEN, REPO
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -177,6 +177,13 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def rank_of(pid: int) -> int:
+    """The process id the launcher gave its child `pid` (in its environment, not by PID order)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    return int(entries[b"JDDP_PROCESS_ID"])
+
+
 def logged_step(workdir) -> int:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -217,9 +224,10 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
     )
     try:
         assert wait_for(lambda: logged_step(workdir) >= 20, time.monotonic() + 180)
-        workers = sorted(children_of(launcher.pid))
-        assert len(workers) == 2
-        os.kill(workers[1], signal.SIGKILL)
+        ranks = {rank_of(pid): pid for pid in children_of(launcher.pid)}
+        assert sorted(ranks) == [0, 1]
+        workers = list(ranks.values())
+        os.kill(ranks[1], signal.SIGKILL)
         output, _ = launcher.communicate(timeout=60)  # the job ends within 60 s
     finally:
         if launcher.poll() is None:
@@ -233,33 +241,48 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
 def test_without_a_launcher_the_survivor_ends_in_one_line_naming_the_lost_process(tmp_path, lost):
     """Each process started by hand; one dies with its host (its whole session is SIGKILLed):
     the other ends, within the heartbeat timeout, in one line naming it, not in JAX's abort."""
-    port = jddp.runtime.launch.free_port()
     workdir = str(tmp_path / "run")
-    processes = [
-        subprocess.Popen(
-            [
-                *CLI[:3],
-                "--config.num_train_steps=100000",
-                "--config.checkpoint_every=0",
-                "--config.log_every=10",
-                f"--workdir={workdir}",
-                f"--coordinator_address=127.0.0.1:{port}",
-                "--num_processes=2",
-                f"--process_id={rank}",
-                "--heartbeat_timeout_seconds=10",
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-            start_new_session=True,
-        )
-        for rank in range(2)
-    ]
-    survivor = processes[1 - lost]
+
+    def start(port):
+        return [
+            subprocess.Popen(
+                [
+                    *CLI[:3],
+                    "--config.num_train_steps=100000",
+                    "--config.checkpoint_every=0",
+                    "--config.log_every=10",
+                    f"--workdir={workdir}",
+                    f"--coordinator_address=127.0.0.1:{port}",
+                    "--num_processes=2",
+                    f"--process_id={rank}",
+                    "--heartbeat_timeout_seconds=10",
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+                start_new_session=True,
+            )
+            for rank in range(2)
+        ]
+
+    processes = []
     try:
-        assert wait_for(lambda: logged_step(workdir) >= 10, time.monotonic() + 180)
+        # The port is free when picked; should another program take it before process 0's
+        # coordinator binds it, process 0 says so and exits, and the pair starts again.
+        for _ in range(3):
+            processes = start(jddp.runtime.launch.free_port())
+            assert wait_for(
+                lambda first=processes[0]: logged_step(workdir) >= 10 or first.poll() is not None,
+                time.monotonic() + 180,
+            )
+            if processes[0].poll() is None or PORT_TAKEN not in processes[0].communicate()[0]:
+                break
+            os.killpg(processes[1].pid, signal.SIGKILL)
+            processes[1].communicate()
+        assert logged_step(workdir) >= 10, processes[0].communicate(timeout=60)[0]
+        survivor = processes[1 - lost]
         os.killpg(processes[lost].pid, signal.SIGKILL)
         output, _ = survivor.communicate(timeout=60)
     finally:

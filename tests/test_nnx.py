@@ -38,8 +38,8 @@ class NnxDropoutNet(nnx.Module):
         return self.head(self.dropout(nnx.relu(self.dense(x))))
 
 
-class LinenTwin(nn.Module):
-    """The same network in Linen, with the same parameter and statistics names."""
+class LinenNet(nn.Module):
+    """NnxNet in Linen, with the same parameter and statistics names."""
 
     @nn.compact
     def __call__(self, x, train: bool):
@@ -74,7 +74,7 @@ def test_nnx_module_trains_like_its_linen_twin_on_one_device(strategy):
     for batch in data:
         state, _ = trainer.step(state, batch)
 
-    twin = LinenTwin()
+    twin = LinenNet()
     params, model_state, _ = plain_training(
         batchnorm_classifier_loss(twin), initial.params, initial.model_state, optimizer, data
     )

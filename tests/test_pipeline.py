@@ -38,27 +38,30 @@ def pipeline_trainer(mesh, schedule, microbatches, strategy="zero1", **kwargs):
 
 
 # Both schedules on 2 stages (2 layers each: the backward in two ticks) and on 4 (1 layer
-# each: in one), each with M = S and with M = 4S micro-batches between them.
+# each: in one), each with M = S and with M = 4S micro-batches between them; with fsdp, ZeRO-3
+# (parameters gathered inside the stages) and ZeRO-1.
 CASES = [
-    ("stage:2", "gpipe", 2),
-    ("stage:2", "1f1b", 8),
-    ("stage:4", "gpipe", 16),
-    ("stage:4", "1f1b", 4),
+    ("stage:2", "gpipe", 2, "zero1"),
+    ("stage:2", "1f1b", 8, "zero1"),
+    ("stage:4", "gpipe", 16, "zero1"),
+    ("stage:4", "1f1b", 4, "zero1"),
 ]
 CASES += [
-    ("data:2,stage:2", "1f1b", 4),
-    ("stage:2,fsdp:2", "1f1b", 4),
-    ("data:2,stage:4", "gpipe", 8),
-    ("stage:2,fsdp:2,tensor:2", "1f1b", 4),  # with sequence parallelism inside the stages
+    ("data:2,stage:2", "1f1b", 4, "zero1"),
+    ("stage:2,fsdp:2", "1f1b", 4, "zero3"),
+    ("data:2,stage:4", "gpipe", 8, "zero1"),
+    ("stage:2,fsdp:2,tensor:2", "1f1b", 4, "zero1"),  # with sequence parallelism in the stages
 ]
 
 
-@pytest.mark.parametrize("mesh,schedule,microbatches", CASES)
-def test_pipeline_matches_one_device(mesh, schedule, microbatches):
+@pytest.mark.parametrize("mesh,schedule,microbatches,strategy", CASES)
+def test_pipeline_matches_one_device(mesh, schedule, microbatches, strategy):
     """20 steps, AdamW, clipping, 2 accumulation steps of M micro-batches each: every loss, the
     parameters and the optimizer state equal the single-device loop's."""
-    trainer = pipeline_trainer(mesh, schedule, microbatches, sp="tensor" in mesh)
-    check_against_reference(trainer, token_batches(size=BATCH), layers=LAYERS)
+    trainer = pipeline_trainer(mesh, schedule, microbatches, strategy, sp="tensor" in mesh)
+    state = check_against_reference(trainer, token_batches(size=BATCH), layers=LAYERS)
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]  # (layer, in, out)
+    assert ("fsdp" in str(kernel.sharding.spec)) == (strategy == "zero3"), kernel.sharding
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["2 layers per stage", "1 layer per stage"])

@@ -97,7 +97,8 @@ def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(tmp_path):
 def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
     """The CLI on stage:2,data:-1 over 2 processes x 2 devices, one stage per process: both
     processes read every row of each global batch (their devices hold the same batch slices),
-    and the losses and eval loss equal the same run's in this process (8 devices: data:4)."""
+    and every step's record (loss, gradient norm, eval loss) and the exported parameters equal
+    the same run's in this process (8 devices: data:4)."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(chr(32 + i * 7 % 90) for i in range(3_000)))
     # A config file for the CLI; tests.tiny_gpt_config makes no JAX call at import, which
@@ -108,6 +109,7 @@ def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
         "from tests.tiny_gpt_config import gpt_config\n\n\ndef get_config():\n"
         f"    config = gpt_config({settings})\n"
         "    config.model_args.num_layers, config.checkpoint_every = 2, 0\n"
+        "    config.log_every = 1\n"
         "    return config\n"
     )
     command = ["-m", "experiments.train", f"--config={config_file}"]
@@ -118,13 +120,20 @@ def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
     )  # fmt: skip
     assert code == 0, output
     config = gpt_config(str(text), strategy="zero1", mesh="stage:2,data:-1")
-    config.model_args.num_layers, config.checkpoint_every = 2, 0
+    config.model_args.num_layers, config.checkpoint_every, config.log_every = 2, 0, 1
     train_and_evaluate(config, str(tmp_path / "one"))
 
     def records(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [(r["step"], r["loss"], r["eval_loss"]) for r in map(json.loads, lines)]
+        keep = ("step", "loss", "grad_norm", "eval_loss")
+        return [{k: r[k] for k in keep if k in r} for r in map(json.loads, lines)]
 
     two, one = records("two"), records("one")
-    assert [r[0] for r in two] == [r[0] for r in one] == [4]
-    np.testing.assert_allclose([r[1:] for r in two], [r[1:] for r in one], rtol=1e-5)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [sorted(r) for r in two] == [sorted(r) for r in one]
+    assert "eval_loss" in one[-1]
+    for got, expected in zip(two, one, strict=True):
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-5), (got, expected)
+    exported = [load_params(str(tmp_path / name / "export")) for name in ("two", "one")]
+    assert_trees_close(*exported)

@@ -21,7 +21,7 @@ from jddp.planner.search import layouts_for
 from jddp.planner.workload import from_config
 from jddp.run import optim
 from jddp.run.factory import build_trainer
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_error_exit
 
 # digits_mlp: 64-256-256-10. Kernels of at least 4096 elements (64x256, 256x256) shard over the
 # devices; the 256x10 kernel and the biases stay replicated.
@@ -133,10 +133,8 @@ def run_plan(*flags: str) -> subprocess.CompletedProcess:
 def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
     """The command line end to end (a subprocess): GPT-124M on 8 devices of 2 GB."""
     result = run_plan("--devices=8", "--device_memory=2GB", "--device=h100")
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: fits nowhere: the closest plan is ")
-    assert " over the 1.9 GiB of a device" in lines[0]
+    line = assert_error_exit(result, " over the 1.9 GiB of a device")
+    assert line.startswith("error: fits nowhere: the closest plan is "), line
 
 
 def test_numbers_in_the_forms_the_help_shows():
@@ -154,9 +152,8 @@ def test_numbers_in_the_forms_the_help_shows():
         ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
     ]:
         result = run_plan("--devices=8", f"{flag}={value}")
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: {flag}=") and words in lines[0]
+        line = assert_error_exit(result, words)
+        assert line.startswith(f"error: {flag}="), line
 
 
 def test_a_negative_top_is_refused_in_one_line():
@@ -167,3 +164,23 @@ def test_a_negative_top_is_refused_in_one_line():
         result.stderr.strip()
         == "error: --top=-3 must be a number of plans to show, or 0 for all of them"
     )
+
+
+def test_calibrate_moved_to_experiments_in_one_line():
+    """Measuring this machine is `python -m experiments.calibrate` (its programs and scipy fit
+    are not in the installed library): `--calibrate` says so in one line, exit code 2."""
+    result = run_plan("--calibrate")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: --calibrate moved: run `python -m experiments.calibrate` from a jddp checkout"
+    )
+
+
+def test_the_planner_counts_float16_as_2_bytes_as_the_trainer_computes():
+    """The planner's bytes per activation element come from the factory's dtype rule, the one
+    the trainer computes in: float16 is 2 bytes (it was once counted as 4)."""
+    config = digits_mlp.get_config()
+    config.compute_dtype = "float16"
+    trainer = build_trainer(config, data.get_dataset(config.dataset))
+    assert from_config(config).compute_bytes == 2
+    assert np.dtype(trainer.task.compute_dtype).itemsize == 2

@@ -208,13 +208,13 @@ def test_non_matmul_traffic_by_hand():
 
 # ------------------------------------------------------------------------------- layouts
 def test_a_failed_gloo_measurement_is_one_line(monkeypatch):
-    """`--calibrate`'s 2-process measurement: a worker that dies (a killed peer, a port in use)
+    """The calibration's 2-process measurement: a worker that dies (a killed peer, a port in use)
     or hangs is a JddpError of one line (the CLI prints it and exits 2), not a traceback with
     the workers' output."""
     import subprocess
 
+    from experiments.calibrate import profile
     from jddp.errors import JddpError
-    from jddp.planner import calibrate
 
     def died(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "[0] starting\n", "Traceback ...\nboom\n")
@@ -223,31 +223,31 @@ def test_a_failed_gloo_measurement_is_one_line(monkeypatch):
         raise subprocess.TimeoutExpired(command, kwargs["timeout"])
 
     for run, reason in ((died, "exit code 1; last line: boom"), (hung, "no result within 5 s")):
-        monkeypatch.setattr(calibrate.subprocess, "run", run)
+        monkeypatch.setattr(profile.subprocess, "run", run)
         with pytest.raises(JddpError) as error:
-            calibrate._launch_gloo_worker(timeout=5)
+            profile._launch_gloo_worker(timeout=5)
         assert reason in str(error.value) and "nothing was stored" in str(error.value)
         assert "\n" not in str(error.value)
 
 
 def test_calibrate_refuses_device_counts_it_cannot_pair_before_writing(monkeypatch, tmp_path):
-    """`--calibrate` times collectives over all the devices and over pairs: an odd count, or
+    """The calibration times collectives over all the devices and over pairs: an odd count, or
     no more devices than a pair, is one JddpError before anything is measured or written."""
     import jax
 
+    from experiments.calibrate import profile
     from jddp.errors import JddpError
-    from jddp.planner import calibrate
 
     every = jax.devices()
     for count in (1, 2, 3):
         monkeypatch.setattr(jax, "devices", lambda count=count: every[:count])
         with pytest.raises(JddpError, match=f"not {count}; set jax_num_cpu_devices=8"):
-            calibrate.calibrate(str(tmp_path / "profile" / "cpu.json"))
+            profile.calibrate(str(tmp_path / "profile" / "cpu.json"))
     assert not (tmp_path / "profile").exists()
 
 
 def test_calibration_times_one_collective_per_block_each_waited_for():
-    """`--calibrate` times each collective between the calibration GPT's blocks: the compiled
+    """The calibration times each collective between the calibration GPT's blocks: the compiled
     program runs one op of the kind per block over the elements asked, none combined with
     another (XLA's all-reduce combiner merged 4 independent ones into one tuple op, and the
     calibration timed each at a quarter of its cost), in the group asked."""
@@ -255,9 +255,9 @@ def test_calibration_times_one_collective_per_block_each_waited_for():
 
     import jax
 
-    from jddp.planner import calibrate
+    from experiments.calibrate import measure
 
-    blocks = calibrate.CALIBRATION_GPT["num_layers"]
+    blocks = measure.CALIBRATION_GPT["num_layers"]
     elements, group = 2**14, 4
     result = {  # the shape of each op's result, per device
         "all-reduce": elements,
@@ -268,19 +268,19 @@ def test_calibration_times_one_collective_per_block_each_waited_for():
     groups = "replica_groups={{0,1,2,3},{4,5,6,7}}"
     ring = "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
 
-    mesh = calibrate.group_mesh(jax.devices(), group)
-    inputs = calibrate.block_inputs(mesh)
+    mesh = measure.group_mesh(jax.devices(), group)
+    inputs = measure.block_inputs(mesh)
 
     def compiled(kind):
-        step, args = calibrate.between_blocks(mesh, kind, elements, inputs)
+        step, args = measure.between_blocks(mesh, kind, elements, inputs)
         return step.lower(*args).compile().as_text()
 
-    for kind in calibrate.COLLECTIVES:
+    for kind in measure.COLLECTIVES:
         ops = re.findall(rf"= (\S+) {kind}(?:-start)?\((.*)", compiled(kind))
         assert [shape for shape, _ in ops] == [f"f32[{result[kind]}]{{0}}"] * blocks, kind
         for _, rest in ops:
             assert (ring if kind == "collective-permute" else groups) in rest, rest
-    assert not re.search("|".join(calibrate.COLLECTIVES), compiled(None))
+    assert not re.search("|".join(measure.COLLECTIVES), compiled(None))
 
 
 # Passes of the calibration's memory stream after one warm-up, in a fresh process: the fresh
@@ -289,7 +289,7 @@ STREAM_FAULTS = """
 import json, resource
 import jddp
 from jddp.runtime.host_memory import minor_faults
-from jddp.planner.calibrate import memory_stream
+from experiments.calibrate.measure import memory_stream
 stream, nbytes = memory_stream(64)
 stream()
 before = minor_faults()
@@ -302,7 +302,7 @@ print(json.dumps({"faults": (minor_faults() - before) / 5, "pages": pages,
 
 
 def test_memory_stream_runs_on_memory_the_process_holds():
-    """`--calibrate` times the memory bandwidth with `c = a + b` written into the same buffer
+    """The calibration times the memory bandwidth with `c = a + b` written into the same buffer
     every pass: a pass takes no pages fresh from the OS, with jddp's malloc settings or with
     glibc's own, under which a fresh 64 MiB output is mmapped every pass (16,384 faults, and a
     calibration of 1.9 GB/s where the memory streams 37). It computes the sum."""
@@ -319,8 +319,8 @@ def test_efficiency_refuses_a_step_shorter_than_its_memory_traffic():
     streams 37: every pass on fresh pages), or whose matmul rate was (131 GFLOP/s where the
     machine runs 385-438), says so in one line instead of storing an efficiency capped at 1.0
     that mispredicts every layout 1.4-2.9x."""
+    from experiments.calibrate.profile import efficiency_of
     from jddp.errors import JddpError
-    from jddp.planner.calibrate import efficiency_of
     from tests.helpers import assert_one_line
 
     t = Transformer(2, 256, 8, 1024, 1024, 128)
@@ -332,11 +332,11 @@ def test_efficiency_refuses_a_step_shorter_than_its_memory_traffic():
     assert efficiency_of(step, w, 8, PROFILE) == pytest.approx(0.5)
     with pytest.raises(JddpError) as error:
         efficiency_of(memory_bound * 0.9, w, 8, PROFILE)
-    assert_one_line(error, "shorter than its memory traffic", "run --calibrate again")
+    assert_one_line(error, "shorter than its memory traffic", "experiments.calibrate` again")
     # A matmul rate measured in a slow spell: the step's matmuls ran faster than the "peak".
     with pytest.raises(JddpError) as error:
         efficiency_of(memory_bound + flops / (1.1 * PROFILE.peak_flops), w, 8, PROFILE)
-    assert_one_line(error, "faster than the", "run --calibrate again")
+    assert_one_line(error, "faster than the", "experiments.calibrate` again")
 
 
 def test_the_benchmark_takes_a_faster_matmul_rate_than_the_calibration_measured():
@@ -346,7 +346,7 @@ def test_the_benchmark_takes_a_faster_matmul_rate_than_the_calibration_measured(
     efficiency 1, and rate x efficiency is what the windows say (the prediction's only use of
     either)."""
     from experiments.bench import planner as bench
-    from jddp.planner.calibrate import efficiency_of
+    from experiments.calibrate.profile import efficiency_of
 
     t = Transformer(2, 256, 8, 1024, 1024, 128)
     w = Workload("gpt", transformer_params(t), 8, 1e12, transformer=t, min_shard_size=1)
@@ -365,12 +365,13 @@ def test_the_benchmark_takes_a_faster_matmul_rate_than_the_calibration_measured(
 
 
 def test_link_fit_recovers_the_ring_formulas():
-    """`--calibrate` fits a link's bandwidth, latency per ring step and overhead per op to
+    """The calibration fits a link's bandwidth, latency per ring step and overhead per op to
     times measured over groups of 4 and 2 devices: times made from the ring formulas give them
     back; a near-zero time for a small collective (what a small in-process one adds between
     matmuls) barely moves the fit (absolute, not relative, error); without an overhead the fit
     finds none."""
-    from jddp.planner.calibrate import COLLECTIVES, fit_link
+    from experiments.calibrate.measure import COLLECTIVES
+    from experiments.calibrate.profile import fit_link
 
     sizes = (2**16, 2**20, 2**22)
 
@@ -451,7 +452,7 @@ def test_presets_load_with_sources(name):
 def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown --device='v100'.*choose one of"):
         devices.get_profile("v100")
-    with pytest.raises(ConfigError, match="--calibrate"):
+    with pytest.raises(ConfigError, match="run `python -m experiments.calibrate` first"):
         devices.get_profile("cpu", str(tmp_path / "none.json"))
     with pytest.raises(ConfigError, match="bw_intra=0"):
         dataclasses.replace(PROFILE, bw_intra=0).check()
@@ -460,7 +461,7 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
         ((32, 0.5), (float("inf"), 1.0)),
     )  # fmt: skip
     for curve in bad_curves:
-        with pytest.raises(ConfigError, match="matmul_shape_rates=.*--calibrate"):
+        with pytest.raises(ConfigError, match="matmul_shape_rates=.*experiments.calibrate"):
             dataclasses.replace(PROFILE, matmul_shape_rates=curve).check()
     for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
         for bad in (-1e-3, float("nan"), float("inf")):
@@ -482,7 +483,7 @@ def test_unknown_device_and_missing_cpu_profile_are_config_errors(tmp_path):
         (),
     )
     for entry in bad_kinds:
-        with pytest.raises(ConfigError, match="per_kind entry .*--calibrate"):
+        with pytest.raises(ConfigError, match="per_kind entry .*experiments.calibrate"):
             dataclasses.replace(PROFILE, per_kind=(entry,)).check()
 
 
@@ -524,7 +525,7 @@ def test_cpu_profile_round_trips(tmp_path):
 
 
 def test_an_unwritable_profile_path_is_refused_before_measuring_and_nothing_changes(tmp_path):
-    """`--calibrate` checks where it will write before it measures (calibrate() calls
+    """The calibration checks where it will write before it measures (calibrate() calls
     `check_profile_path` first): a file in the way, or a folder at the path, is one
     ConfigError naming the path; a profile already there is left as it was."""
     (tmp_path / "afile").write_text("keep")

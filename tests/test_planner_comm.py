@@ -9,7 +9,7 @@ devices (ddp and zero1 included)."""
 import pytest
 
 from jddp.observe.hlo import bytes_by_axes, collective_ops
-from jddp.planner import comm
+from jddp.planner import collective, comm
 from jddp.planner.layouts import Layout
 from tests.planner_programs import compiled_text, tiny_workload
 
@@ -34,7 +34,7 @@ def test_modelled_bytes_per_axis_equal_the_compiled_hlo(case):
     )
     compiled = bytes_by_axes(collective_ops(text), device_ids, axis_names)
     workload = tiny_workload(layers=layers, microbatches=microbatches, grad_comm_dtype=dtype)
-    modelled = comm.bytes_by_axes(comm.step_collectives(workload, layout))
+    modelled = collective.bytes_by_axes(comm.step_collectives(workload, layout))
     assert compiled == modelled
     assert layout.tensor == 1 or ("tensor",) in {axes for axes, _ in compiled}
     assert layout.stage == 1 or (("stage",), "collective-permute") in compiled

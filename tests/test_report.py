@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import report
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_error_output
 
 
 def test_report_draws_every_picture(tmp_path):
@@ -81,6 +81,5 @@ def test_a_mistake_is_one_line_and_writes_nothing(tmp_path, capsys, mistake, mes
     with pytest.raises(SystemExit) as exit_info:
         report.main(["--no_published", *(f"{k}={v}" for k, v in args.items())])
     assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert_error_output(capsys.readouterr().err, message)
     assert out.read_text() == "kept" if mistake == "out_is_a_file" else not out.exists()

@@ -9,7 +9,7 @@ import pytest
 
 import jddp
 from jddp.models import ResNet
-from tests.helpers import train_steps
+from tests.helpers import param_count, train_steps
 from tests.reference import (
     assert_replicas_identical,
     assert_trees_close,
@@ -72,13 +72,6 @@ def test_synchronized_batchnorm_equals_one_device_on_the_global_batch(strategy):
     assert np.max(np.abs(mean)) > 0.05
 
 
-def param_count(model, image_size):
-    shapes = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, image_size, image_size, 3)), False)
-    )
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
-
-
 @pytest.mark.parametrize(
     "depth,stem,classes,expected",
     [
@@ -89,7 +82,8 @@ def param_count(model, image_size):
 )
 def test_parameter_counts_match_the_published_models(depth, stem, classes, expected):
     image_size = 224 if stem == "imagenet" else 32
-    assert param_count(ResNet(classes, depth=depth, stem=stem), image_size) == expected
+    model = ResNet(classes, depth=depth, stem=stem)
+    assert param_count(model, jnp.zeros((1, image_size, image_size, 3)), train=False) == expected
 
 
 BAD_SETTINGS = [

@@ -1,6 +1,7 @@
 """Kill a real training process (SIGKILL at several points, one of them inside an asynchronous
-save; SIGTERM as schedulers preempt) and run the same command again: the run logs exactly what an
-uninterrupted run logs and ends with bitwise the same parameters."""
+save; SIGTERM as schedulers preempt) and run the same command again: the rerun resumes from the
+newest checkpoint, logs exactly what an uninterrupted run logs and ends with bitwise the same
+parameters."""
 
 import glob
 import json
@@ -16,17 +17,17 @@ import numpy as np
 import pytest
 
 from jddp.checkpoints.weights import load_params
-from tests.helpers import REPO, snapshot
+from tests.helpers import REPO, BeforeRerun, committed_checkpoints, snapshot
 
+LOG_EVERY = 5
 FLAGS = [
     "--config.num_train_steps=50",
-    "--config.log_every=5",
+    f"--config.log_every={LOG_EVERY}",
     "--config.eval_every=25",
     "--config.checkpoint_every=10",
     "--config.warmup_steps=5",
     "--config.global_batch_size=64",
-    # ~1.1M parameters: a save takes long enough to be caught in the middle of it.
-    "--config.model_args.hidden_sizes=(1024,1024)",
+    "--config.model_args.hidden_sizes=(1024,1024)",  # ~1.1M parameters
 ]
 # Speeds differ between runs, and the memory report is in a fresh start's first record only.
 TIMING_KEYS = {
@@ -41,11 +42,11 @@ TIMING_KEYS = {
 DEADLINE_SEC = 240  # hard limit for any one process; it is SIGKILLed past it
 
 
-def start(workdir, log_name, *more_flags):
+def start(workdir, log_name, *more_flags, module=("experiments.train",)):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     return subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *FLAGS, *more_flags],
+        [sys.executable, "-m", *module, f"--workdir={workdir}", *FLAGS, *more_flags],
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -105,30 +106,36 @@ def uninterrupted(tmp_path_factory):
 
 def test_sigkill_anywhere_then_rerun_reproduces_the_run_bit_for_bit(tmp_path, uninterrupted):
     workdir = str(tmp_path / "run")
-    # 1. Between checkpoints.
+    # 1. Between checkpoints, after the first one.
     process = start(workdir, "kill1.log")
-    assert wait_until(process, lambda: logged_steps(workdir) >= 15)
+    assert wait_until(
+        process, lambda: committed_checkpoints(workdir) and logged_steps(workdir) >= 15
+    )
     process.kill()
     process.wait()
-    # 2. Inside an asynchronous save (a checkpoint's temporary directory exists).
-    killed_mid_save = False
-    for attempt in range(4):
-        process = start(workdir, f"kill2-{attempt}.log")
-        if not wait_until(process, lambda: saving(workdir) and logged_steps(workdir) > 10):
-            break
-        process.kill()
-        process.wait()
-        killed_mid_save = saving(workdir)  # the cut-short save is still there, uncommitted
-        if killed_mid_save:
-            break
-    assert killed_mid_save, "never caught a save in progress"
+    # 2. Inside an asynchronous save: its first save stops before its commit, and waits there.
+    before = BeforeRerun(workdir)
+    marker = str(tmp_path / "stalled-save")
+    process = start(workdir, "kill2.log", module=("tests.stalled_save", marker))
+    assert wait_until(process, lambda: os.path.exists(marker)), "the save never started"
+    process.kill()
+    process.wait()
+    stalled = int(open(marker).read())
+    assert stalled > before.resume_step
+    assert glob.glob(os.path.join(workdir, "checkpoints", f"{stalled}.*tmp*"))  # uncommitted
+    assert stalled not in committed_checkpoints(workdir)
+    before.assert_resumed(LOG_EVERY)
     # 3. Late in the run.
+    before = BeforeRerun(workdir)
     process = start(workdir, "kill3.log")
     assert wait_until(process, lambda: logged_steps(workdir) >= 40)
     process.kill()
     process.wait()
+    before.assert_resumed(LOG_EVERY)
     # Run the same command to the end.
+    before = BeforeRerun(workdir)
     assert finish(start(workdir, "final.log")) == 0
+    before.assert_resumed(LOG_EVERY)
     assert not saving(workdir)  # the interrupted save was never taken for a checkpoint
     assert_same_run(workdir, uninterrupted)
 
@@ -143,9 +150,11 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path, 
     (line,) = [x for x in output.splitlines() if x.startswith("preempted:")]
     step = int(line.split("step ")[1].split(";")[0])
     assert step >= 20 and step < 50
-    assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
+    before = BeforeRerun(workdir)
+    assert before.resume_step == step  # the newest checkpoint is the one SIGTERM saved
     assert "Traceback" not in output
     assert finish(start(workdir, "resume.log")) == 0
+    before.assert_resumed(LOG_EVERY)
     assert_same_run(workdir, uninterrupted)
 
 
@@ -170,10 +179,15 @@ def test_sigkill_with_powersgd_then_rerun_reproduces_the_run_bit_for_bit(
 ):
     workdir = str(tmp_path / "run")
     process = start(workdir, "kill.log", *POWERSGD)
-    assert wait_until(process, lambda: logged_steps(workdir) >= 15)
+    assert wait_until(
+        process, lambda: committed_checkpoints(workdir) and logged_steps(workdir) >= 15
+    )
     process.kill()
     process.wait()
+    before = BeforeRerun(workdir)
+    assert before.resume_step > 0, "killed before the first checkpoint"
     assert finish(start(workdir, "final.log", *POWERSGD)) == 0
+    before.assert_resumed(LOG_EVERY)
     assert_same_run(workdir, uninterrupted_powersgd)
 
 

@@ -17,27 +17,17 @@ import sys
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments.configs import digits_mlp
 from jddp.errors import CheckpointError, WorkdirError
 from jddp.run.experiment import train_and_evaluate
-from tests.helpers import REPO, assert_one_line, checkout_env, run_cli, snapshot
-
-SMALL = {
-    "num_train_steps": 10,
-    "log_every": 5,
-    "eval_every": 10,
-    "checkpoint_every": 5,
-    "warmup_steps": 0,
-    "max_to_keep": 2,
-}
-SMALL_FLAGS = [f"--config.{key}={value}" for key, value in SMALL.items()]
-
-
-def small_config(**overrides):
-    config = digits_mlp.get_config()
-    for key, value in {**SMALL, **overrides}.items():
-        setattr(config, key, value)
-    return config
+from tests.helpers import (
+    REPO,
+    SMALL_FLAGS,
+    assert_one_line,
+    checkout_env,
+    run_cli,
+    small_config,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module")
@@ -196,24 +186,52 @@ def test_a_write_error_during_a_save_stops_there_in_one_line(workdir):
     assert records(workdir)[-1]["step"] <= 20  # stopped, not trained on to 40
 
 
+# Run in a mount namespace of its own (a user namespace too without root), where the tmpfs
+# below can be mounted without privileges and vanishes with the run: DISK (4 MiB) gets a copy
+# of the run and a ballast file leaving 64 KiB (metrics fit, a checkpoint not), the CLI trains
+# on there, and what it left in checkpoints/ is copied out to OUT.
+FULL_DISK_RUN = """
+set -e
+mount -t tmpfs -o size=4m tmpfs "$DISK"
+cp -a "$WORKDIR" "$DISK/run"
+"$PYTHON" -c 'import shutil, sys; open(sys.argv[1] + "/ballast", "wb").write(
+    bytes(shutil.disk_usage(sys.argv[1]).free - 64 * 1024))' "$DISK"
+set +e
+"$PYTHON" -m experiments.train --workdir="$DISK/run" "$@"
+code=$?
+cp -a "$DISK/run/checkpoints" "$OUT/checkpoints"
+exit $code
+"""
+
+
 def test_a_full_disk_during_a_save_stops_there_in_one_line(workdir, tmp_path):
-    """A real full disk: a 4 MiB tmpfs (root only) holding the run and a ballast file."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (the write-error test covers the rest)")
-    try:
-        run = disk / "run"
-        shutil.copytree(workdir, run)
-        with open(disk / "ballast", "wb") as f:  # leave 64 KiB: metrics fit, a checkpoint not
-            f.write(b"\0" * (shutil.disk_usage(disk).free - 64 * 1024))
-        kept = {k: v for k, v in snapshot(run).items() if k.startswith("checkpoints/")}
-        config = small_config(num_train_steps=40, allow_config_change=True)
-        with pytest.raises(CheckpointError) as error:
-            train_and_evaluate(config, str(run))
-        assert_one_line(error, "of step 15", "No space left on device", "(newest: step 10)")
-        after = snapshot(run)
-        assert {k: after[k] for k in kept} == kept
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # even if busy
+    """A real full disk: a 4 MiB tmpfs holding the run and a ballast file."""
+    namespace = ["unshare", "--mount"]
+    if os.geteuid() != 0:
+        namespace[1:1] = ["--user", "--map-root-user"]
+    probe = [*namespace, "mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(tmp_path)]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("no mount namespace here for a tmpfs (the write-error test covers the rest)")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").mkdir()
+    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
+    flags = [*SMALL_FLAGS, "--config.num_train_steps=40", "--config.allow_config_change=true"]
+    result = subprocess.run(
+        [*namespace, "bash", "-c", FULL_DISK_RUN, "full_disk_run", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=checkout_env(
+            DISK=str(tmp_path / "disk"),
+            WORKDIR=str(workdir),
+            OUT=str(tmp_path / "out"),
+            PYTHON=sys.executable,
+        ),
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    for words in ("error: ", "of step 15", "No space left on device", "(newest: step 10)"):
+        assert words in last, last
+    after = snapshot(tmp_path / "out")
+    assert {k: after.get(k) for k in kept} == kept

@@ -1,7 +1,6 @@
 """ZeRO-1/2/3 and hybrid: the same training as one device, ZeRO's memory, exactly the expected
 collectives, sharded initialization, and one-line errors for bad meshes and rules."""
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -10,8 +9,11 @@ import pytest
 import jddp
 from jddp.observe.hlo import collectives, total_bytes
 from jddp.observe.memory import peak_bytes
+from tests.helpers import small_net_trainer
 from tests.reference import (
     CLIP_NORM,
+    EVEN_PARAMS,
+    EvenNet,
     SmallNet,
     assert_trees_close,
     make_batches,
@@ -25,24 +27,13 @@ CASES = [(s, n, None) for s in ("zero1", "zero2", "zero3", "hybrid") for n in (2
 CASES += [("hybrid", 4, "data:2,fsdp:2"), ("hybrid", 8, "data:2,fsdp:4")]
 
 
-def sharded_trainer(strategy, num_devices=8, mesh=None, optimizer=None, model=None, **kwargs):
-    return jddp.Trainer(
-        model or SmallNet(),
-        per_example_ce,
-        optimizer or optimizer_for(clip=True),
-        strategy=strategy,
-        devices=jax.devices()[:num_devices],
-        mesh=mesh,
-        min_shard_size=kwargs.pop("min_shard_size", 1),
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("strategy,num_devices,mesh", CASES)
 def test_matches_single_device_reference(strategy, num_devices, mesh):
     """20 steps with accumulation and clipping equal the plain single-device optax loop."""
     optimizer, batches = optimizer_for(clip=True), make_batches()
-    trainer = sharded_trainer(strategy, num_devices, mesh, optimizer, grad_accum_steps=2)
+    trainer = small_net_trainer(
+        strategy, num_devices, mesh, optimizer=optimizer, grad_accum_steps=2
+    )
     assert max(train_and_compare(trainer, optimizer, batches)) > CLIP_NORM  # clipping bit
     layout, _ = trainer.strategy.layout()
     sharded = [spec for spec in jax.tree.leaves(layout.opt_state) if tuple(spec)]
@@ -57,7 +48,7 @@ def test_state_fetched_to_host_equals_ddps_and_init_is_the_same():
         trainer = (
             jddp.Trainer(SmallNet(), per_example_ce, optimizer_for(clip=True))
             if strategy == "ddp"
-            else sharded_trainer(strategy, mesh="data:2,fsdp:4" if strategy == "hybrid" else None)
+            else small_net_trainer(strategy, mesh="data:2,fsdp:4" if strategy == "hybrid" else None)
         )
         state = trainer.init(seed=4, sample_batch=batches[0])
         initial = trainer.host_state(state)
@@ -79,7 +70,7 @@ def test_eval_with_sharded_parameters_counts_every_example_once():
         "image": rng.normal(size=(77, 4, 3)).astype(np.float32),
         "label": rng.integers(0, 5, size=77).astype(np.int32),
     }
-    trainer = sharded_trainer("zero3", metrics={"accuracy": jddp.losses.accuracy})
+    trainer = small_net_trainer("zero3", metrics={"accuracy": jddp.losses.accuracy})
     state = trainer.init(seed=0, sample_batch=examples)
     for batch in make_batches()[:3]:
         state, _ = trainer.step(state, batch)
@@ -95,23 +86,10 @@ def test_eval_with_sharded_parameters_counts_every_example_once():
     )
 
 
-class EvenNet(nn.Module):
-    """Every tensor divides by 8 on some dimension: ZeRO's formulas hold exactly."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(256, use_bias=False)(x.reshape(x.shape[0], -1)))
-        x = nn.relu(nn.Dense(256, use_bias=False)(x))
-        return nn.Dense(64, use_bias=False)(x)
-
-
-EVEN_PARAMS = 12 * 256 + 256 * 256 + 256 * 64
-
-
 def even_trainer(strategy, **kwargs):
     if strategy == "ddp":
         return jddp.Trainer(EvenNet(), per_example_ce, optax.adam(1e-3), **kwargs)
-    return sharded_trainer(strategy, model=EvenNet(), optimizer=optax.adam(1e-3), **kwargs)
+    return small_net_trainer(strategy, model=EvenNet(), optimizer=optax.adam(1e-3), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +164,7 @@ def test_zero3_initializes_into_shards_without_a_whole_copy():
 def test_bad_mesh_or_rule_is_a_one_line_config_error(kwargs, message):
     with pytest.raises(jddp.ConfigError, match=message) as info:
         trainer = (
-            sharded_trainer(**kwargs)
+            small_net_trainer(**kwargs)
             if kwargs["strategy"] != "ddp"
             else jddp.Trainer(SmallNet(), per_example_ce, optax.sgd(0.1), **kwargs)
         )
@@ -195,7 +173,7 @@ def test_bad_mesh_or_rule_is_a_one_line_config_error(kwargs, message):
 
 
 def test_rule_that_does_not_divide_names_the_parameter_and_sizes():
-    trainer = sharded_trainer("zero3", rules=[("Dense_1/kernel", "None,fsdp")])
+    trainer = small_net_trainer("zero3", rules=[("Dense_1/kernel", "None,fsdp")])
     with pytest.raises(jddp.ConfigError) as info:
         trainer.init(seed=0, sample_batch=make_batches()[0])
     message = str(info.value)
@@ -205,7 +183,7 @@ def test_rule_that_does_not_divide_names_the_parameter_and_sizes():
 
 def test_explicit_rules_override_the_default_and_first_match_wins():
     rules = [("Dense_0/kernel", "replicate"), ("Dense_0/.*", "fsdp"), ("kernel", "replicate")]
-    trainer = sharded_trainer("zero3", rules=rules)
+    trainer = small_net_trainer("zero3", rules=rules)
     state = trainer.init(seed=0, sample_batch=make_batches()[0])
     specs = jax.tree.map(lambda x: tuple(x.sharding.spec), state.params)
     assert specs["Dense_0"]["kernel"] == ()  # first rule

@@ -9,6 +9,7 @@ import pytest
 
 import jddp
 from jddp import losses
+from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
 from tests.helpers import assert_one_line
 
 
@@ -157,3 +158,46 @@ def test_library_misuse_is_a_one_line_typed_error():
             metrics={"regularizer": losses.accuracy},
         )
     assert_one_line(error, "'regularizer' is reserved")
+
+
+class Dispatched:
+    """Stands for a step's output still being computed: pending until `block_until_ready`."""
+
+    def __init__(self, pending: list):
+        self.pending = pending
+        pending.append(self)
+
+    def block_until_ready(self):
+        self.pending.remove(self)
+        return self
+
+
+def test_in_flight_bound_waits_for_the_oldest_beyond_its_limit():
+    pending = []
+    bound = InFlightBound(3)
+    outputs = []
+    for count in range(1, 8):
+        outputs.append(Dispatched(pending))
+        bound.add(outputs[-1])
+        assert pending == outputs[max(0, count - 3) :]  # the newest 3: the oldest waited first
+
+
+def test_steps_dispatched_without_reading_their_metrics_stay_at_most_four_in_flight(monkeypatch):
+    """Training never reads its metrics here, so only the trainer's bound waits: after each
+    step at most MAX_STEPS_IN_FLIGHT (4) steps' outputs are outstanding, and no fewer than that
+    (it does not wait for every step)."""
+    trainer = make_trainer(num_devices=1)
+    state = trainer.init(seed=0, sample_batch=random_data(8))
+    pending, train_step = [], trainer.strategy.train_step
+
+    def recorded(state, batch):
+        state, metrics = train_step(state, batch)
+        return state, {**metrics, "loss": Dispatched(pending)}
+
+    monkeypatch.setattr(trainer.strategy, "train_step", recorded)
+    outstanding = []
+    for _ in range(8):
+        state, _ = trainer.step(state, random_data(8))
+        outstanding.append(len(pending))
+    assert MAX_STEPS_IN_FLIGHT == 4
+    assert outstanding == [1, 2, 3, 4, 4, 4, 4, 4]

@@ -1,7 +1,8 @@
 """The hang watchdog on real training processes (tests/hang_worker.py hangs one on purpose in a
-host callback): every process writes its threads' stacks, prints one line and exits within the
-timeout plus a few seconds, also a process that hangs only because its peer does; a slow first
-step, a slow evaluation and slow checkpoint saves raise no alarm."""
+host callback for an hour): every process writes its threads' stacks, prints one line and exits,
+also a process that hangs only because its peer does; a slow first step, a slow evaluation and
+slow checkpoint saves raise no alarm. No assertion is timed: the hang outlasts the test, so an
+exit with the watchdog's code and line is the watchdog's doing, however busy the machine."""
 
 import os
 import signal
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import REPO
+from tests.helpers import REPO, error_line
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
-EXIT_WITHIN_S = TIMEOUT_S + 12  # after the hang begins: polls, grace, stack dump, scheduling
+# After the hang begins, a watchdog that never fires is SIGKILLed this long after (the hang itself
+# lasts an hour): a bound that keeps a broken watchdog from stalling the suite, not a claim.
+KILL_AFTER_S = 180
 HARD_LIMIT_S = 240  # a run that has not hung by then is SIGKILLed
 WORKER = ["-m", "tests.hang_worker", "--config.model=sleepy_mlp", "--config.warmup_steps=0"]
 FLAGS = ["--config.num_train_steps=1000", "--config.log_every=5"]
@@ -31,24 +34,18 @@ def start(launcher, workdir, env, *flags) -> subprocess.Popen:
 
 
 def run_until_hang_and_exit(process, workdir) -> tuple[int, str]:
-    """Waits for the hang to begin, then at most EXIT_WITHIN_S for the exit (else SIGKILL)."""
+    """Waits for the hang to begin, then for the exit (SIGKILL after KILL_AFTER_S)."""
     marker, deadline = str(workdir) + ".hung", time.monotonic() + HARD_LIMIT_S
     while not os.path.exists(marker) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        output, _ = process.communicate(timeout=EXIT_WITHIN_S)
+        output, _ = process.communicate(timeout=KILL_AFTER_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise AssertionError(f"still running {EXIT_WITHIN_S} s after the hang:\n{output}") from None
+        raise AssertionError(f"the watchdog never fired (SIGKILLed):\n{output}") from None
     assert os.path.exists(marker), output
     return process.returncode, output
-
-
-def one_line(output: str, prefix: str = "") -> str:
-    lines = [line for line in output.splitlines() if line.startswith(prefix + "error: ")]
-    assert len(lines) == 1, output
-    return lines[0]
 
 
 def assert_stacks(path, *words):
@@ -75,7 +72,7 @@ def test_one_process_hang_is_reported_after_a_slow_first_step_eval_and_save(tmp_
     process = start([], workdir, env, *flags, "--config.checkpoint_every=10")
     code, output = run_until_hang_and_exit(process, workdir)
     assert code == 3, output
-    line = one_line(output)
+    line = error_line(output)
     assert "no training step finished for" in line and "after step 14" in line, line
     assert "last dispatched: train step" in line and str(workdir / "hang-0.txt") in line, line
     assert os.path.isdir(workdir / "checkpoints" / "10")  # the slow save is done, no alarm
@@ -99,7 +96,7 @@ def test_two_processes_both_report_when_one_hangs(tmp_path):
     code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
     assert code == 3, output
     for process in (0, 1):
-        line = one_line(output, f"[{process}] ")
+        line = error_line(output, f"[{process}] ")
         assert "no training step finished" in line and "after step 10" in line, line
         assert str(workdir / f"hang-{process}.txt") in line, line
     assert_stacks(workdir / "hang-1.txt", "in _host_hook")  # the sleeper

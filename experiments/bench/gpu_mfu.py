@@ -65,7 +65,7 @@ def make_variant(attention: str, batch_size: int, small: bool, device):
     from jddp.core.task import Task
     from jddp.models.gpt import GPT
     from jddp.observe import flops
-    from jddp.parallel.strategies import make_strategy
+    from jddp.parallel.strategies import device_mesh_for, make_strategy
     from jddp.run.objectives import OBJECTIVES
 
     if small:
@@ -85,7 +85,7 @@ def make_variant(attention: str, batch_size: int, small: bool, device):
         compute_dtype=jax.numpy.bfloat16,
         log_grad_norm=False,
     )
-    strategy = make_strategy("ddp", task, [device])
+    strategy = make_strategy("ddp", task, device_mesh_for("ddp", devices=[device]))
     tokens = np.random.default_rng(0).integers(0, 50257, size=(batch_size, seq_len + 1))
     tokens = (tokens % model.vocab_size).astype(np.int32)
     batch = strategy.place_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})

@@ -102,7 +102,7 @@ def pipeline_rows(variants, rows, timings, baseline, same_model, steps):
         row = rows[name] | {"step_s": timings[name]["median_sec"] / steps}
         if name != baseline:
             row["measured_slowdown"] = common.paired_ratio(timings, baseline, name)
-        pipeline = getattr(trainer.strategy, "pipeline", None)
+        pipeline = trainer.strategy.pipeline
         if pipeline:
             bubble = pipeline.schedule.bubble(pipeline.layers_per_stage)
             vs_same = common.paired_ratio(timings, same_model, name)

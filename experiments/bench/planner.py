@@ -80,14 +80,8 @@ def make_trainer(strategy: str, mesh: str | None, devices):
     from jddp.parallel.strategies import device_mesh_for
     from jddp.run.objectives import OBJECTIVES
 
-    layout, tensor_axis, staged = {}, None, False
-    if strategy != "ddp":
-        device_mesh = device_mesh_for(strategy, mesh, devices)
-        tensor_axis, staged = device_mesh.tensor_axis, device_mesh.stage_axis is not None
-        rules = fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else ()
-        layout = {"mesh": device_mesh, "rules": rules}
-        if staged:
-            layout["pipeline"] = PipelineOptions(microbatches=MICROBATCHES, schedule=SCHEDULE)
+    device_mesh = device_mesh_for(strategy, mesh, devices)
+    tensor_axis, staged = device_mesh.tensor_axis, device_mesh.stage_axis is not None
     model = GPT(
         VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ,
         tensor_axis=tensor_axis, scan_layers=staged,
@@ -95,7 +89,9 @@ def make_trainer(strategy: str, mesh: str | None, devices):
     lm = OBJECTIVES["language_model"]
     return jddp.Trainer(
         model, lm.loss_fn, optax.adamw(1e-3), metrics=dict(lm.metrics), input_key="inputs",
-        strategy=strategy, devices=devices, log_grad_norm=False, **layout,
+        strategy=strategy, mesh=device_mesh, log_grad_norm=False,
+        rules=fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else (),
+        pipeline=PipelineOptions(microbatches=MICROBATCHES, schedule=SCHEDULE),
     )  # fmt: skip
 
 
@@ -139,8 +135,9 @@ def references_of(name: str) -> tuple[str, ...]:
 def calibration_windows(devices, steps: int, stacked: bool = True) -> dict:
     """{name: (a window of `steps` steps of the calibration GPT on `devices`, returning its
     seconds; the planner's workload of it)}: each device trains its own copy
-    (`calibrate.gpt_copies_step`), flat and, with `stacked`, with its layers stacked."""
-    from jddp.planner.calibrate import gpt_copies_step
+    (experiments/calibrate/measure.py `gpt_copies_step`), flat and, with `stacked`, with its
+    layers stacked."""
+    from experiments.calibrate.measure import gpt_copies_step
 
     kinds = ((CALIBRATION_FLAT, False), (CALIBRATION_STACKED, True))[: 2 if stacked else 1]
     out = {}
@@ -263,7 +260,7 @@ def byte_check() -> list[dict]:
     import jax
 
     from jddp.observe.hlo import bytes_by_axes, collective_ops
-    from jddp.planner import comm
+    from jddp.planner import collective, comm
     from jddp.planner.search import layouts_for
     from tests.planner_programs import compiled_text, tiny_workload
 
@@ -274,7 +271,7 @@ def byte_check() -> list[dict]:
         start = time.perf_counter()
         text, names, ids = compiled_text(layout, heads=8)
         hlo = bytes_by_axes(collective_ops(text), ids, names)
-        model = comm.bytes_by_axes(comm.step_collectives(w, layout))
+        model = collective.bytes_by_axes(comm.step_collectives(w, layout))
         rows.append(
             {
                 "layout": layout.name,
@@ -297,8 +294,8 @@ def traffic_check() -> list[dict]:
     in one process on 8 devices and, as one process sees them, on 4."""
     import jax
 
+    from experiments.calibrate.measure import gpt_copies_step
     from jddp.observe.hlo import memory_traffic
-    from jddp.planner.calibrate import gpt_copies_step
     from jddp.planner.layouts import Layout
     from jddp.planner.timing import memory_traffic as counted
 
@@ -371,8 +368,8 @@ def main():
         common.report("planner_traffic", rows, {"min": min(ratios), "max": max(ratios)}, args.out)
         return
 
+    from experiments.calibrate.profile import calibrate
     from jddp.errors import JddpError
-    from jddp.planner.calibrate import calibrate
     from jddp.planner.devices import load_cpu_profile, save_cpu_profile
     from jddp.run import cli
 
@@ -493,7 +490,7 @@ def calibrated(profile, calibration: dict, seconds: dict, devices: int):
     the matmul rate the calibration measured, up to half an hour before (run AK: 106 GFLOP/s
     against 103), that faster rate is the machine's (efficiency 1): a prediction depends only
     on the rate times the efficiency."""
-    from jddp.planner.calibrate import efficiency_of
+    from experiments.calibrate.profile import efficiency_of
 
     def efficiency(name):
         return efficiency_of(

@@ -52,13 +52,11 @@ LAYOUTS = [
 
 def make_trainer(strategy, mesh, sp, devices):
     fields = dict(num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ)
-    layout = {}
-    tensor_axis = None
-    if strategy != "ddp":
-        device_mesh = device_mesh_for(strategy, mesh, devices)
-        tensor_axis = device_mesh.tensor_axis
-        layout = {"mesh": device_mesh, "rules": fit_preset(TENSOR_PARALLEL_RULES, device_mesh)}
-    model = GPT(VOCAB, **fields, tensor_axis=tensor_axis, sequence_parallel=sp)
+    device_mesh = device_mesh_for(strategy, mesh, devices)
+    # ddp replicates every parameter: it takes no rules.
+    rules = fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if strategy != "ddp" else ()
+    layout = {"mesh": device_mesh, "rules": rules}
+    model = GPT(VOCAB, **fields, tensor_axis=device_mesh.tensor_axis, sequence_parallel=sp)
     return jddp.Trainer(
         model,
         LM.loss_fn,

@@ -25,9 +25,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from jddp.core.tree_paths import path_str
 from jddp.errors import CheckpointError
 from jddp.observe.memory import format_bytes
-from jddp.parallel.rules import path_str
+from jddp.parallel.pipeline import stage_layouts as layouts
 from jddp.runtime.fs import is_damage, write_failure
 from jddp.runtime.quiet import drop_unraisable, library_warnings_muted
 
@@ -43,7 +44,7 @@ class Checkpoints:
     (cheap: call it every step) or `wait`. The checkpoints written before it stay as they were.
     """
 
-    def __init__(self, directory: str, *, every: int, max_to_keep: int):
+    def __init__(self, directory: str, *, every: int, max_to_keep: int | None):
         self.directory = os.path.abspath(directory)
         # Every process must find the directory in the same state, or orbax's processes take
         # different paths (one creates it, the others do not) and its barriers mismatch.
@@ -55,7 +56,7 @@ class Checkpoints:
             save_decision_policy=policies.AnySavePolicy(
                 [policies.FixedIntervalPolicy(every), policies.PreemptionCheckpointingPolicy()]
             ),
-            preservation_policy=policies.LatestN(max_to_keep),
+            preservation_policy=policies.LatestN(max_to_keep) if max_to_keep else None,
             enable_async_checkpointing=True,
             cleanup_tmp_directories=True,  # a save cut short never counts as a checkpoint
         )
@@ -79,7 +80,13 @@ class Checkpoints:
         return self._manager.should_save(step)
 
     def save(self, step: int, state, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Starts an asynchronous save if `step` is due (or `force`); returns whether it did."""
+        """Starts an asynchronous save if `step` is due (or `force`); returns whether it did.
+        A step already saved is left as it is (one line in the log), not saved again."""
+        if step in self._manager.all_steps():
+            logging.info(
+                "checkpoint of step %d already in %s; not saved again", step, self.directory
+            )
+            return False
         needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
         with self._write_failures(step, needed):  # orbax first waits for the previous save
             started = self._manager.save(
@@ -133,8 +140,9 @@ class Checkpoints:
                 "space or move the workdir, then run the same command to resume"
             ) from None
 
-    def restore_latest(self, abstract_state, check=None, layout=None):
-        """(step, state, meta) of the newest checkpoint that restores, or None if there is none.
+    def restore_latest(self, abstract_state, check=None, layout=None, *, step=None):
+        """(step, state, meta) of the newest checkpoint that restores (of `step` only, when
+        given), or None if there is none.
 
         `abstract_state` carries the target shardings (ShapeDtypeStructs or arrays). Before the
         state is read, `check(meta, saved_shapes)` may refuse the checkpoint by raising (a
@@ -148,6 +156,13 @@ class Checkpoints:
         """
         _drop_closed_loop_reports()
         steps = sorted(self.steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                found = ", ".join(map(str, sorted(steps))) or "none"
+                raise CheckpointError(
+                    f"{self.directory} holds no checkpoint of step {step} (steps: {found})"
+                )
+            steps = [step]
         for step in steps:
             try:
                 meta = self._manager.restore(
@@ -232,6 +247,30 @@ def first_mismatch(expected: dict, actual: dict, source: str) -> str | None:
         if path not in expected:
             return f"{source} has a parameter {path!r} of shape {shape} that the model lacks"
     return None
+
+
+def model_mismatch(abstract_state, saved_shapes: dict, source: str) -> str | None:
+    """The first path or shape where a checkpoint's state (`saved_shapes`, by path) differs from
+    `abstract_state`, layer by layer (stacked and per-layer blocks compare equal); None if it
+    fits."""
+    return first_mismatch(
+        layouts.per_layer_shapes(shapes_by_path(abstract_state)),
+        layouts.per_layer_shapes(saved_shapes),
+        source,
+    )
+
+
+def restore_layout(abstract_state, saved_shapes):
+    """(what to restore into, a function to this run's layout or None): a checkpoint whose
+    layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
+    its own layout and converted on the devices, into this run's shardings."""
+    ours = layouts.is_stacked(shapes_by_path(abstract_state))
+    if layouts.is_stacked(saved_shapes) == ours:
+        return abstract_state, None
+    target = layouts.to_per_layer(abstract_state) if ours else layouts.to_stacked(abstract_state)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+    convert = layouts.to_stacked if ours else layouts.to_per_layer
+    return target, jax.jit(convert, out_shardings=shardings)
 
 
 def numbered(folder: str, prefix: str = "") -> list[str]:

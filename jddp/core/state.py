@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jddp.core.tree_paths import path_str
 from jddp.errors import ShapeError
-from jddp.parallel.rules import path_str
 
 
 class TrainState(struct.PyTreeNode):

@@ -67,15 +67,55 @@ class MetricsWriter:
 
 
 def _drop_records_after(path: str, step: int) -> None:
+    """Keeps the records of steps up to `step` (later ones are about to be written again); a
+    damaged line (a record cut short, NUL bytes from a crash) is appended to
+    `metrics.jsonl.damaged` with one warning naming it, and any complete record in it is kept."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-    if len(kept) != len(lines):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)
+    kept, damaged = [], []
+    for line in lines:
+        records, pieces = _records_in(line)
+        damaged.extend(pieces)
+        kept.extend(r for r in records if _step_of(r) <= step)
+    if kept == lines:
+        return
+    if damaged:
+        with open(path + ".damaged", "a") as f:
+            f.writelines(piece + "\n" for piece in damaged)
+        logging.warning(
+            "%s had %d damaged line(s) (cut short, or NUL bytes); set them aside in %s",
+            path,
+            len(damaged),
+            path + ".damaged",
+        )
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+
+
+def _records_in(line: str) -> tuple[list[str], list[str]]:
+    """(complete records, each ending in a newline; damaged pieces) of one line. NUL bytes split
+    a line into pieces (the whole line is set aside, NULs written as \\x00, and the records in
+    it kept); a piece that is not a record may still end in one (a record appended after a torn
+    one, on the same line)."""
+    records, damaged = [], []
+    for piece in line.replace("\x00", "\n").split("\n"):
+        if not piece.strip():
+            continue
+        starts = [0] + [i for i in range(1, len(piece)) if piece.startswith('{"step"', i)]
+        record = next((i for i in starts if _step_of(piece[i:]) is not None), None)
+        if record is None:
+            damaged.append(piece)
+            continue
+        if record:
+            damaged.append(piece[:record])
+        records.append(piece[record:] + "\n")
+    if "\x00" in line:
+        damaged = [line.rstrip("\n").replace("\x00", "\\x00")]
+    return records, damaged
 
 
 def _step_of(line: str) -> int | None:

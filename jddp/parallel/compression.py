@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import ConfigError
 from jddp.parallel.collectives import fused_pmean, gather, scatter_sum, spans_devices
-from jddp.parallel.rules import nest_paths, path_str
 
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
 GRAD_COMPRESSIONS = ("none", "powersgd")

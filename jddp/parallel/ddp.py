@@ -7,39 +7,39 @@ makes XLA copy the optimizer state in and out of every step: 18 copies for Adam 
 a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 """
 
-from collections.abc import Sequence
-
 import jax
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.core.state import TrainState
 from jddp.core.task import Task, check_rows_divide, jit_init
+from jddp.errors import ConfigError
 from jddp.parallel.compression import GradComm
-
-AXIS = "batch"
+from jddp.parallel.mesh import DDP_AXIS as AXIS
+from jddp.parallel.mesh import DeviceMesh
 
 
 class DDP:
     """Replicated state, one slice of every global batch per device, identical updates."""
 
     name = "ddp"
-    batch_axis_name = AXIS  # SyncBatchNorm: nn.BatchNorm(axis_name=...) averages over replicas
+    pipeline = None  # no stage axis: every device runs the whole model
 
-    def __init__(
-        self,
-        task: Task,
-        devices: Sequence[jax.Device] | None = None,
-        grad_comm: GradComm | None = None,
-    ):
+    def __init__(self, task: Task, mesh: DeviceMesh, grad_comm: GradComm | None = None):
+        if mesh.axis_names != (AXIS,):
+            raise ConfigError(
+                f"parallel.mesh {mesh.describe()!r} does not apply to ddp (every device holds a "
+                "full replica); use zero1, zero2, zero3 or hybrid, or leave it empty"
+            )
         self.task = task
         self.grad_comm = grad_comm or GradComm()
+        self.device_mesh = mesh
+        self.mesh = mesh.mesh  # placement only; pmap maps over its devices
         # Every device of every process; each process feeds and reads its local ones.
-        self.devices = list(devices) if devices is not None else jax.devices()
+        self.devices = list(self.mesh.devices.flat)
         self._local_count = sum(d.process_index == jax.process_index() for d in self.devices)
-        self.mesh = Mesh(np.array(self.devices), (AXIS,))  # placement only; pmap maps over it
         self._replicated = NamedSharding(self.mesh, P())
         self._per_device = NamedSharding(self.mesh, P(AXIS))
         # PowerSGD's error feedback differs between devices: it goes in and out of the step as

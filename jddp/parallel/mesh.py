@@ -10,7 +10,9 @@ multiply to the device count. The role names are the interface:
             (Megatron's column / row split) and activations reduced across it
     stage   pipeline stages: each holds a consecutive group of the model's stacked layers
 
-The mesh is built once per run, before the model, from the strategy's name and this string.
+ddp's mesh is not written: it is one `batch` axis over every device (`ddp_mesh`), the axis its
+pmap maps over. The mesh is built once per run, before the model, from the strategy's name and
+this string.
 """
 
 import dataclasses
@@ -26,16 +28,10 @@ from jddp.errors import ConfigError
 
 ROLES = ("data", "fsdp", "tensor", "stage")
 BATCH_ROLES = ("data", "fsdp")  # axes the batch is split over
+# ddp's one axis: its pmap axis name, and the name a synchronized BatchNorm reduces over (Flax's
+# convention). Not a role users write: ddp's mesh is always this one axis.
+DDP_AXIS = "batch"
 _ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*:\s*(-?\d+)\s*$")
-# Spellings of the meshes before axes had roles, and what they are now.
-_RENAMED = {"replica": "data", "shard": "fsdp"}
-
-
-def _renamed(spec: str) -> str:
-    def rename(match):
-        return _RENAMED.get(match.group(0), match.group(0))
-
-    return re.sub(r"[A-Za-z_]\w*", rename, spec)
 
 
 def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str, int]]:
@@ -52,11 +48,6 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str
         axes.append((match.group(1), int(match.group(2))))
     names = [name for name, _ in axes]
     for name in names:
-        if name in _RENAMED:
-            raise ConfigError(
-                f"parallel.mesh {spec!r} uses the old axis name {name!r}; axes are roles now: "
-                f"write {_renamed(spec)!r} (replica is data, shard is fsdp)"
-            )
         if name not in ROLES:
             raise ConfigError(
                 f"parallel.mesh {spec!r} names an unknown axis {name!r}; the axes are roles: "
@@ -93,9 +84,9 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str
 class DeviceMesh:
     """A `jax.sharding.Mesh` and what its axes are for; what a strategy and a model share.
 
-    `batch_axes`: the axes the batch is split over (data, fsdp), in mesh order; `fsdp_axis`,
-    `tensor_axis`: the axis of that role, or None. Axes of size 1 are kept: a mesh written
-    `data:1,fsdp:1,tensor:1` runs the general path on one device."""
+    `batch_axes`: the axes the batch is split over (data, fsdp; ddp's `batch`), in mesh order;
+    `fsdp_axis`, `tensor_axis`, `stage_axis`: the axis of that role, or None. Axes of size 1
+    are kept: a mesh written `data:1,fsdp:1,tensor:1` runs the general path on one device."""
 
     mesh: Mesh
 
@@ -108,7 +99,7 @@ class DeviceMesh:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.axis_names if a in BATCH_ROLES)
+        return tuple(a for a in self.axis_names if a in (*BATCH_ROLES, DDP_AXIS))
 
     @property
     def fsdp_axis(self) -> str | None:
@@ -170,6 +161,11 @@ class DeviceMesh:
         devices = np.moveaxis(self.mesh.devices, self.axis_names.index("tensor"), -1)
         groups = devices.reshape(-1, devices.shape[-1])
         return any(len({d.process_index for d in group}) > 1 for group in groups)
+
+
+def ddp_mesh(devices: Sequence[jax.Device]) -> DeviceMesh:
+    """ddp's mesh: one `batch` axis over `devices`, in their order."""
+    return DeviceMesh(Mesh(np.asarray(devices), (DDP_AXIS,)))
 
 
 def build_mesh(

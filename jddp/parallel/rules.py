@@ -22,27 +22,16 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jddp.core.tree_paths import path_str
 from jddp.errors import ConfigError
 from jddp.parallel.mesh import DeviceMesh
 
 Rule = tuple[str, str]
 DEFAULT_RULES: tuple[Rule, ...] = ((".*", "fsdp"),)
-
-
-def path_str(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def nest_paths(flat: dict) -> dict:
-    """{"a/b": x} -> {"a": {"b": x}}: a tree from leaves keyed by `path_str` paths."""
-    tree = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
+# Elements below which a tensor stays replicated under "fsdp": sharding it would cost a
+# collective per step to save a few KiB. The one default of `parallel.min_shard_size`, the
+# Trainer's `min_shard_size` and the planner's `Workload.min_shard_size`.
+DEFAULT_MIN_SHARD_SIZE = 2**12
 
 
 def axes_of(entry) -> tuple[str, ...]:

@@ -13,19 +13,20 @@ from jddp.core.task import Task
 from jddp.errors import ConfigError
 from jddp.parallel.compression import GradComm
 from jddp.parallel.ddp import DDP
-from jddp.parallel.mesh import BATCH_ROLES, DeviceMesh, build_mesh, parse_mesh_spec
-from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.strategy import Strategy
-from jddp.parallel.zero import (
-    DEFAULT_MIN_SHARD_SIZE,
-    STAGE_OF,
-    ZeroStrategy,
-    check_mesh_for,
-    default_mesh_spec,
+from jddp.parallel.mesh import (
+    BATCH_ROLES,
+    DDP_AXIS,
+    DeviceMesh,
+    build_mesh,
+    ddp_mesh,
+    parse_mesh_spec,
 )
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
+from jddp.parallel.strategy import Strategy
+from jddp.parallel.zero import STAGE_OF, ZeroStrategy, check_mesh_for, default_mesh_spec
 
 STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid
-DDP_AXIS = DDP.batch_axis_name  # the pmap axis: what a synchronized BatchNorm names under ddp
 
 __all__ = [
     "DDP_AXIS",
@@ -50,23 +51,22 @@ def device_mesh_for(
     devices: Sequence[jax.Device] | None = None,
     *,
     allow_cross_host_tensor: bool = False,
-) -> DeviceMesh | None:
+) -> DeviceMesh:
     """The mesh strategy `name` runs on (`mesh` like "data:2,fsdp:2,tensor:2", or the strategy's
-    default), over `devices` (default: every device of every process); None for ddp, which
-    maps over its devices with pmap. A tensor axis across processes is refused unless
-    `allow_cross_host_tensor`."""
+    default), over `devices` (default: every device of every process); for ddp, one `batch`
+    axis over the devices, which its pmap maps over. A tensor axis across processes is refused
+    unless `allow_cross_host_tensor`."""
     _check_name(name)
+    devices = devices or jax.devices()
     if name == "ddp":
         if mesh:
             raise ConfigError(
                 "parallel.mesh does not apply to ddp (every device holds a full replica); use "
                 "zero1, zero2, zero3 or hybrid, or leave it empty"
             )
-        return None
+        return ddp_mesh(devices)
     device_mesh = build_mesh(
-        mesh or default_mesh_spec(name),
-        devices or jax.devices(),
-        allow_cross_host_tensor=allow_cross_host_tensor,
+        mesh or default_mesh_spec(name), devices, allow_cross_host_tensor=allow_cross_host_tensor
     )
     check_mesh_for(name, device_mesh)
     return device_mesh
@@ -79,7 +79,7 @@ def batch_axis_name(strategy: str, mesh: str | None = None) -> str | tuple[str, 
     Writing `axis_name="batch"` (the Flax convention) works under every strategy as well."""
     _check_name(strategy)
     if strategy == "ddp":
-        return DDP.batch_axis_name
+        return DDP_AXIS
     axes = parse_mesh_spec(mesh or default_mesh_spec(strategy))
     return tuple(name for name, _ in axes if name in BATCH_ROLES)
 
@@ -87,11 +87,10 @@ def batch_axis_name(strategy: str, mesh: str | None = None) -> str | tuple[str, 
 def make_strategy(
     name: str,
     task: Task,
-    mesh: DeviceMesh | None,
-    devices: Sequence[jax.Device] | None = None,
+    mesh: DeviceMesh,
     *,
     rules: Sequence[tuple[str, str]] = (),
-    min_shard_size: int | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     pipeline: PipelineOptions | None = None,
     grad_comm: GradComm | None = None,
 ) -> Strategy:
@@ -113,13 +112,13 @@ def make_strategy(
                 "parallel.rules do not apply to ddp (every device holds a full replica); use "
                 "zero1, zero2, zero3 or hybrid, or leave them empty"
             )
-        return DDP(task, devices, grad_comm)
+        return DDP(task, mesh, grad_comm)
     return ZeroStrategy(
         task,
         mesh,
         name=name,
         rules=rules,
-        min_shard_size=DEFAULT_MIN_SHARD_SIZE if min_shard_size is None else min_shard_size,
+        min_shard_size=min_shard_size,
         pipeline=pipeline,
         grad_comm=grad_comm,
     )

@@ -14,20 +14,20 @@ import jax
 from jax.sharding import Mesh
 
 from jddp.core.state import TrainState
+from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.pipeline.engine import Pipeline
 
 
 class Strategy(Protocol):
     name: str  # the `parallel.strategy` it implements
-    mesh: Mesh  # every device it uses; its axis names are what checkpoints record
+    device_mesh: DeviceMesh  # its mesh and the roles of the axes (ddp: one `batch` axis)
+    mesh: Mesh  # `device_mesh.mesh`, every device it uses: its axis names go in checkpoints
+    # The pipeline engine when the mesh has a stage axis (set by `prepare`), else None: its
+    # schedule, micro-batches and `describe()` are what the trainer and the run report.
+    pipeline: Pipeline | None
 
     @property
     def num_devices(self) -> int: ...
-
-    @property
-    def batch_axis_name(self) -> str | tuple[str, ...]:
-        """The axes a synchronized BatchNorm reduces over inside the per-device program; a model
-        that names the batch axis `"batch"` (the Flax convention) is bound to them."""
-        ...
 
     def prepare(self, abstract_state: TrainState) -> None:
         """Lays out states shaped like `abstract_state` and builds the step programs, once."""

@@ -34,7 +34,14 @@ from jddp.parallel.collectives import fused_pmean, gather
 from jddp.parallel.compression import GradComm
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.rules import mirror_specs, param_specs, restrict, spec_axes, validate_rules
+from jddp.parallel.rules import (
+    DEFAULT_MIN_SHARD_SIZE,
+    mirror_specs,
+    param_specs,
+    restrict,
+    spec_axes,
+    validate_rules,
+)
 
 # stage -> (parameters sharded over fsdp, gradients sharded over fsdp)
 STAGES = {"zero1": (False, False), "zero2": (False, True), "zero3": (True, True)}
@@ -45,7 +52,6 @@ STAGE_OF = {
     "fsdp": "zero3",
     "hybrid": "zero3",
 }
-DEFAULT_MIN_SHARD_SIZE = 2**12  # elements; smaller tensors stay replicated under "fsdp"
 
 
 def default_mesh_spec(name: str) -> str:
@@ -54,12 +60,12 @@ def default_mesh_spec(name: str) -> str:
 
 
 def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
-    """A ConfigError for a mesh on which `name` would shard nothing: before axes had roles,
-    `data:-1` meant what `fsdp:-1` means now."""
+    """A ConfigError for a mesh on which `name` would shard nothing (a `data` axis alone only
+    replicates: that is ddp's layout)."""
     if mesh.fsdp_axis is None and mesh.tensor_axis is None and mesh.stage_axis is None:
         raise ConfigError(
             f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor or stage axis, so {name} would "
-            "shard nothing (data only replicates); write 'fsdp:-1' (formerly 'data:-1'), or "
+            "shard nothing (data only replicates); write 'fsdp:-1', or "
             "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
         )
 
@@ -100,10 +106,6 @@ class ZeroStrategy:
     @property
     def num_devices(self) -> int:
         return self.mesh.size
-
-    @property
-    def batch_axis_name(self) -> tuple[str, ...]:
-        return self.batch_axes
 
     # ---------------------------------------------------------------------------- layout
     def prepare(self, abstract_state: TrainState) -> None:

@@ -13,31 +13,11 @@ import dataclasses
 import functools
 import math
 
+from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collective, merged
 from jddp.planner.layouts import Layout
 from jddp.planner.shards import param_shards
+from jddp.planner.stages import microbatches, stage_collectives
 from jddp.planner.workload import SEQUENCE_SPLIT_PARAMS, Workload
-
-# When a collective runs, which decides what compute it can hide under (jddp/planner/timing.py).
-FORWARD = "forward"  # zero3's parameter all-gathers: the next layer's, during this one
-BACKWARD = "backward"  # gradient reductions: a layer's, during the next layer's backward
-CRITICAL = "critical"  # activations between a layer's matmuls: nothing to hide under
-UPDATE = "update"  # after the optimizer update (zero1/2 gather the updated parameters)
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """`count` ops of one kind over mesh `axes`, each with a result of `nbytes` per device."""
-
-    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
-    axes: tuple[str, ...]
-    nbytes: float
-    count: float
-    phase: str
-    what: str
-
-    @property
-    def total(self) -> float:
-        return self.nbytes * self.count
 
 
 def _axes(layout: Layout, *names: str) -> tuple[str, ...]:
@@ -115,7 +95,7 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     if layout.tensor == 1 or t is None:
         return []
     tensor = ("tensor",)
-    micro_steps = workload.grad_accum_steps * _pipeline_microbatches(workload, layout)
+    micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
     rows = workload.global_batch // (layout.batch_shards * micro_steps)
     activation = rows * t.seq_len * t.width * workload.compute_bytes
     layers = t.layers // layout.stage
@@ -147,39 +127,10 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     return out
 
 
-def _pipeline_microbatches(workload: Workload, layout: Layout) -> int:
-    if layout.stage == 1:
-        return 1
-    from jddp.planner.stages import microbatches
-
-    return microbatches(workload, layout)
-
-
 def step_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     """Every collective of one training step of `workload` under `layout`."""
-    from jddp.planner.stages import stage_collectives
-
     return (
         gradient_collectives(workload, layout)
         + tensor_collectives(workload, layout)
         + stage_collectives(workload, layout)
     )
-
-
-def merged(collectives) -> list[Collective]:
-    """`collectives` with those of equal kind, axes, size and phase merged (counts added):
-    one per layer becomes one per model."""
-    counts: dict[tuple, float] = {}
-    for c in collectives:
-        key = (c.kind, c.axes, c.nbytes, c.phase, c.what)
-        counts[key] = counts.get(key, 0) + c.count
-    return [Collective(k, a, n, count, p, w) for (k, a, n, p, w), count in counts.items()]
-
-
-def bytes_by_axes(collectives) -> dict[tuple[tuple[str, ...], str], float]:
-    """{(axes, kind): bytes} over `collectives`, keyed as jddp.observe.hlo.bytes_by_axes keys
-    them."""
-    totals: dict[tuple[tuple[str, ...], str], float] = {}
-    for c in collectives:
-        totals[(c.axes, c.kind)] = totals.get((c.axes, c.kind), 0) + c.total
-    return totals

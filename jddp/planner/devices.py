@@ -7,7 +7,8 @@ published run listed as the calibration row of `python -m jddp.plan --published`
 every prediction on that hardware; `tests/test_planner.py` checks that the numbers
 here are what those calibration runs give.
 
-The `cpu` profile is this machine, measured by `python -m jddp.plan --calibrate` and kept in
+The `cpu` profile is this machine, measured by `python -m experiments.calibrate` (in a jddp
+checkout: the measuring programs and their scipy fit are not part of the library) and kept in
 the user's cache directory (see `profile_path`): a measurement of one machine under one load
 is not a fact to commit to the repository, and every checkout on the machine shares it.
 """
@@ -21,6 +22,10 @@ import numpy as np
 
 from jddp.errors import ConfigError
 from jddp.planner.network import Link
+
+# What measures this machine as the `cpu` profile: a program of the repository's experiments/,
+# run from a checkout (pip's jddp carries neither it nor its scipy).
+CALIBRATE = "python -m experiments.calibrate"
 
 GB = 1e9
 
@@ -61,9 +66,9 @@ class DeviceProfile:
     per_kind: tuple[tuple, ...] = ()
     # Measured profiles: a matmul's rate by its smallest dimension, relative to a wide one's
     # ((dimension, relative rate), ...; empty: every shape at the full rate). On XLA:CPU a
-    # 128-wide operand runs at ~3/4 of the rate, a 32-wide one at ~0.4 (`--calibrate`): what
-    # a tensor split does to a small model's projections. The accelerator presets stay flat
-    # (no datasheet gives the curve).
+    # 128-wide operand runs at ~3/4 of the rate, a 32-wide one at ~0.4 (measured by
+    # experiments.calibrate): what a tensor split does to a small model's projections. The
+    # accelerator presets stay flat (no datasheet gives the curve).
     matmul_shape_rates: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
 
@@ -119,8 +124,7 @@ class DeviceProfile:
         if not numbers or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
             raise ConfigError(
                 f"device {self.name!r}: matmul_shape_rates={points} must be (dimension, rate) "
-                "pairs of positive finite numbers, dimensions increasing; run `python -m jddp.plan "
-                "--calibrate` again"
+                f"pairs of positive finite numbers, dimensions increasing; run `{CALIBRATE}` again"
             )
         for entry in self.per_kind:  # (kind, bw, latency, bw, latency[, overhead, overhead])
             numbers = entry[1:]
@@ -133,8 +137,8 @@ class DeviceProfile:
                 raise ConfigError(
                     f"device {self.name!r}: per_kind entry {entry} must be (kind, intra bandwidth, "
                     "intra latency, inter bandwidth, inter latency[, intra overhead, inter "
-                    "overhead]), bandwidths positive, the rest finite and >= 0; run `python -m "
-                    "jddp.plan --calibrate` again"
+                    f"overhead]), bandwidths positive, the rest finite and >= 0; run `{CALIBRATE}` "
+                    "again"
                 )
 
 
@@ -262,7 +266,7 @@ DEVICE_NAMES = (*PRESETS, "cpu")
 
 
 def profile_path() -> str:
-    """Where `--calibrate` stores the `cpu` profile: $JDDP_CPU_PROFILE, else
+    """Where `python -m experiments.calibrate` stores the `cpu` profile: $JDDP_CPU_PROFILE, else
     $XDG_CACHE_HOME/jddp/cpu_profile.json (XDG_CACHE_HOME defaults to ~/.cache)."""
     if os.environ.get("JDDP_CPU_PROFILE"):
         return os.environ["JDDP_CPU_PROFILE"]
@@ -316,8 +320,8 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
     path = path or profile_path()
     if not os.path.exists(path):
         raise ConfigError(
-            f"no cpu profile at {path}; run `python -m jddp.plan --calibrate` first (it measures "
-            "this machine's matmul rate and collectives, ~2 min), or give every number "
+            f"no cpu profile at {path}; run `{CALIBRATE}` first (it measures this machine's "
+            "matmul rate and collectives, ~2 min), or give every number "
             "(--peak_flops, --bw_intra, ...)"
         )
     try:
@@ -332,7 +336,7 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
         profile = DeviceProfile(**record)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(
-            f"cpu profile {path} is unreadable ({e}); run `python -m jddp.plan --calibrate` again"
+            f"cpu profile {path} is unreadable ({e}); run `{CALIBRATE}` again"
         ) from None
     profile.check()  # a hand-edited or truncated number: one line naming it, before any use
     return profile

@@ -12,8 +12,8 @@ latency per ring step, o its overhead per op:
 o is 0 on the accelerator presets (latencies per ring step only: NCCL's for the GPUs). On
 XLA:CPU each op also wakes and hands off between its devices' threads whatever the group's
 size: a 2-device gloo group inside a process costs 0.4-1.4x a 4-device one between the
-calibration GPT's blocks, where the ring steps alone give 1/3 (`--calibrate` measures both
-sizes and fits o).
+calibration GPT's blocks, where the ring steps alone give 1/3 (`experiments.calibrate` measures
+both sizes and fits o).
 
 Devices are numbered as the mesh lays them out (the last axis fastest) and filled into hosts of
 `devices_per_host` in order. A group inside one host uses the intra-host link; a group with one

@@ -18,8 +18,9 @@ import jax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jddp.core.tree_paths import path_str
 from jddp.parallel.mesh import DeviceMesh
-from jddp.parallel.rules import mirror_specs, path_str, spec_axes, spec_for
+from jddp.parallel.rules import mirror_specs, spec_axes, spec_for
 from jddp.planner.layouts import AXES, Layout
 from jddp.planner.workload import Workload, block_index
 

@@ -24,7 +24,9 @@ import functools
 
 from jddp.parallel.pipeline.schedule import bubble_fraction as schedule_bubble
 from jddp.parallel.pipeline.schedule import make_schedule
+from jddp.planner.collective import CRITICAL, UPDATE, Collective
 from jddp.planner.layouts import Layout
+from jddp.planner.shards import param_shards
 from jddp.planner.workload import Workload
 
 MICROBATCHES_PER_STAGE = 4  # automatic M: 4 S when the batch allows (M >= 4S keeps the bubble
@@ -59,9 +61,6 @@ def ticks(schedule: str, stages: int, micro: int, layers_per_stage: int) -> int:
 
 def stage_collectives(workload: Workload, layout: Layout):
     """The stage axis's collectives in one step (none without stages)."""
-    from jddp.planner.comm import CRITICAL, UPDATE, Collective
-    from jddp.planner.shards import param_shards
-
     t = workload.transformer
     if layout.stage == 1 or t is None:
         return []

@@ -7,7 +7,7 @@ compute     executed FLOPs per device (model FLOPs, plus the recomputed forward 
             softmax, dropout: jddp/planner/workload.py) / memory bandwidth: what makes a
             narrow model's step slower per FLOP than a wide one's; the optimizer update as
             memory traffic / bandwidth
-overlap     each collective by when it runs (jddp/planner/comm.py phases):
+overlap     each collective by when it runs (jddp/planner/collective.py phases):
               forward   zero3's parameter gathers, hidden under the forward's compute
               backward  gradient reductions, hidden under the backward's compute
               critical  tensor-parallel activations, stage sends: nothing hides them
@@ -33,6 +33,7 @@ import dataclasses
 import math
 
 from jddp.planner import comm
+from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collective, merged
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout
 from jddp.planner.memory_model import state_bytes
@@ -59,14 +60,14 @@ class Prediction:
         return sum(self.exposed_s.values())
 
 
-def _combined(collectives, profile: DeviceProfile) -> list[comm.Collective]:
+def _combined(collectives, profile: DeviceProfile) -> list[Collective]:
     """The ops that really run: XLA combines the per-parameter collectives of one kind, axes
     and phase into buckets of up to `COMBINE_BYTES` (its all-reduce / all-gather /
     reduce-scatter combiner passes; XLA:CPU runs only the all-reduce one), so their latency is
     paid per bucket, not per parameter. Activation collectives stay one op each."""
     out, groups = [], {}
-    for c in comm.merged(collectives):
-        if c.phase == comm.CRITICAL or c.kind not in profile.combined_kinds:
+    for c in merged(collectives):
+        if c.phase == CRITICAL or c.kind not in profile.combined_kinds:
             out.append(c)
             continue
         key = (c.kind, c.axes, c.phase)
@@ -74,7 +75,7 @@ def _combined(collectives, profile: DeviceProfile) -> list[comm.Collective]:
         groups[key] = (total + c.total, what)
     for (kind, axes, phase), (total, what) in groups.items():
         ops = math.ceil(total / COMBINE_BYTES)
-        out.append(comm.Collective(kind, axes, total / ops, ops, phase, what))
+        out.append(Collective(kind, axes, total / ops, ops, phase, what))
     return out
 
 
@@ -132,10 +133,10 @@ def predict(
         compute *= profile.stacked_layers_slowdown
     forward_share = 1 / (3 + workload.recompute)
     windows = {
-        comm.FORWARD: compute * forward_share,
-        comm.BACKWARD: compute * (1 - forward_share),
-        comm.CRITICAL: 0.0,
-        comm.UPDATE: 0.0,
+        FORWARD: compute * forward_share,
+        BACKWARD: compute * (1 - forward_share),
+        CRITICAL: 0.0,
+        UPDATE: 0.0,
     }
 
     times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
@@ -147,9 +148,9 @@ def predict(
             c.kind, c.nbytes, layout, c.axes, intra, inter, devices_per_host
         )
         phase = c.phase
-        pipelined += seconds if phase == comm.CRITICAL else 0.0
+        pipelined += seconds if phase == CRITICAL else 0.0
         if not profile.overlap or any(a in exposed_axes for a in c.axes):
-            phase = comm.CRITICAL
+            phase = CRITICAL
         key = (phase, ",".join(c.axes))
         times[key] = times.get(key, 0.0) + seconds
         ops[phase] = ops.get(phase, 0.0) + c.count
@@ -161,7 +162,7 @@ def predict(
         phase_time = sum(in_phase.values())
         if not phase_time:
             continue
-        if phase in (comm.CRITICAL, comm.UPDATE):
+        if phase in (CRITICAL, UPDATE):
             hidden_share = 0.0
         else:
             shown = max(phase_time / ops[phase], phase_time - windows[phase])

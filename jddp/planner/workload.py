@@ -14,6 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
+
 # Parameters a sequence-parallel GPT applies to activations split along the sequence: their
 # gradients are partial sums over tensor (jddp/models/gpt.py).
 SEQUENCE_SPLIT_PARAMS = re.compile(r"(^|/)(ln_\d+|ln_f)/|attn/out/bias$|mlp/proj/bias$")
@@ -155,7 +158,7 @@ class Workload:
     model_flops: float
     rules_for: Callable[[Any], tuple] = lambda mesh: ()
     transformer: Transformer | None = None
-    min_shard_size: int = 4096
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     grad_accum_steps: int = 1
     recompute: float = 0.0  # fraction of the blocks' forward recomputed in backward (remat: 1)
     compute_bytes: int = 4  # bytes per activation element (bfloat16 compute: 2)
@@ -164,7 +167,8 @@ class Workload:
     grad_comm_bytes: int = 0  # bytes per gradient element reduced (grad_comm_dtype); 0: as above
     microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/stages.py)
     virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
-    pipeline_schedule: str = "1f1b"  # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
+    # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
+    pipeline_schedule: str = PipelineOptions.schedule
     lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/stages.py)
     vocab_parallel_loss: bool = False  # jddp's language-model loss and accuracy over tensor
     regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute

@@ -2,30 +2,14 @@
 user mistake (missing file, unknown key, bad value) ends in one line on stderr and exit code 2."""
 
 import ast
-import logging
 import os
 import re
 import sys
 
 from absl import flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 USAGE_EXIT_CODE = 2
-
-
-def quiet_library_logs() -> None:
-    """Keeps orbax's per-save and TFDS's per-read INFO chatter out of the training log
-    (their warnings still show)."""
-
-    def keep(record) -> bool:
-        noisy = "/orbax/" in record.pathname or "/tensorflow_datasets/" in record.pathname
-        return record.levelno >= logging.WARNING or not noisy
-
-    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
-        handler.addFilter(keep)
-    # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def fail(message: str) -> None:

@@ -1,16 +1,21 @@
 """The experiment config: its keys and defaults, and the checks that reject bad values early.
 
 Experiment files (`experiments/configs/NAME.py` in the repository) start from `default_config()`
-and override. Every key here is part of the contract with users; see the README's config table.
+and override. Every key here is part of the contract with users; every key is on docs/configs.md.
 This file is itself a config file (`get_config()`: the defaults, an MLP on the UCI digits), the
 one the installed `python -m jddp.plan` reads when given no `--config`.
 """
 
+import dataclasses
 import math
 
 import ml_collections
 
+from jddp.data.datasets import DataOptions
 from jddp.errors import ConfigError
+from jddp.parallel.compression import GradComm
+from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -19,17 +24,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = "mlp"
     c.model_args = ml_collections.ConfigDict()  # fields of the model class, e.g. hidden_sizes
     c.dataset = "digits"
-    c.data = ml_collections.ConfigDict()
-    c.data.data_dir = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
-    c.data.manual_dir = ""  # local source files; "" = <data_dir>/downloads/manual
-    c.data.text_file = ""  # dataset text_file: the UTF-8 file to model
-    c.data.seq_len = 256  # language models: characters per example
-    c.data.image_size = 224  # ImageNet: side of the square crops
-    c.data.augment = True  # random crops and flips in training (CIFAR, ImageNet, text offsets)
-    c.data.threads = 1  # grain loader threads
-    c.data.workers = 0  # grain loader processes (0: none; ImageNet wants several)
-    c.data.device_prefetch = 2  # batches placed on the devices ahead of the step
-    c.data.cache_max_mb = 256.0  # splits up to this size on disk are decoded once into numpy
+    # Where data lives and how it is read: the fields of jddp.data.DataOptions, with its
+    # defaults (data_dir, manual_dir, text_file, seq_len, image_size, augment, cache_max_mb,
+    # threads, workers, device_prefetch).
+    c.data = ml_collections.ConfigDict(dataclasses.asdict(DataOptions()))
     # Batches and steps. global_batch_size is the whole step's batch over all devices.
     c.global_batch_size = 128
     c.eval_batch_size = 0  # 0 = global_batch_size
@@ -74,21 +72,21 @@ def default_config() -> ml_collections.ConfigDict:
     # ((regex over the parameter path, spec), ...), first match wins; then (".*", "fsdp"). Empty
     # on a mesh with a tensor axis: the model's tensor-parallel preset (GPT: Megatron's layout).
     c.parallel.rules = ()
-    c.parallel.min_shard_size = 4096  # elements; smaller tensors stay replicated under "fsdp"
+    c.parallel.min_shard_size = DEFAULT_MIN_SHARD_SIZE  # elements; smaller stay replicated
     c.parallel.sequence_parallel = False  # GPT: split activations along the sequence over tensor
     c.parallel.allow_cross_host_tensor = False  # a tensor axis spanning processes is refused
     # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats.
     c.parallel.pipeline = ml_collections.ConfigDict()
-    c.parallel.pipeline.microbatches = 0
-    c.parallel.pipeline.schedule = "1f1b"
-    c.parallel.pipeline.repeats = 1
+    c.parallel.pipeline.microbatches = PipelineOptions.microbatches
+    c.parallel.pipeline.schedule = PipelineOptions.schedule
+    c.parallel.pipeline.repeats = PipelineOptions.repeats
     # How gradients cross devices (jddp/parallel/compression.py): float32 | bfloat16 on the
     # wire; grad_compression none | powersgd (ddp only): rank-r factors with error feedback,
     # uncompressed for the first powersgd_start_step steps.
-    c.parallel.grad_comm_dtype = "float32"
-    c.parallel.grad_compression = "none"
-    c.parallel.powersgd_rank = 4
-    c.parallel.powersgd_start_step = 0
+    c.parallel.grad_comm_dtype = GradComm.dtype
+    c.parallel.grad_compression = GradComm.compression
+    c.parallel.powersgd_rank = GradComm.powersgd_rank
+    c.parallel.powersgd_start_step = GradComm.powersgd_start_step
     return c
 
 

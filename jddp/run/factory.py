@@ -34,13 +34,8 @@ def compute_bytes(config) -> int:
     return np.dtype(compute_dtype_of(config.compute_dtype)).itemsize
 
 
-def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh | None):
-    """The config's model, with the axis names and sizes `device_mesh` gives it (None: ddp)."""
-    if device_mesh is None:
-        return models.create_model(
-            config.model, dataset.num_classes, batch_axis_name=strategies.DDP_AXIS,
-            **config.model_args,
-        )  # fmt: skip
+def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
+    """The config's model, with the axis names and sizes `device_mesh` gives it."""
     return models.create_model(
         config.model,
         dataset.num_classes,
@@ -53,12 +48,9 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh | No
     )
 
 
-def partition_rules(config, device_mesh: DeviceMesh | None) -> tuple:
+def partition_rules(config, device_mesh: DeviceMesh) -> tuple:
     """The rules that lay the parameters out on `device_mesh`: the config's own, or, on a mesh
-    with a tensor axis and none given, the model's preset fitted to the mesh; ddp (no mesh)
-    has none."""
-    if device_mesh is None:
-        return ()
+    with a tensor axis and none given, the model's preset fitted to the mesh."""
     rules = tuple(tuple(rule) for rule in config.parallel.rules)
     if device_mesh.tensor_axis and not rules:
         rules = fit_preset(models.TENSOR_RULES.get(config.model, ()), device_mesh)

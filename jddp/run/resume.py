@@ -96,7 +96,7 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
             _check_init_from(config, abstract)
         return Start()
     meta, saved_shapes = found
-    changes = _check_resumable(meta, saved_shapes, config, abstract, directory)
+    changes = check_resumable(meta, saved_shapes, config, abstract, directory)
     step = int(meta["step"])
     if step > config.num_train_steps:
         raise ConfigError(
@@ -115,7 +115,7 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
     return Start(step, changes, not misfit)
 
 
-def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> dict:
+def check_resumable(meta, saved_shapes, config, abstract_state, directory) -> dict:
     """The config changes (allowed) of resuming the checkpoint `meta` describes; refuses other
     changes, and a checkpoint of another model."""
     changes = config_changes(meta.get("config", {}), config)
@@ -131,10 +131,8 @@ def _check_resumable(meta, saved_shapes, config, abstract_state, directory) -> d
             "--config.allow_config_change=true to continue with these changes"
         )
     _check_comm_state(meta, saved_shapes, config, abstract_state, directory)
-    mismatch = checkpoint.first_mismatch(
-        _layer_by_layer(abstract_state),
-        layouts.per_layer_shapes(saved_shapes),
-        f"the checkpoints of {directory}",
+    mismatch = checkpoint.model_mismatch(
+        abstract_state, saved_shapes, f"the checkpoints of {directory}"
     )
     if mismatch:
         raise CheckpointError(
@@ -175,9 +173,7 @@ def _check_init_from(config, abstract_state) -> None:
     if model_state is not None and jax.tree.leaves(abstract_state.model_state):
         trees.append((abstract_state.model_state, model_state))
     for tree, shapes in trees:
-        mismatch = checkpoint.first_mismatch(
-            _layer_by_layer(tree), layouts.per_layer_shapes(shapes), f"init_from {saved!r}"
-        )
+        mismatch = checkpoint.model_mismatch(tree, shapes, f"init_from {saved!r}")
         if mismatch:
             raise CheckpointError(f"{mismatch}; point init_from at weights of the same model")
     if config.init_from_optimizer and weights.jddp_state_in(config.init_from) is None:
@@ -188,21 +184,13 @@ def _check_init_from(config, abstract_state) -> None:
         )
 
 
-def restore_or_start(trainer, config, checkpoints, sample_batch):
-    """(start step, state, data iterator state or None) for this run."""
-    if checkpoints is not None and checkpoints.steps():
-        abstract = trainer.abstract_state(sample_batch)
-
-        def check(meta, saved_shapes):
-            _check_resumable(meta, saved_shapes, config, abstract, checkpoints.directory)
-
-        step, state, meta = checkpoints.restore_latest(abstract, check, restore_layout)
-        logging.info("resuming from the checkpoint at step %d in %s", step, checkpoints.directory)
-        return step, state, meta.get("data")
+def fresh_state(trainer, config, sample_batch):
+    """The state a run without checkpoints starts from: initialized from the seed, then the
+    weights of `init_from` if the config names any."""
     state = trainer.init(config.seed, sample_batch)
     if config.init_from:
         state = _init_from(trainer, state, config, sample_batch)
-    return 0, state, None
+    return state
 
 
 def _init_from(trainer, state, config, sample_batch):
@@ -225,7 +213,9 @@ def _init_from(trainer, state, config, sample_batch):
     )
     if config.init_from_optimizer:
         abstract = trainer.abstract_state(sample_batch)
-        target, to_ours = restore_layout(abstract, weights.state_shapes(config.init_from))
+        target, to_ours = checkpoint.restore_layout(
+            abstract, weights.state_shapes(config.init_from)
+        )
         loaded = weights.load_state(config.init_from, target)
         loaded = to_ours(loaded) if to_ours else loaded
         state = state.replace(opt_state=loaded.opt_state, model_state=loaded.model_state)
@@ -235,38 +225,3 @@ def _init_from(trainer, state, config, sample_batch):
         " (parameters and optimizer state)" if config.init_from_optimizer else "",
     )
     return state
-
-
-def _layer_by_layer(tree) -> dict:
-    """Shapes of `tree` by path, stacked layers written layer by layer: the same model compares
-    equal whether its layers are stacked (scan_layers, pipelines) or not."""
-    return layouts.per_layer_shapes(checkpoint.shapes_by_path(tree))
-
-
-def restore_layout(abstract_state, saved_shapes):
-    """(what to restore into, a function to this run's layout or None): a checkpoint whose
-    layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
-    its own layout and converted on the devices, into this run's shardings."""
-    ours = layouts.is_stacked(checkpoint.shapes_by_path(abstract_state))
-    if layouts.is_stacked(saved_shapes) == ours:
-        return abstract_state, None
-    target = layouts.to_per_layer(abstract_state) if ours else layouts.to_stacked(abstract_state)
-    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-    convert = layouts.to_stacked if ours else layouts.to_per_layer
-    return target, jax.jit(convert, out_shardings=shardings)
-
-
-def checkpoint_meta(config, trainer, step: int, data_state) -> dict:
-    """What a checkpoint records besides the state: enough to know what wrote it."""
-    from jddp import __version__
-
-    return {
-        "step": step,
-        "jddp_version": __version__,
-        "config": _resolved(config),
-        "strategy": trainer.strategy.name,
-        "mesh": {name: int(size) for name, size in trainer.strategy.mesh.shape.items()},
-        "devices": trainer.num_devices,
-        "processes": jax.process_count(),
-        "data": data_state,
-    }

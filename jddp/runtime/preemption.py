@@ -1,10 +1,14 @@
-"""Noticing that the scheduler wants the machines back (SIGTERM), at a step every process agrees on.
+"""Noticing that the scheduler wants the machines back (SIGTERM), or that the user pressed Ctrl-C
+(SIGINT), at a step every process agrees on.
 
-One process: a SIGTERM handler sets a flag the loop reads at the next step boundary. Several
-processes: JAX's preemption service (started by `jax.distributed.initialize`) catches SIGTERM in
-any process and `multihost_utils.reached_preemption_sync_point` names the same step in all of them.
+One process: a handler sets a flag the loop reads at the next step boundary, where it saves and
+stops. A second Ctrl-C interrupts at once (Python's own KeyboardInterrupt). Several processes:
+JAX's preemption service (started by `jax.distributed.initialize`) catches SIGTERM in any process
+and `multihost_utils.reached_preemption_sync_point` names the same step in all of them; Ctrl-C
+there is left to Python, since the processes could not agree on a step to save.
 """
 
+import os
 import signal
 import threading
 
@@ -13,13 +17,31 @@ from jax.experimental import multihost_utils
 
 
 class PreemptionWatch:
-    """`reached(step)` is True at the step where training should save and stop."""
+    """`reached(step)` is True at the step where training should save and stop; `interrupted`
+    says whether it was Ctrl-C (SIGINT) rather than a preemption (SIGTERM)."""
 
     def __init__(self):
         self._requested = threading.Event()
-        self._previous = None
+        self.interrupted = False
+        self._previous = {}
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigterm(self, *_) -> None:
+        self._requested.set()
+
+    def _on_sigint(self, *_) -> None:
+        self.interrupted = True
+        self._requested.set()
+        # A second Ctrl-C stops at once, unsaved.
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+        # os.write: the logging module's locks are not safe inside a signal handler.
+        os.write(
+            2,
+            b"interrupt: saving a checkpoint at the end of this step, then stopping "
+            b"(Ctrl-C again stops at once, unsaved)\n",
+        )
 
     def reached(self, step: int) -> bool:
         if jax.process_count() > 1:
@@ -30,6 +52,6 @@ class PreemptionWatch:
         return self._requested.is_set()
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}

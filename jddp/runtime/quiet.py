@@ -1,10 +1,13 @@
-"""Keeping libraries' expected chatter out of the user's terminal, for one scope at a time."""
+"""Keeping libraries' expected chatter out of the user's terminal: for one scope at a time, or
+for the whole process in jddp's own programs (`quiet_library_logs`)."""
 
 import contextlib
 import io
 import logging
 import sys
 import threading
+
+from absl import logging as absl_logging
 
 
 class _BelowError(logging.Filter):
@@ -53,3 +56,17 @@ def drop_unraisable(name: str, is_expected) -> None:
 def drop_thread_errors(name: str, is_expected) -> None:
     """`drop_unraisable` for exceptions that end threads (`threading.excepthook`)."""
     _drop(threading, "excepthook", name, is_expected)
+
+
+def quiet_library_logs() -> None:
+    """Keeps orbax's per-save and TFDS's per-read INFO chatter out of the training log
+    (their warnings still show), from now on: for jddp's own programs, which own the process."""
+
+    def keep(record) -> bool:
+        noisy = "/orbax/" in record.pathname or "/tensorflow_datasets/" in record.pathname
+        return record.levelno >= logging.WARNING or not noisy
+
+    for handler in {*logging.getLogger().handlers, absl_logging.get_absl_handler()}:
+        handler.addFilter(keep)
+    # JAX logs at INFO that it found no TPU: noise on every CPU and GPU run.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)

@@ -9,7 +9,7 @@ from jddp.parallel.pipeline.schedule import SCHEDULES, make_schedule
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """`microbatches` per pipeline (0: as many as stages), `schedule` (`1f1b` or `gpipe`),
-    `repeats` (layer groups per device; only 1: see the README)."""
+    `repeats` (layer groups per device; only 1: see docs/pipeline.md)."""
 
     microbatches: int = 0
     schedule: str = "1f1b"

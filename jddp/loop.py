@@ -1,0 +1,450 @@
+"""`fit`: the training loop of the library and of the CLI; `save` / `restore` for your own loop.
+
+    state = jddp.fit(trainer, batches, workdir="runs/a", num_steps=1000, eval_batches=eval_set)
+
+`fit` owns its workdir: `metrics.jsonl` and TensorBoard files, the progress line, evaluation,
+checkpoints with exact resume (the same call again continues bit for bit), a save on SIGTERM and
+on Ctrl-C, the hang watchdog, the throughput / MFU / memory report, and a lock that keeps a
+second run out. See docs/loop.md.
+"""
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+from jddp.checkpoints import store
+from jddp.checkpoints.store import Checkpoints
+from jddp.core.state import TrainState
+from jddp.data.prefetch import prefetch_to_device
+from jddp.errors import CheckpointError, ConfigError, DataError, TrainingHalted
+from jddp.observe import device_peak, flops
+from jddp.observe.memory import format_bytes
+from jddp.observe.metrics_writer import MetricsWriter
+from jddp.observe.profiling import StepProfiler
+from jddp.observe.progress import Progress
+from jddp.observe.throughput import Throughput
+from jddp.runtime import processes
+from jddp.runtime.preemption import PreemptionWatch
+from jddp.runtime.watchdog import HangWatchdog
+from jddp.runtime.workdir import check_workdir, hold_workdir
+from jddp.version import __version__
+
+Batch = Mapping[str, np.ndarray]
+Hook = Callable[[int, TrainState, dict], None]
+
+
+def fit(
+    trainer,
+    train_batches: Iterable[Batch],
+    *,
+    workdir: str,
+    num_steps: int,
+    sample_batch: Batch | None = None,
+    seed: int = 0,
+    state: TrainState | Callable[[], TrainState] | None = None,
+    eval_batches: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
+    eval_every: int = 0,
+    log_every: int = 50,
+    checkpoint_every: int = 500,
+    max_to_keep: int = 3,
+    hang_timeout_s: float = 0.0,
+    hooks: Iterable[Hook] = (),
+    learning_rate: Callable[[int], float] | None = None,
+    eval_extras: Callable[[dict], dict] | None = None,
+    tokens_per_example: int = 0,
+    peak_flops_per_device: float = 0.0,
+    device_prefetch: int = 2,
+    profile_steps: tuple[int, int] = (0, 0),
+    checkpoint_meta: Mapping | None = None,
+    check_checkpoint: Callable[[dict, dict], None] | None = None,
+    notes: Mapping | None = None,
+) -> TrainState:
+    """Trains `trainer` on `train_batches` up to step `num_steps` in `workdir`; returns the
+    final state (on SIGTERM: the state it saved, whose `step` is below `num_steps`).
+
+    A rerun of the same call resumes from the newest checkpoint in `workdir`, skipping the
+    batches already trained on (through `get_state()` / `set_state()` when the iterator has them,
+    as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Every
+    argument is described in docs/loop.md.
+    """
+    start_time = time.perf_counter()
+    # ---------------------------------------------------- checks (nothing written yet)
+    _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep)
+    eval_pass = _eval_pass(eval_batches)
+    check_workdir(workdir, resumable=checkpoint_every > 0, name="workdir")
+    # An iterator is used as it is (one with `__next__` but no `__iter__` too), else iterated.
+    batches = train_batches if hasattr(train_batches, "__next__") else iter(train_batches)
+    if sample_batch is None:
+        peeked = _peek(batches)
+        if peeked is None:
+            raise DataError("train_batches is empty; pass an iterable of batches (dicts of arrays)")
+        sample_batch, put_back = peeked
+        if not put_back:  # no get_state: the peeked batch goes back in front
+            batches = itertools.chain([sample_batch], batches)
+    trainer.check_layout(sample_batch)
+    processes.barrier("fit: checks done")
+
+    # ------------------------------------ workdir, and the state: resumed, given, or fresh
+    with hold_workdir(workdir):
+        is_writer = jax.process_index() == 0
+        checkpoints = None
+        if checkpoint_every > 0:
+            checkpoints = Checkpoints(
+                os.path.join(workdir, "checkpoints"),
+                every=checkpoint_every,
+                max_to_keep=max_to_keep,
+            )
+        try:
+            start_step, state, data_state = _restore_or_start(
+                trainer, checkpoints, sample_batch, seed, state, check_checkpoint
+            )
+            if start_step > num_steps:
+                raise ConfigError(
+                    f"the checkpoints in {checkpoints.directory} reach step {start_step}, past "
+                    f"num_steps={num_steps}; raise num_steps or pass another workdir"
+                )
+            _position(batches, start_step, data_state)
+        except BaseException:
+            if checkpoints is not None:
+                checkpoints.close()
+            raise
+        if start_step:
+            logging.info("resuming from the checkpoint at step %d in %s", start_step, workdir)
+        if start_step == num_steps:  # nothing to train: nothing is written either
+            if checkpoints is not None:
+                checkpoints.close()
+            return state
+        processes.check_same_everywhere(
+            "config, seed and initial parameters",
+            [json.dumps(checkpoint_meta or {}, sort_keys=True, default=str), _checksum(state)],
+        )
+        rows = []  # of the first batch: the global batch size follows
+
+        def place(batch):
+            if not rows:
+                rows.append(_rows(batch))
+            return trainer.place_batch(batch)
+
+        placed = prefetch_to_device(batches, place, device_prefetch)
+        loop = _Loop(
+            trainer=trainer,
+            workdir=workdir,
+            num_steps=num_steps,
+            start_step=start_step,
+            start_time=start_time,
+            is_writer=is_writer,
+            checkpoints=checkpoints,
+            eval_pass=eval_pass,
+            eval_every=eval_every,
+            log_every=log_every,
+            hooks=tuple(hooks),
+            learning_rate=learning_rate,
+            eval_extras=eval_extras,
+            rows=rows,
+            sample_batch=sample_batch,
+            tokens_per_example=tokens_per_example,
+            peak_flops_per_device=peak_flops_per_device,
+            hang_timeout_s=hang_timeout_s,
+            profile_steps=profile_steps,
+            meta=dict(checkpoint_meta or {}),
+            first_record=dict(notes or {}),
+        )
+        return loop.run(state, placed)
+
+
+class _Loop:
+    """The steps of one `fit` call, with what watches and records them."""
+
+    def __init__(self, **settings):
+        self.__dict__.update(settings)
+
+    def run(self, state: TrainState, placed) -> TrainState:
+        trainer, start_step, num_steps = self.trainer, self.start_step, self.num_steps
+        checkpoints, record_extra = self.checkpoints, self.first_record
+        writer = MetricsWriter(self.workdir, start_step=start_step, enabled=self.is_writer)
+        progress = Progress(num_steps, first_step=start_step, enabled=self.is_writer)
+        preemption = PreemptionWatch()
+        start, count = self.profile_steps
+        profiler = StepProfiler(os.path.join(self.workdir, "profile"), start, count)
+        watchdog = HangWatchdog.start(self.hang_timeout_s, self.workdir)
+        stopped_at = None
+        last_log_step, last_log_time = start_step, time.perf_counter()
+        try:
+            for step in range(start_step + 1, num_steps + 1):
+                batch = next(placed, None)
+                if batch is None:
+                    raise DataError(
+                        f"train_batches ran out before step {step}; num_steps={num_steps} "
+                        "needs one batch per step: repeat the data, or lower num_steps"
+                    )
+                if step == start_step + 1:
+                    record_extra |= self._first_step_report(state, batch)
+                with profiler.step(step):
+                    state, metrics = trainer.step(state, batch)
+                watchdog.dispatched(step, metrics["loss"])
+                profiler.after(step, metrics["loss"])
+                if step == start_step + 1:  # compilation: time the steady state from here
+                    metrics["loss"].block_until_ready()
+                    last_log_time = time.perf_counter()
+                is_last = step == num_steps
+                evaluate = self.eval_pass is not None and (
+                    is_last or (self.eval_every > 0 and step % self.eval_every == 0)
+                )
+                if step % self.log_every == 0 or evaluate or is_last:
+                    record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    record["nonfinite_steps"] = self._nonfinite_steps(state, step)
+                    if self.learning_rate is not None:  # the rate this step applied
+                        record["learning_rate"] = float(self.learning_rate(step - 1))
+                    # The first step's rates include compiling; later ones are since the last.
+                    since = last_log_time if step > start_step + 1 else self.start_time
+                    record |= self.throughput.rates(
+                        step - last_log_step, time.perf_counter() - since
+                    )
+                    if evaluate:
+                        with watchdog.paused(f"evaluation at step {step}"):
+                            results = evaluate_metrics(
+                                trainer, state, self.eval_pass(), self.eval_extras
+                            )
+                        record |= {f"eval_{k}": v for k, v in results.items() if k != "count"}
+                    writer.write(step, record | record_extra)
+                    record_extra = {}
+                    progress.update(step, record["loss"], record)
+                    for hook in self.hooks:
+                        hook(step, state, record)
+                    last_log_step, last_log_time = step, time.perf_counter()
+                preempted = preemption.reached(step)
+                if checkpoints is not None:
+                    checkpoints.check()  # a save that failed to write stops the run here
+                    if checkpoints.due(step) or preempted or is_last:
+                        self._nonfinite_steps(state, step)  # never save a state holding NaN
+                        with watchdog.paused(f"checkpoint save at step {step}"):
+                            state = self._save(state, step, placed.get_state())
+                if preempted:
+                    stopped_at = step
+                    break
+        finally:
+            watchdog.close()
+            profiler.stop()
+            preemption.close()
+            progress.close()
+            writer.close()
+            if checkpoints is not None:
+                checkpoints.wait()  # a started save is a good one: let it commit
+                checkpoints.close()
+        if stopped_at is not None:
+            saved = "saved a checkpoint" if checkpoints is not None else "saved nothing"
+            where = f"at step {stopped_at}"
+            if preemption.interrupted:
+                logging.warning("interrupted: %s %s", saved, where)
+                raise KeyboardInterrupt(f"{saved} {where} in {os.path.abspath(self.workdir)}")
+            logging.warning(
+                "preempted: %s %s and stopping; run the same command to resume", saved, where
+            )
+        return state
+
+    def _first_step_report(self, state, batch) -> dict:
+        """Logs the run's shape, sets up the speed report and returns the memory report (for
+        the first record), all known once the first batch is placed."""
+        trainer = self.trainer
+        global_batch_size = self.rows[0] * trainer.batch_part[1]
+        logging.info(
+            "%d parameters, strategy %s on %d devices (mesh %s), global batch %d (%d per batch "
+            "slice x %d accumulation steps)",
+            sum(x.size for x in jax.tree.leaves(state.params)),
+            trainer.strategy.name,
+            trainer.num_devices,
+            ",".join(f"{a}:{n}" for a, n in trainer.strategy.mesh.shape.items()),
+            global_batch_size,
+            global_batch_size // (trainer.batch_shards * trainer.task.grad_accum_steps),
+            trainer.task.grad_accum_steps,
+        )
+        self.throughput = _throughput(
+            trainer, self.sample_batch, global_batch_size, self.tokens_per_example,
+            self.peak_flops_per_device,
+        )  # fmt: skip
+        return _memory_report(trainer, state, batch)
+
+    def _save(self, state, step: int, data_state) -> TrainState:
+        state = self.trainer.consolidate(state)  # continue from what is saved
+        meta = checkpoint_meta(self.trainer, step, data_state) | self.meta
+        self.checkpoints.save(step, self.trainer.global_state(state), meta, force=True)
+        return state
+
+    def _nonfinite_steps(self, state, step: int) -> int:
+        """The count of non-finite steps so far; unless the trainer skips them, any is the end."""
+        count = int(state.nonfinite_steps)
+        if count and not self.trainer.task.skip_nonfinite:
+            raise TrainingHalted(
+                f"loss or gradients became non-finite by step {step}; stopped without saving it, "
+                "the checkpoints already in the workdir are untouched; lower the learning rate, "
+                "set grad_clip_norm, or set nan_policy=skip (Trainer(skip_nonfinite=True)) to "
+                "drop such updates"
+            )
+        return count
+
+
+def evaluate_metrics(trainer, state, batches, extras=None) -> dict[str, float]:
+    """`trainer.evaluate` over `batches`, plus `extras(means)` (such as perplexity)."""
+    means = trainer.evaluate(state, batches)
+    return means | (extras(means) if extras else {})
+
+
+def checkpoint_meta(trainer, step: int, data_state) -> dict:
+    """What a checkpoint records besides the state: enough to know what wrote it."""
+    return {
+        "step": step,
+        "jddp_version": __version__,
+        "strategy": trainer.strategy.name,
+        "mesh": {name: int(size) for name, size in trainer.strategy.mesh.shape.items()},
+        "devices": trainer.num_devices,
+        "processes": jax.process_count(),
+        "data": data_state,
+    }
+
+
+# ------------------------------------------------------------------------------ the start
+def _restore_or_start(trainer, checkpoints, sample_batch, seed, given, check):
+    """(start step, state, saved data state or None)."""
+    if checkpoints is not None and checkpoints.steps():
+        abstract = trainer.abstract_state(sample_batch)
+
+        def fits(meta, saved_shapes):
+            if check is not None:
+                check(meta, saved_shapes)
+            mismatch = store.model_mismatch(
+                abstract, saved_shapes, f"the checkpoints of {checkpoints.directory}"
+            )
+            if mismatch:
+                raise CheckpointError(
+                    f"{mismatch}; these checkpoints belong to another model: pass a new workdir"
+                )
+
+        step, state, meta = checkpoints.restore_latest(abstract, fits, store.restore_layout)
+        return step, state, meta.get("data")
+    if given is None:
+        return 0, trainer.init(seed, sample_batch), None
+    return 0, given() if callable(given) else given, None
+
+
+def _peek(batches):
+    """(first batch, whether `batches` was set back before it: get_state / set_state), or None
+    when there is no batch."""
+    saved = batches.get_state() if hasattr(batches, "get_state") else None
+    batch = next(batches, None)
+    if batch is None:
+        return None
+    if saved is None or not hasattr(batches, "set_state"):
+        return batch, False
+    batches.set_state(saved)
+    return batch, True
+
+
+def _position(batches, start_step: int, data_state) -> None:
+    """Moves `batches` past the `start_step` batches already trained on."""
+    if not start_step:
+        return
+    if data_state is not None and hasattr(batches, "set_state"):
+        batches.set_state(data_state)
+        return
+    for done in range(start_step):
+        if next(batches, None) is None:
+            raise DataError(
+                f"train_batches ended after {done} batches, but the checkpoint being resumed "
+                f"is at step {start_step}; pass the batches it was trained on"
+            )
+
+
+def _eval_pass(eval_batches):
+    """A zero-argument function giving one pass over the eval batches, or None."""
+    if eval_batches is None or callable(eval_batches):
+        return eval_batches
+    if iter(eval_batches) is eval_batches:
+        raise ConfigError(
+            "eval_batches is a one-pass iterator; pass a list of batches, or a zero-argument "
+            "function that returns a fresh iterable for each evaluation"
+        )
+    return lambda: eval_batches
+
+
+def _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep) -> None:
+    for name, value, least in (
+        ("num_steps", num_steps, 1),
+        ("log_every", log_every, 1),
+        ("eval_every", eval_every, 0),
+        ("checkpoint_every", checkpoint_every, 0),
+        ("max_to_keep", max_to_keep, 1),
+    ):
+        if not isinstance(value, int | np.integer) or value < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _rows(batch) -> int:
+    return int(np.shape(next(iter(jax.tree.leaves(batch))))[0])
+
+
+def _checksum(state) -> float:
+    """Sum of the replicated leaves of `state` as this process sees them (under ddp: all)."""
+    return float(
+        sum(
+            np.sum(np.asarray(x.addressable_shards[0].data), dtype=np.float64)
+            for x in jax.tree.leaves(state)
+            if x.sharding.is_fully_replicated
+        )
+    )
+
+
+# ----------------------------------------------------------------------------- reports
+def _memory_report(trainer, state, batch) -> dict:
+    """Bytes per device of the state and the compiled step (and the pipeline's shape), logged
+    and returned for the first record."""
+    memory = trainer.memory_report(state, batch)
+    logging.info(
+        "per device: state (parameters + optimizer state) %s, compiled step peak %s, "
+        "collectives %s per step",
+        format_bytes(memory["state_bytes_per_device"]),
+        format_bytes(memory["peak_bytes_per_device"]),
+        format_bytes(memory["comm_bytes_per_step"]),
+    )
+    pipeline = trainer.strategy.pipeline
+    if pipeline:
+        memory |= pipeline.describe()
+        logging.info(
+            "pipeline: %s over %d stages, %d micro-batches, bubble (S-1)/(M+S-1) = %.1f%%",
+            pipeline.schedule.name,
+            pipeline.schedule.stages,
+            pipeline.schedule.microbatches,
+            100 * memory["pipeline_bubble"],
+        )
+    return memory
+
+
+def _throughput(trainer, sample_batch, global_batch_size, tokens_per_example, peak) -> Throughput:
+    """Speed reporting: model FLOPs of one global step (jddp/observe/flops.py) and the device's
+    peak."""
+    key = trainer.task.input_key
+    step_flops = None
+    if isinstance(key, str):
+        inputs = np.asarray(sample_batch[key])
+        global_inputs = jax.ShapeDtypeStruct((global_batch_size, *inputs.shape[1:]), inputs.dtype)
+        step_flops = flops.train_step_flops(trainer.task.model, global_inputs)
+    dtype = np.dtype(trainer.task.compute_dtype).name
+    peak, peak_source = device_peak.peak_flops_per_device(jax.local_devices()[0], dtype, peak)
+    logging.info(
+        "model FLOPs per step: %s; peak FLOP/s per device: %s (%s)",
+        f"{step_flops.per_step:.4g} ({step_flops.method})" if step_flops else "unknown",
+        f"{peak:.4g}" if peak else "unknown",
+        peak_source,
+    )
+    return Throughput(
+        examples_per_step=global_batch_size,
+        num_devices=jax.device_count(),
+        tokens_per_example=tokens_per_example,
+        flops_per_step=step_flops.per_step if step_flops else None,
+        peak_flops_per_device=peak,
+    )

@@ -1,0 +1,241 @@
+"""The documentation builds and its examples run.
+
+`mkdocs build --strict` fails on a broken link, anchor or API reference. Every ```python block
+of a page runs, in order, in one namespace per page, with the working directory a fresh
+temporary one; every ```bash / ```console block runs its jddp commands (`python -m
+experiments.train`, `python -m jddp.plan`, `jddp-launch`) from the repository root, with
+`--workdir` moved under that temporary directory. A shell block that cannot run here says why
+on the line before it: `<!-- not-run: REASON -->`.
+"""
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers import REPO, checkout_env
+
+README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
+PAGES = [README, *sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))]
+SHELL = ("bash", "console", "shell", "sh")
+NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.*?)\s*-->")
+MARKER = re.compile(r"<!--\s*([\w-]+):start\s*-->")
+FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+README_MAX_LINES = 300
+# jddp's command lines, as a page writes them: [VAR=value ...] python -m MODULE ...
+JDDP_MODULES = ("experiments.train", "jddp.plan", "jddp.runtime.launch")
+PYTHONS = ("python", "python3", ".venv/bin/python")
+# Flags naming a run's directory: under the page's temporary directory, like the Python examples'.
+RUN_DIR_FLAGS = ("--workdir", "--config.init_from")
+# Children compile without LLVM optimization, as the test processes do (tests/conftest.py):
+# the examples check that commands run, not how fast their programs are.
+CHILD_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}
+
+
+def page_id(path: str) -> str:
+    return os.path.relpath(path, REPO)
+
+
+def blocks(path: str) -> list[dict]:
+    """The fenced code blocks of a page, in order: language, code, the `not-run` reason and the
+    `NAME:start` marker on the line before, and the line the block starts on."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        indent, language, start = fence.group(1), fence.group(2), i
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        before = next((line for line in reversed(lines[:start]) if line.strip()), "")
+        not_run, marker = NOT_RUN.search(before), MARKER.search(before)
+        found.append(
+            {
+                "language": language,
+                "code": textwrap.dedent("\n".join(body)) if indent else "\n".join(body),
+                "not_run": not_run.group(1) if not_run else None,
+                "marker": marker.group(1) if marker else None,
+                "line": start + 1,
+            }
+        )
+        i += 1
+    return found
+
+
+def shell_commands(code: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments and blanks dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    commands = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line.startswith("$ "):
+            line = line[2:]
+        if line and not line.startswith("#"):
+            commands.append(line)
+    return commands
+
+
+def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
+    """`words` (one command, environment assignments already taken off) as this interpreter
+    runs it, workdirs under `tmp_path`; None if it is not a jddp command."""
+    if words and words[0] == "jddp-launch":
+        words = ["python", "-m", "jddp.runtime.launch", *words[1:]]
+    if len(words) < 3 or words[0] not in PYTHONS or words[1] != "-m":
+        return None
+    if words[2] not in JDDP_MODULES:
+        return None
+    argv = [sys.executable, "-m", words[2]]
+    rest = words[3:]
+    if words[2] == "jddp.runtime.launch":
+        split = rest.index("--")
+        inner = jddp_argv(rest[split + 1 :], tmp_path)
+        assert inner, f"jddp-launch must run a jddp command, not {rest[split + 1 :]}"
+        return argv + rest[: split + 1] + inner
+    if words[2] == "experiments.train":
+        assert any(w.startswith("--workdir=") for w in rest), (
+            "a documented training command names its --workdir (else it writes under runs/ of "
+            f"the checkout): {shlex.join(words)}"
+        )
+    for word in rest:
+        flag, _, value = word.partition("=")
+        if flag in RUN_DIR_FLAGS:
+            assert not os.path.isabs(value), f"use a relative run directory in the docs: {word}"
+            word = f"{flag}={os.path.join(tmp_path, value)}"
+        argv.append(word)
+    return argv
+
+
+def run_shell_block(code: str, tmp_path, where: str) -> None:
+    for command in shell_commands(code):
+        words = shlex.split(command)
+        env = dict(CHILD_ENV)
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        argv = jddp_argv(words, tmp_path)
+        assert argv, (
+            f"{where}: {command!r} is not a jddp command the tests can run; mark the block with "
+            "<!-- not-run: REASON --> on the line before it"
+        )
+        if "XLA_FLAGS" in env:  # keep the tests' simulated devices unless the page sets its own
+            env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
+        result = subprocess.run(
+            argv, cwd=REPO, env=checkout_env(**env), capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, (
+            f"{where}: {command}\nexit {result.returncode}\n{result.stderr[-3000:]}"
+        )
+
+
+def check_library_example(namespace) -> None:
+    """The README's library example learns, on every (simulated) device."""
+    result = namespace["trainer"].evaluate(namespace["state"], [namespace["data"]])
+    assert result["count"] == 1797
+    assert result["accuracy"] > 0.9
+    assert namespace["trainer"].num_devices == 8
+
+
+def check_pipeline_example(namespace) -> None:
+    """The pipelined model: 8 blocks over 4 stages, 1F1B, with replicas."""
+    state, metrics = namespace["state"], namespace["metrics"]
+    assert 0 < float(metrics["loss"]) < 10
+    kernel = state.params["blocks"]["Dense_0"]["kernel"]
+    assert kernel.shape == (8, 32, 32) and kernel.sharding.spec[0] == "stage"
+    assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
+
+
+CHECKS = {"library-example": check_library_example, "pipeline-example": check_pipeline_example}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_page_examples_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative workdirs of the Python examples land here
+    namespace = {"__name__": "docs_example"}
+    ran = set()
+    for block in blocks(page):
+        where = f"{page_id(page)}:{block['line']}"
+        language = block["language"]
+        if block["not_run"] is not None:
+            assert block["not_run"], f"{where}: give the reason a block does not run"
+            continue
+        if language == "python":
+            exec(compile(block["code"], where, "exec"), namespace)  # our own documentation
+        elif language in SHELL:
+            run_shell_block(block["code"], tmp_path, where)
+        if block["marker"] in CHECKS:
+            CHECKS[block["marker"]](namespace)
+            ran.add(block["marker"])
+    expected = {"README.md": {"library-example"}, "docs/pipeline.md": {"pipeline-example"}}
+    assert ran == expected.get(page_id(page), set())
+
+
+def test_not_run_blocks_say_why():
+    """Lists every shell block the tests skip, with its reason (shown with `pytest -rA -s`)."""
+    skipped = []
+    for page in PAGES:
+        for block in blocks(page):
+            if block["not_run"] is not None:
+                assert block["not_run"].strip()
+                assert block["language"] in SHELL, (
+                    f"{page_id(page)}:{block['line']}: only shell blocks may be not-run"
+                )
+                skipped.append(f"{page_id(page)}:{block['line']}: {block['not_run']}")
+    print("\nshell blocks not run:\n" + "\n".join(skipped))
+    assert skipped
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """The README is outside the site (mkdocs checks the site's links): its own are checked
+    here."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links its documentation"
+    missing = [t for t in local if not os.path.exists(os.path.join(REPO, t))]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+def flat_keys(config, prefix="") -> list[str]:
+    keys = []
+    for key, value in config.items():
+        name = prefix + key
+        keys.append(name)
+        if hasattr(value, "items"):
+            keys.extend(flat_keys(value, name + "."))
+    return keys
+
+
+def test_configs_page_names_every_key():
+    import jddp
+
+    with open(os.path.join(DOCS, "configs.md"), encoding="utf-8") as f:
+        page = f.read()
+    missing = [k for k in flat_keys(jddp.default_config()) if f"`{k}`" not in page]
+    assert not missing, f"docs/configs.md does not document {missing}"
+
+
+def test_site_builds_strict(tmp_path):
+    """`mkdocs build --strict`: a broken link, anchor or `::: reference` fails."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert os.path.exists(tmp_path / "site" / "index.html")

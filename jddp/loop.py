@@ -8,6 +8,7 @@ on Ctrl-C, the hang watchdog, the throughput / MFU / memory report, and a lock t
 second run out. See docs/loop.md.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ from jddp.runtime import processes
 from jddp.runtime.preemption import PreemptionWatch
 from jddp.runtime.watchdog import HangWatchdog
 from jddp.runtime.workdir import check_workdir, hold_workdir
+from jddp.trainer import Trainer
 from jddp.version import __version__
 
 Batch = Mapping[str, np.ndarray]
@@ -158,11 +160,33 @@ def fit(
         return loop.run(state, placed)
 
 
+@dataclasses.dataclass
 class _Loop:
-    """The steps of one `fit` call, with what watches and records them."""
+    """The steps of one `fit` call, with what watches and records them (`fit`'s arguments, as
+    checked and resolved there)."""
 
-    def __init__(self, **settings):
-        self.__dict__.update(settings)
+    trainer: Trainer
+    workdir: str
+    num_steps: int
+    start_step: int
+    start_time: float
+    is_writer: bool
+    checkpoints: Checkpoints | None
+    eval_pass: Callable[[], Iterable[Batch]] | None
+    eval_every: int
+    log_every: int
+    hooks: tuple[Hook, ...]
+    learning_rate: Callable[[int], float] | None
+    eval_extras: Callable[[dict], dict] | None
+    rows: list[int]  # the first batch's rows, once it is placed: the global batch size follows
+    sample_batch: Batch
+    tokens_per_example: int
+    peak_flops_per_device: float
+    hang_timeout_s: float
+    profile_steps: tuple[int, int]
+    meta: dict
+    first_record: dict
+    throughput: Throughput | None = None  # set up at the first step
 
     def run(self, state: TrainState, placed) -> TrainState:
         trainer, start_step, num_steps = self.trainer, self.start_step, self.num_steps

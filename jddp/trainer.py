@@ -307,9 +307,8 @@ class Trainer:
 
     def memory_report(self, state: TrainState, batch) -> dict[str, int]:
         """Bytes per device: the state's shards, the compiled step's peak (XLA's analysis), and
-        what its collectives move per step (`jddp.observe.hlo.ring_bytes`; with a PowerSGD warm-up,
-        the
-        compressed steps')."""
+        what its collectives move per step (`jddp.observe.hlo.ring_bytes`; with a PowerSGD
+        warm-up, the compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
         with _axis_names_checked():

@@ -29,10 +29,9 @@ MAX_WARM_UP_ROUNDS = 8
 def warm_up(windows: dict[str, Callable[[], float]], agree=all) -> int:
     """Runs every window (compiling it), then rounds of all of them until none takes fresh
     pages from the OS (`SETTLED_FAULTS`), at most `MAX_WARM_UP_ROUNDS`; returns the rounds
-    run. A program whose buffers outgrow the heap pays page faults for several steps: the
-    planner benchmark's zero3 tensor:8 (activations on every device) took 195k faults and
-    2.2 s of system time a step in its first window, 20k in its second and third, none in its
-    fourth, while the other layouts took none. One warm-up window timed that transient.
+    run. A program whose buffers outgrow the heap pays page faults for several windows, not
+    one (zero3 tensor:8 of the planner benchmark: ~195k faults and 2.2 s of system time a step
+    at first, none by its fourth window), so a single warm-up window would time that transient.
     `agree([settled])` decides for all processes of a job (they must run the same windows)."""
     for round_index in range(1, MAX_WARM_UP_ROUNDS + 1):
         worst = 0
@@ -74,9 +73,8 @@ def between_references(
     the references it is compared with (`references_of(name)`, names in `references`): a
     round runs the first variant's references, the variant, the references the variant still
     needs after it and the next variant needs before it, the next variant..., and closes with
-    the last one's. A shared machine's speed moves within seconds: in the planner benchmark,
-    ddp's step over the calibration GPT's, each from the same round but up to 25 s apart, read
-    0.85-1.17 in one run; timed back to back, 0.94-1.04 (12 rounds). Returns {name:
+    the last one's. A shared machine's speed moves within seconds: the ratio of two windows of
+    one round up to 25 s apart spread 0.85-1.17, of windows back to back 0.94-1.04. Returns {name:
     {"median_sec", "all_sec", "minor_faults"}} for every variant and reference; a variant's
     also has "beside": {reference: [the mean of its windows just before and just after
     all_sec[i]]}."""

@@ -7,10 +7,10 @@ against PyTorch DDP with the same compressions as communication hooks.
 An MLP 1024-2048-2048-2048-10 (10.5M parameters: 42 MB of float32 gradients a step), Adam,
 global batch 128 of synthetic data, in two settings:
 - 2 processes x 1 CPU device over gloo, started by jddp-launch, process r pinned to core r
-  (PyTorch: `torch.set_num_threads(1)`), both with the glibc malloc settings `import jddp`
-  makes (`launch`). One launch runs every variant of one framework: a
-  warm-up, then `--steps` timed steps per variant, the variants' order reversed every other
-  launch; jddp and PyTorch launches alternate; medians over `--repeats` launches. PyTorch DDP
+  (PyTorch: `torch.set_num_threads(1)`), both with the glibc malloc settings of
+  jddp/runtime/host_memory.py (`multiprocess.launch`). One launch runs every variant of one
+  framework: a warm-up, then `--steps` timed steps per variant, the variants' order reversed every
+  other launch; jddp and PyTorch launches alternate; medians over `--repeats` launches. PyTorch DDP
   (gloo, default 25 MB buckets): no hook (float32), the body of `bf16_compress_hook` (its
   `_compress_hook(torch.bfloat16, ...)`: DDP refuses the named hook without CUDA and NCCL), and
   `powerSGD_hook` at the same ranks (error feedback, warm start, compression from iteration 2;
@@ -18,10 +18,9 @@ global batch 128 of synthetic data, in two settings:
 - 8 simulated devices in one process (jddp only: PyTorch has no simulated devices), variants
   interleaved in timed windows.
 Bytes per step and device use one convention (`jddp.observe.hlo.ring_bytes`: an all-reduce moves
-twice
-its size): jddp's are read from its compiled HLO; PyTorch's are counted from what its hooks send
-(float32 or bfloat16 buckets; PowerSGD's P and Q of the matrices its `_should_compress` picks,
-plus the rest).
+twice its size): jddp's are read from its compiled HLO; PyTorch's are counted from what its hooks
+send (float32 or bfloat16 buckets; PowerSGD's P and Q of the matrices its `_should_compress`
+picks, plus the rest).
 """
 
 import argparse
@@ -157,9 +156,9 @@ def torch_worker(order: list[str], steps: int) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     runs = {}
     for variant in order:
-        # PowerSGD issues its P and Q all-reduces from future callbacks; with several buckets
-        # their order differed between the ranks and gloo failed ("Received data size doesn't
-        # match expected size", 3 runs of 3): one bucket of every gradient avoids it.
+        # PowerSGD issues its P and Q all-reduces from future callbacks: with several buckets
+        # their order can differ between the ranks and gloo fails ("Received data size doesn't
+        # match expected size"), so PowerSGD gets one bucket of every gradient.
         bucket_mb = 64 if variant.startswith("powersgd") else 25  # 25: DDP's default
         model = torch.nn.parallel.DistributedDataParallel(
             torch_mlp(LAYERS), bucket_cap_mb=bucket_mb

@@ -133,9 +133,8 @@ def torch_worker(steps: int) -> float:
 def launch(worker_args: list[str], module: str = "experiments.bench.multiprocess") -> str:
     """`python -m MODULE WORKER_ARGS` as 2 processes of 1 device under jddp-launch; returns
     what process 0 printed after `RESULT `. Either framework's processes start with the glibc
-    malloc settings `import jddp` makes (jddp/runtime/host_memory.py): PyTorch's steps page-fault
-    the
-    same way without them (2,500-19,000 faults a step of the communication benchmark's MLP)."""
+    malloc settings of jddp's programs (jddp/runtime/host_memory.py): PyTorch's steps page-fault
+    the same way without them (2,500-19,000 faults a step of the communication benchmark's MLP)."""
     from jddp.runtime.host_memory import ENVIRONMENT
 
     command = [

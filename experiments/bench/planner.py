@@ -473,7 +473,7 @@ def beside(seconds: list, reference: list) -> float:
     """The reference's seconds as they stood beside `seconds`: the median of `seconds` over
     the median ratio of `seconds[i]` to `reference[i]`, the reference's time around window i
     (`common.between_references`). The machine's speed moves within seconds (the calibration
-    GPT's windows of one run spread by 1.2-1.4x); a ratio of neighbours cancels what moved."""
+    GPT's windows spread by 1.2-1.4x); a ratio of neighbours cancels what moved."""
     from experiments.bench import common
 
     pair = {"layout": {"all_sec": seconds}, "reference": {"all_sec": reference}}
@@ -484,12 +484,11 @@ def calibrated(profile, calibration: dict, seconds: dict, devices: int):
     """`profile` with the efficiency (and, where `seconds` has the stacked one's, the
     stacked-layers slowdown) of the calibration GPT's step `seconds` ({name: seconds}) on
     `devices` devices (`calibration`: {name: its workload}). The machine's speed drifts within
-    a run (two runs' calibrations, each timed once before the layouts, gave efficiencies of
-    0.719 and 0.578 an hour apart): a prediction is compared with a measurement at the rate
-    the machine had while it was measured. Where the calibration GPT's matmuls ran faster than
-    the matmul rate the calibration measured, up to half an hour before (run AK: 106 GFLOP/s
-    against 103), that faster rate is the machine's (efficiency 1): a prediction depends only
-    on the rate times the efficiency."""
+    a run (a calibration timed once, before the layouts, can read an efficiency 20% off one
+    timed an hour later), so a prediction is compared with a measurement at the rate the
+    machine had while it was measured. Where the calibration GPT's matmuls ran faster than the
+    matmul rate the calibration measured (up to half an hour before), that faster rate is the
+    machine's (efficiency 1): a prediction depends only on the rate times the efficiency."""
     from experiments.calibrate.profile import efficiency_of
 
     def efficiency(name):

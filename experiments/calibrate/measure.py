@@ -12,8 +12,7 @@
                     jddp/planner/network.py
     inter-host      the same over 2 processes x 2 devices, gloo between them (started with
                     jddp.runtime.launch on 127.0.0.1): what crosses "hosts" when a job runs as
-                    several
-                    processes (every collective of such a job, on XLA:CPU)
+                    several processes (every collective of such a job, on XLA:CPU)
     matmul shapes   every device at once through matmuls whose smallest dimension is 32 to
                     512: the rate by that dimension, relative to the widest (a tensor split
                     narrows a small model's projections; the planner weights each matmul by it)
@@ -68,8 +67,8 @@ def _median_seconds(fn, repeats: int = REPEATS) -> float:
 
 def memory_bandwidth(megabytes: int = 64) -> float:
     """Bytes/s of `memory_stream`, the best of `REPEATS` passes after a warm-up: a stream's rate
-    is its best, a slower repeat measures what else ran (one median read 9 GB/s where the best
-    of the same run was 40)."""
+    is its best, a slower repeat measures what else ran (a median can read 9 GB/s where the
+    best reads 40)."""
     stream, bytes_per_pass = memory_stream(megabytes)
     return bytes_per_pass / min(_seconds(stream))
 
@@ -79,8 +78,8 @@ def memory_stream(megabytes: int = 64):
     written into the same `c` every pass (3 arrays' traffic; `a + a` reads one, a third less
     than it counts). A fresh output each pass would land, for several passes or, under
     glibc's own settings (a 64 MiB buffer is always mmapped), for every one, on pages fresh
-    from the OS, and measure the page faults (16,384 a pass, 0.4-0.9 GB/s here): one
-    calibration whose every timed pass faulted stored 1.9 GB/s instead of 37."""
+    from the OS, and measure the page faults instead (16,384 a pass: 0.4-2 GB/s where the
+    memory gives ~37)."""
     import jax
     import jax.numpy as jnp
 

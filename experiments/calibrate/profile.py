@@ -80,7 +80,7 @@ def efficiency_of(
 
     layout = Layout("ddp", data=devices)
     memory_bound = sum(memory_bound_seconds(workload, layout, profile))
-    if memory_bound >= seconds:  # a bandwidth measured far too low (was capped at 1.0 silently)
+    if memory_bound >= seconds:  # a bandwidth measured far too low: refuse rather than cap
         raise JddpError(
             f"the calibration measured a step of {seconds * 1e3:.0f} ms, shorter than its "
             f"memory traffic alone at the {profile.memory_bandwidth / 1e9:.1f} GB/s it measured "
@@ -90,8 +90,8 @@ def efficiency_of(
     matmul_seconds = seconds - memory_bound
     flops = workload.hardware_flops() * shape_slowdown(workload, layout, profile)
     efficiency = flops / (matmul_seconds * profile.peak_flops)
-    # Above 1: a rate measured in a slow spell (once capped at 1.0 silently, which
-    # mispredicted every layout 1.4-2x).
+    # Above 1: the matmul rate was measured in a slow spell. Refused, not capped at 1.0: a
+    # capped efficiency mispredicts every layout 1.4-2x.
     if efficiency > 1 and not allow_above_one:
         raise JddpError(
             f"the calibration GPT's matmuls ran at {flops / matmul_seconds / 1e9:.0f} GFLOP/s, "
@@ -154,8 +154,8 @@ def calibrate(path: str | None = None) -> tuple[str, dict]:
         int(n): {kind: {int(s): t for s, t in by_size.items()} for kind, by_size in v.items()}
         for n, v in _launch_gloo_worker().items()
     }
-    # Again, minutes later: a shared machine's slow spell can span a whole measurement (one
-    # calibration read 131 GFLOP/s and 23 GB/s where its neighbours read 385-438 and 42-43).
+    # Again, minutes later, keeping the better: a shared machine's slow spell can span a whole
+    # measurement (a third of the matmul rate and half the bandwidth).
     rate = max(rate, measured_matmul_rate(devices[0]))
     bandwidth = max(bandwidth, memory_bandwidth())
     rings = ("all-reduce", "all-gather", "reduce-scatter")  # the common link: ring collectives

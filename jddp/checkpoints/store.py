@@ -150,9 +150,9 @@ class Checkpoints:
         tree to restore into and a function from it to `abstract_state`'s layout. A checkpoint
         whose files are damaged (truncated, missing, unparsable) is named in a warning and moved
         to `checkpoints_damaged/` beside the checkpoints (never deleted); the one before it is
-        tried next. Any other failure to read
-        (memory, permissions, a flaky file system), or damage to every checkpoint, is a
-        CheckpointError that leaves the checkpoints where they are.
+        tried next. Any other failure to read (memory, permissions, a flaky file system), or
+        damage to every checkpoint, is a CheckpointError that leaves the checkpoints where they
+        are.
         """
         _drop_closed_loop_reports()
         steps = sorted(self.steps(), reverse=True)

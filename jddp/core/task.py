@@ -48,8 +48,7 @@ class Task:
     type) and outputs cast back to float32 before the loss, so gradients arrive in float32.
     float16 also scales the loss (`loss_scaling`, default `DynamicLossScale()`).
     `input_key` names the model's inputs (`jddp.core.modules.ModelInputs`); `train` /
-    `deterministic`
-    / NNX `rngs` arguments of `__call__` are filled in (jddp/core/modules.py).
+    `deterministic` / NNX `rngs` arguments of `__call__` are filled in (jddp/core/modules.py).
     Loss and metrics are means over the global batch, weighted where `weight_key` names a batch
     entry of per-example weights or a function returns (weighted sums, weights) per example:
     sum(w * l) / sum(w) over the whole global batch, whatever the device count and accumulation.

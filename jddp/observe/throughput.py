@@ -9,8 +9,7 @@ class Throughput:
 
     `tokens_per_example` is 0 for models without tokens; `flops_per_step` (global, see
     jddp/observe/flops.py) and `peak_flops_per_device` are None when unknown, and their rates are
-    then
-    left out.
+    then left out.
     """
 
     examples_per_step: int

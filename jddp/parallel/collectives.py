@@ -36,10 +36,10 @@ def scatter_sum(x, spec: P):
 
 
 # Across processes, a tensor at least this large crosses as its own buffer; smaller ones are
-# concatenated into one. gloo pays ~3-5 ms per buffer, and concatenating and splitting large
-# tensors costs more than that on XLA:CPU. Measured per step (gloo, 2 processes): an MLP's
-# 42 MB of gradients as one flat buffer 260-320 ms, its three 8-16 MB kernels alone and the rest
-# flat 170-220 ms; a 7.4 MB MLP (kernels of 3-4 MB) flat 15 ms, kernels alone 20 ms.
+# concatenated into one. gloo pays ~3-5 ms per buffer, while concatenating and splitting large
+# tensors costs more than that on XLA:CPU (gloo, 2 processes: an MLP's 42 MB of gradients take
+# 260-320 ms a step as one flat buffer, 170-220 ms with its 8-16 MB kernels apart; a 7.4 MB
+# MLP's take 15 ms flat, 20 ms with its 3-4 MB kernels apart).
 OWN_BUFFER_BYTES = 2**23
 
 
@@ -75,11 +75,10 @@ def fused_pmean(tree, axes, mean=lax.pmean):
 
     Across processes the leaves under OWN_BUFFER_BYTES are concatenated into one flat buffer per
     dtype, averaged with one all-reduce, and split back; larger ones go as their own buffers
-    (`transfer_groups`). gloo pays per buffer: an MLP's 6 gradient tensors (7.4 MB) took 31 ms as
-    XLA's combined tuple all-reduce against 14 ms as one buffer on this machine
-    (experiments/bench/multiprocess.py: 0.85x -> 1.13x PyTorch DDP). Within one process the
-    tuple all-reduce is kept: there the concatenation made steps 3-4x slower. The sums are the
-    same element by element either way.
+    (`transfer_groups`). gloo pays per buffer: an MLP's 6 gradient tensors (7.4 MB) take 31 ms
+    as XLA's combined tuple all-reduce, 14 ms as one buffer (experiments/bench/multiprocess.py).
+    Within one process the tuple all-reduce is kept: there concatenating makes steps 3-4x
+    slower. The sums are the same element by element either way.
 
     Averaging model state (BatchNorm statistics) too keeps replicas identical even when a
     BatchNorm computed per-device statistics; synchronized statistics already agree."""

@@ -174,9 +174,9 @@ class GradComm:
 
     def _powersgd(self, grads, extras, comm_state, axes):
         """PowerSGD on M^T, the kernel's own layout (inputs x outputs), so that no large matrix
-        is ever transposed: XLA:CPU copies a transpose, and ran M^T-style products (contracting
+        is ever transposed: XLA:CPU copies a transpose, and runs M^T-style products (contracting
         a large matrix's leading dimension into a small result with a transposed layout) 5-25x
-        slower than the same bytes read the other way (measured on 2048 x 2048)."""
+        slower than the same bytes read the other way (2048 x 2048)."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
         qs, errors = _by_path(comm_state["q"]), _by_path(comm_state["error"])
         names = [path_str(path) for path, _ in leaves]
@@ -214,9 +214,9 @@ def _t_matmul(a, b):
 def orthonormal_columns(p):
     """An orthonormal basis of the columns of `p` (m x r, r <= m, r small): Gram-Schmidt with
     every projection done twice ("twice is enough": orthogonal to float32 precision even when
-    `p` has rank below r, as when a gradient's rank is below r; a single pass normalized
-    rounding noise that was not orthogonal and sent back gradients 30-100% wrong). An all-zero
-    column stays zero. Not `jnp.linalg.qr`: XLA:CPU's QR of 2048 x 16 took 150 ms a device on 8
+    `p` has rank below r, as when a gradient's rank is below r; a single pass normalizes
+    rounding noise that is not orthogonal and sends back gradients 30-100% wrong). An all-zero
+    column stays zero. Not `jnp.linalg.qr`: XLA:CPU's QR of 2048 x 16 takes 150 ms a device on 8
     simulated devices."""
     columns = []
     for i in range(p.shape[1]):
@@ -240,11 +240,11 @@ def _from_wire(bits):
 
 def _sum_received(x, axes, count: int):
     """Rows of `x` (count, ...) go to device i; returns the float32 sum of the rows this device
-    received. The rows are added one by one: XLA:CPU ran a reduce over the leading axis of the
+    received. The rows are added one by one: XLA:CPU runs a reduce over the leading axis of the
     converted values 10x slower than these elementwise adds."""
     # Each destination's rows converted on their own: XLA:CPU splits an all-to-all's operand
-    # into one buffer per destination, and converted the whole operand first, one more pass
-    # over the gradient (compiled HLO; bfloat16 step of the communication benchmark 2.4% faster).
+    # into one buffer per destination, and a conversion of the whole operand would be one more
+    # pass over the gradient (the communication benchmark's bfloat16 step: 2.4% faster so).
     wire = jnp.concatenate([_to_wire(x[row : row + 1]) for row in range(count)])
     received = lax.all_to_all(wire, axes, 0, 0, tiled=True)
     total = _from_wire(received[0])

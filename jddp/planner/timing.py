@@ -19,10 +19,10 @@ overlap     each collective by when it runs (jddp/planner/collective.py phases):
 bubble      compute and critical communication run inside the pipeline, so its idle share
             b (jddp/planner/stages.py) stretches them by b / (1 - b); on simulated devices
             sharing a machine's cores (`shared_compute`) an idle stage's ticks do no work and
-            its cores serve the busy stages, so the bubble costs nothing there (measured:
-            stage:4's step 3-18% slower than stage:2's in four runs of
-            experiments/bench/planner.py, where a costed bubble gives 1.4x), and the
-            stages' stacked layers cost the profile's `stacked_layers_slowdown`
+            its cores serve the busy stages, so the bubble costs nothing there (stage:4's
+            step is 3-18% slower than stage:2's in experiments/bench/planner.py, where a
+            costed bubble would give 1.4x), and the stages' stacked layers cost the
+            profile's `stacked_layers_slowdown`
 links       a group of devices inside one host uses the intra-host link, a group spanning
             hosts runs hierarchically (jddp/planner/network.py); except on XLA:CPU
             (`every_group_crosses_hosts`): in a job of several processes every group, even

@@ -1,24 +1,26 @@
-"""Host memory kept for reuse between steps: glibc malloc settings, applied when jddp is imported.
+"""Host memory kept for reuse between steps on CPU: `keep_freed_memory()` sets glibc's malloc so
+that XLA:CPU's step buffers reuse freed memory instead of faulting in fresh pages every step.
 
-XLA:CPU allocates each execution's temporary and output buffers with malloc and frees them
+Importing jddp changes nothing: jddp's own programs (`python -m experiments.train`, the benchmarks,
+the calibration) call it, and a program of yours may, first thing, before JAX starts its threads
+(an arena is chosen by a thread's first allocation). See docs/trainer.md, "Host memory on CPU".
+
+Why: XLA:CPU allocates each execution's temporary and output buffers with malloc and frees them
 after it. glibc serves a large allocation (above its mmap threshold, 128 KiB-32 MiB, and in a
 thread's arena anything beyond the arena's 64 MiB heap) with a fresh mmap and unmaps it on free,
-so every step writes to new pages: one page fault and a zeroed page per 4 KiB, in the kernel,
-on the cores the step computes on. Measured on the communication benchmark's 10.5M-parameter
-MLP over 2 processes x 1 device: 20,500 faults a step in float32 (150 ms a step, 87 ms without
-them), 10,400 in bfloat16 (95 ms, 77 ms). The fix is to keep freed memory for the next step:
-one arena (XLA's worker threads would otherwise get per-thread heaps capped at 64 MiB, whose
-larger buffers still go to mmap), no mmap below 1 GiB, and no trimming of the heap's free top.
-Trimming is off, not merely set high: a step whose temporaries pass any threshold (2 GiB, the
-most a positive `mallopt` value gives, was passed by tensor:8 on 8 simulated devices) gives them
-back at its end and faults them in again in the next (2.5 GB trimmed, 635k faults in 15 steps).
-PyTorch's CPU performance guides say the same and point to jemalloc / tcmalloc; this needs
+so every step writes to new pages: a page fault and a zeroed page per 4 KiB, in the kernel, on
+the cores the step computes on (the communication benchmark's 10.5M-parameter MLP: 20,500 faults
+and 150 ms a step, 87 ms without them). So: one arena (XLA's worker threads would otherwise get
+per-thread heaps capped at 64 MiB, whose larger buffers still go to mmap), no mmap below 1 GiB,
+and no trimming of the heap's free top. Trimming is off, not merely set high: the largest positive
+`mallopt` threshold, 2 GiB, is passed by a big step's temporaries (tensor:8 on 8 simulated
+devices), which would then be given back at the end of every step and faulted in again in the
+next. PyTorch's CPU performance guides say the same and point to jemalloc / tcmalloc; this needs
 neither. The cost: a process keeps its peak host memory instead of returning it between steps.
 
-Applied at `import jddp`, before JAX starts its threads (an arena is chosen by a thread's first
-allocation). Left alone where glibc is not the C library, where the user set glibc's malloc
-options already (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, or
-glibc.malloc tunables in GLIBC_TUNABLES), or with JDDP_MALLOC_TUNING=0 (or false, off, no).
+Left alone where glibc is not the C library, where the user set glibc's malloc options already
+(MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, or glibc.malloc tunables in
+GLIBC_TUNABLES), or with JDDP_MALLOC_TUNING=0 (or false, off, no).
 """
 
 import ctypes
@@ -33,8 +35,9 @@ _SETTINGS = (
     ("MALLOC_MMAP_THRESHOLD_", -3, 1 << 30),  # mmap only what is above 1 GiB
     ("MALLOC_TRIM_THRESHOLD_", -1, -1),  # never trim: glibc reads -1 as the largest size
 )
-# The same settings for a process that does not import jddp (PyTorch in the benchmarks). The
-# environment variable takes a size, not -1: 2**62 bytes is beyond any heap.
+# The same settings as environment variables, for a child process that does not call
+# `keep_freed_memory` (PyTorch in the benchmarks). They take a size, not -1: 2**62 bytes is
+# beyond any heap.
 ENVIRONMENT = {name: str(value if value > 0 else 1 << 62) for name, _, value in _SETTINGS}
 
 

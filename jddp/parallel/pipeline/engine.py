@@ -177,7 +177,7 @@ class Pipeline:
         def half_vjp(h, x, m):
             """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) on `x`:
             the pullback's leaves less the half's own parameters, which every micro-batch
-            shares (stashing them copied the stage's weights into every slot)."""
+            shares (stashed, they would copy the stage's weights into every slot)."""
             offset = low if h else 0
             y, pullback = jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
             params = {id(p): i for i, p in enumerate(jax.tree.leaves(halves[h]))}
@@ -300,8 +300,8 @@ class Pipeline:
                 m,
             )
             stash, grad_rest, metrics = kept
-            # Two conditionals of two branches, not one switch of three: XLA copied every
-            # buffer that a three-way switch passed through. BACKWARD_HIGH: the later half's
+            # Two conditionals of two branches, not one switch of three: XLA copies every
+            # buffer that a three-way switch passes through. BACKWARD_HIGH: the later half's
             # backward (or the whole one); BACKWARD_LOW: the first half's, from the middle.
             grads, grad_rest, middle, send_b = lax.cond(
                 op == BACKWARD_HIGH,

@@ -64,6 +64,8 @@ LONGEST_FIRST = (
     "test_sequence_parallel.py",
     "test_experiment.py",
     "test_resume_kill.py",
+    "test_docs.py",
+    "test_host_memory.py",
     "test_tensor_parallel_runs.py",
     "test_tensor_parallel.py",
     "test_cli_errors.py",

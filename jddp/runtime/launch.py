@@ -84,6 +84,15 @@ def run(args) -> int:
     port = free_port()
     lock = threading.Lock()
     children, relays, last_errors = [], [], {}
+
+    # Installed before the first child starts: a signal during start-up reaches the children
+    # started so far (they run in their own sessions, so nothing else would stop them).
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     for rank in range(args.nproc):
         try:
             child = subprocess.Popen(
@@ -104,12 +113,6 @@ def run(args) -> int:
         children.append(child)
         relays.append(relay)
 
-    def forward(signum, _frame):
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             codes = [child.poll() for child in children]

@@ -6,6 +6,7 @@ parameters."""
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -156,6 +157,43 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path, 
     assert finish(start(workdir, "resume.log")) == 0
     before.assert_resumed(LOG_EVERY)
     assert_same_run(workdir, uninterrupted)
+
+
+# Two processes of one device each, started by the launcher, which forwards a SIGTERM to both
+# as a scheduler signals every task of a job.
+LAUNCHED = (
+    "jddp.runtime.launch", "--nproc=2", "--devices_per_proc=1", "--",
+    sys.executable, "-m", "experiments.train",
+)  # fmt: skip
+
+
+def test_sigterm_stops_every_process_at_the_same_step_and_they_save_it_together(
+    tmp_path, uninterrupted
+):
+    workdir = str(tmp_path / "run")
+    process = start(workdir, "term.log", module=LAUNCHED)
+    assert wait_until(process, lambda: logged_steps(workdir) >= 20)
+    process.send_signal(signal.SIGTERM)
+    assert finish(process) == 0
+    output = open(tmp_path / "term.log").read()
+    saved = {}  # rank -> the steps it says it stopped at
+    for line in output.splitlines():
+        found = re.match(r"\[(\d)\] .*preempted: saved a checkpoint at step (\d+)", line)
+        if found:
+            saved.setdefault(int(found[1]), []).append(int(found[2]))
+    assert sorted(saved) == [0, 1], output[-3000:]
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+    (step,) = saved[0]
+    assert 20 <= step < 50
+    before = BeforeRerun(workdir)
+    assert before.resume_step == step  # the checkpoint both processes wrote, complete
+    assert "Traceback" not in output
+    assert finish(start(workdir, "resume.log", module=LAUNCHED)) == 0
+    before.assert_resumed(LOG_EVERY)
+    # Two processes of one device train what one process of two devices trains.
+    ours, reference = records(workdir), records(uninterrupted)
+    assert [r["step"] for r in ours] == [r["step"] for r in reference]
+    np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in reference], rtol=1e-5)
 
 
 # PowerSGD's per-device error feedback: a checkpoint holds its mean, and the run that wrote it

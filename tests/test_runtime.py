@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from jddp.errors import ConfigError
+from jddp.runtime import launch
 from jddp.runtime import processes as runtime
 from tests.helpers import PORT_TAKEN, REPO, assert_one_line
 
@@ -264,3 +265,19 @@ def test_processes_that_disagree_with_process_0_are_named_in_one_line(monkeypatc
         runtime.check_same_everywhere("config", value)
     assert np.array_equal(sent[0], sent[1]) and np.array_equal(sent[0], sent[2])
     assert not np.array_equal(sent[2], sent[3])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT as Linux has it")
+def test_the_launcher_holds_the_coordinator_port_for_the_job():
+    """No other program can take the port between the launcher choosing it and process 0's
+    coordinator binding it; the coordinator (gRPC, SO_REUSEPORT) binds beside the holder."""
+    port, holder = launch.reserve_port()
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with socket.socket(socket.AF_INET6) as coordinator:
+            coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            coordinator.bind(("::", port))
+            coordinator.listen()
+    finally:
+        holder.close()

@@ -26,9 +26,36 @@ GRACE_SEC = 10  # after SIGTERM, before SIGKILL, when stopping the survivors of 
 
 
 def free_port() -> int:
+    """A port free now (another program may take it before it is bound: see reserve_port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserve_port() -> tuple[int, socket.socket | None]:
+    """(a free port for the job's coordinator, the socket holding it or None).
+
+    On Linux the port stays bound, with SO_REUSEPORT and without listening, for as long as the
+    job runs: no other program is given it, while process 0's coordinator (gRPC binds with
+    SO_REUSEPORT too) binds it beside this socket. A port that was only looked up free could be
+    taken before the coordinator binds it, failing the whole job."""
+    if not sys.platform.startswith("linux"):
+        return free_port(), None
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            holder = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:  # the coordinator binds [::], dual-stack
+                holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            holder.bind((address, 0))
+        except OSError:
+            holder.close()
+            continue
+        return holder.getsockname()[1], holder
+    return free_port(), None
 
 
 def child_env(rank: int, args, port: int) -> dict[str, str]:
@@ -81,7 +108,15 @@ def _describe(code: int) -> str:
 
 
 def run(args) -> int:
-    port = free_port()
+    port, holder = reserve_port()
+    try:
+        return _run(args, port)
+    finally:
+        if holder is not None:
+            holder.close()
+
+
+def _run(args, port: int) -> int:
     lock = threading.Lock()
     children, relays, last_errors = [], [], {}
 

@@ -306,3 +306,11 @@ def requires_data(path: str, how: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(reason, pytrace=False)
     pytest.skip(reason)
+
+
+def launch_command(nproc: int, devices_per_proc: int) -> list[str]:
+    """The `jddp-launch` command line up to its `--`: `nproc` processes of simulated devices."""
+    return [
+        sys.executable, "-m", "jddp.runtime.launch",
+        f"--nproc={nproc}", f"--devices_per_proc={devices_per_proc}", "--",
+    ]  # fmt: skip

@@ -24,7 +24,7 @@ from jddp.checkpoints.weights import load_params
 from jddp.core.tree_paths import nest_paths
 from jddp.run import optim
 from jddp.run.factory import build_trainer
-from tests.helpers import PORT_TAKEN, REPO
+from tests.helpers import PORT_TAKEN, REPO, launch_command
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -52,15 +52,7 @@ def worker_result(path):
 def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None):
     """`jddp-launch` in a subprocess; SIGKILLed (with its children) past `timeout`."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jddp.runtime.launch",
-            f"--nproc={nproc}",
-            f"--devices_per_proc={devices_per_proc}",
-            "--",
-            *command,
-        ],
+        [*launch_command(nproc, devices_per_proc), *command],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -204,12 +196,7 @@ def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):
     workdir = str(tmp_path / "run")
     launcher = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "jddp.runtime.launch",
-            "--nproc=2",
-            "--devices_per_proc=1",
-            "--",
+            *launch_command(2, 1),
             *CLI[:3],
             "--config.num_train_steps=100000",
             "--config.log_every=10",

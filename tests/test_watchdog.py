@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import REPO, error_line
+from tests.helpers import REPO, error_line, launch_command
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
 # After the hang begins, a watchdog that never fires is SIGKILLed this long after (the hang itself
@@ -84,14 +84,7 @@ def test_two_processes_both_report_when_one_hangs(tmp_path):
     Both write their stacks and say so in one line; the launcher exits with their code."""
     workdir = tmp_path / "run"
     env = {"JDDP_TEST_HANG_AT": "10", "JDDP_TEST_HANG_PROCESS": "1"}
-    launcher = [
-        sys.executable,
-        "-m",
-        "jddp.runtime.launch",
-        "--nproc=2",
-        "--devices_per_proc=1",
-        "--",
-    ]
+    launcher = launch_command(2, 1)
     flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
     code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
     assert code == 3, output

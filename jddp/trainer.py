@@ -13,7 +13,7 @@ from flax import linen as nn
 
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.state import TrainState, arranged_like
-from jddp.core.task import PerExampleFn, Task, check_divisible, compute_dtype_of
+from jddp.core.task import PerExampleFn, Task, check_divisible, compute_dtype_of, init_key
 from jddp.core.tree_paths import path_str
 from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError, UsageError
@@ -167,8 +167,10 @@ class Trainer:
         same block: a stage:2 mesh over 2 processes has parts = 1, and both read every row."""
         return self.strategy.batch_part()
 
-    def init(self, seed: int, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
-        """The initial state from `seed`, placed on the devices (one example shapes the model)."""
+    def init(self, seed: int | jax.Array, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
+        """The initial state from `seed` (an int or a JAX key), placed on the devices (one
+        example shapes the model)."""
+        init_key(seed)  # a bad seed is one line here, before anything compiles
         self.abstract_state(sample_batch)
         with _axis_names_checked():
             return self.strategy.init_state(seed, self._sample_input(sample_batch))

@@ -23,6 +23,12 @@ MISTAKES = [
     (["--config.compute_dtype=float8"], ["compute_dtype", "float8", "bfloat16"]),
     (["--config.model_args.depth=3"], ["model 'mlp' has no argument depth", "hidden_sizes"]),
     (["--config={tmp}/no_get_config.py"], ["no_get_config.py", "defines no get_config()"]),
+    (["--config.lerning_rate=0.1"], ["no key 'lerning_rate'", "did you mean 'learning_rate'"]),
+    (["--config.parallel.strateg=zero3"], ["no key 'strateg'", "did you mean 'strategy'"]),
+    (  # get_config() itself raised: not an override's fault
+        ["--config={tmp}/needs_env.py"],
+        ["needs_env.py", "failed to load", "KeyError", "JDDP_TEST_UNSET_ROOT"],
+    ),
     (  # a model argument the file does not set, accepted from the command line
         [
             "--config=experiments/configs/shakespeare_gpt_tiny.py",
@@ -74,6 +80,9 @@ MISTAKES = [
 def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, words):
     workdir = tmp_path / "run"
     (tmp_path / "no_get_config.py").write_text("def config():\n    return None\n")
+    (tmp_path / "needs_env.py").write_text(
+        "import os\n\ndef get_config():\n    return os.environ['JDDP_TEST_UNSET_ROOT']\n"
+    )
     (tmp_path / "corpus.txt").write_text("to be or not to be\n" * 40)
     result = run_cli(f"--workdir={workdir}", *(flag.format(tmp=tmp_path) for flag in flags))
     assert_error_exit(result, *words)

@@ -201,3 +201,22 @@ def test_steps_dispatched_without_reading_their_metrics_stay_at_most_four_in_fli
         outstanding.append(len(pending))
     assert MAX_STEPS_IN_FLIGHT == 4
     assert outstanding == [1, 2, 3, 4, 4, 4, 4, 4]
+
+
+def test_init_takes_a_seed_or_a_key_and_refuses_anything_else_in_one_line():
+    data = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+    trainer = jddp.Trainer(nn.Dense(3), _label_loss, optax.sgd(0.1))
+    from_int = trainer.host_state(trainer.init(3, data)).params
+    for key in (jax.random.key(3), jax.random.PRNGKey(3)):
+        from_key = trainer.host_state(trainer.init(key, data)).params
+        jax.tree.map(np.testing.assert_array_equal, from_key, from_int)
+    other = trainer.host_state(trainer.init(4, data)).params
+    assert not np.array_equal(other["kernel"], from_int["kernel"])
+    for bad in (-1, 1.5, "0", True, jax.random.split(jax.random.key(0))):
+        with pytest.raises(jddp.UsageError) as raised:
+            trainer.init(bad, data)
+        assert_one_line(raised, "seed must be a non-negative integer or a JAX key")
+
+
+def _label_loss(outputs, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["label"])

@@ -10,13 +10,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
-from jddp.errors import ConfigError, ShapeError
+from jddp.errors import ConfigError, ShapeError, UsageError
 from jddp.parallel.pipeline.layers import finding_stacks
 
 Batch = Mapping[str, jax.Array]
@@ -350,3 +351,23 @@ def init_compiler_options() -> dict | None:
 def jit_init(fn, *args, **jit_kwargs):
     """`jax.jit(fn, **jit_kwargs)(*args)`, compiled with `init_compiler_options()`."""
     return jax.jit(fn, **jit_kwargs).lower(*args).compile(init_compiler_options())(*args)
+
+
+def init_key(seed) -> jax.Array:
+    """The PRNG key an initialization draws from: `seed` as a non-negative int, or a JAX key
+    itself (`jax.random.key(0)`, or a legacy `jax.random.PRNGKey(0)`)."""
+    if isinstance(seed, jax.Array | np.ndarray):
+        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ():
+            return seed
+        if seed.dtype == np.uint32 and seed.shape == (2,):  # jax.random.PRNGKey's raw form
+            return jax.random.wrap_key_data(seed)
+    if isinstance(seed, int | np.integer) and not isinstance(seed, bool) and seed >= 0:
+        return jax.random.key(int(seed))
+    given = (
+        f"an array of shape {seed.shape} and dtype {seed.dtype}"
+        if isinstance(seed, jax.Array | np.ndarray)
+        else repr(seed)
+    )
+    raise UsageError(
+        f"seed must be a non-negative integer or a JAX key (jax.random.key(0)), got {given}"
+    )

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.core.state import TrainState
-from jddp.core.task import Task, check_rows_divide, jit_init
+from jddp.core.task import Task, check_rows_divide, init_key, jit_init
 from jddp.errors import ConfigError
 from jddp.parallel.compression import GradComm
 from jddp.parallel.mesh import DDP_AXIS as AXIS
@@ -95,11 +95,11 @@ class DDP:
 
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize once from `seed`, then place the same state on every device."""
-        state = jit_init(self.task.init_state, jax.random.key(seed), sample_input)
+        state = jit_init(self.task.init_state, init_key(seed), sample_input)
         return self.place_state(state)
 
     def lower_init(self, seed: int, sample_input):
-        return jax.jit(self.task.init_state).lower(jax.random.key(seed), sample_input)
+        return jax.jit(self.task.init_state).lower(init_key(seed), sample_input)
 
     def place_state(self, state: TrainState) -> TrainState:
         """One full copy of `state` on every device.

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.core.state import TrainState
-from jddp.core.task import Task, check_rows_divide, init_compiler_options
+from jddp.core.task import Task, check_rows_divide, init_compiler_options, init_key
 from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
 from jddp.parallel.collectives import fused_pmean, gather
@@ -281,7 +281,7 @@ class ZeroStrategy:
     def init_state(self, seed: int, sample_input) -> TrainState:
         """Initialize directly into the shardings: no device ever holds the whole sharded state."""
         compiled = self.lower_init(seed, sample_input).compile(init_compiler_options())
-        return compiled(jax.random.key(seed), sample_input)
+        return compiled(init_key(seed), sample_input)
 
     def lower_init(self, seed: int, sample_input):
         """The initialization lowered with the state's shardings as its output shardings.
@@ -289,7 +289,7 @@ class ZeroStrategy:
         With JAX's partitionable threefry each device draws only its own shard, and the values
         equal an unsharded initialization from the same seed."""
         return jax.jit(self.task.init_state, out_shardings=self._state_shardings).lower(
-            jax.random.key(seed), sample_input
+            init_key(seed), sample_input
         )
 
     def batch_part(self) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 user mistake (missing file, unknown key, bad value) ends in one line on stderr and exit code 2."""
 
 import ast
+import contextlib
 import os
 import re
 import sys
@@ -63,15 +64,9 @@ class ConfigFlag:
                     "returning an ml_collections.ConfigDict (start from "
                     "jddp.run.config.default_config())"
                 )
-            fail(
-                f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
-                "overrides against the keys in the config file"
-            )
+            fail(_missing_key(e, argv, path))
         except KeyError as e:
-            fail(
-                f"config has no key {str(e).strip(chr(34))}; check the --config.KEY=VALUE "
-                "overrides against the keys in the config file"
-            )
+            fail(_missing_key(e, argv, path))
         except flags.Error as e:
             raised = re.findall(r"^(\w+(?:Error|Exception): .*)$", str(e), re.MULTILINE)
             reason = raised[-1] if raised else str(e).splitlines()[0]
@@ -91,6 +86,31 @@ class ConfigFlag:
             return " to a file that defines get_config()"
         names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n[0] != "_")
         return f", e.g. one of {os.path.relpath(folder)}/{{{','.join(names)}}}.py"
+
+
+def _missing_key(error: Exception, argv: list[str], path: str) -> str:
+    """The one line for a KeyError / AttributeError while loading: a `--config.KEY` override
+    naming no key (with ml_collections' suggestion, if it made one), or else an error raised
+    by the config file's own get_config()."""
+    text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+    if text[:1] in ("'", '"'):  # ml_collections nests the repr of its KeyError's message
+        with contextlib.suppress(ValueError, SyntaxError):
+            text = ast.literal_eval(text)
+    key = re.findall(r"""['"]([^'"]+)['"]""", text)
+    overridden = {
+        arg[len("--config.") :].split("=")[0] for arg in argv if arg.startswith("--config.")
+    }
+    named = key[0] if key else text
+    if not any(named in o.split(".") for o in overridden):
+        return (
+            f"config file {path!r} failed to load: {type(error).__name__}: {text.splitlines()[0]}"
+        )
+    close = re.search(r"""Did you mean ['"]([^'"]+)['"]""", text)
+    hint = f" (did you mean {close[1]!r}?)" if close else ""
+    return (
+        f"config has no key {named!r}{hint}; check the --config.KEY=VALUE overrides against "
+        "the keys in the config file"
+    )
 
 
 def _config_path(argv: list[str], default: str) -> str:

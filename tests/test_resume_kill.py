@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jddp.checkpoints.weights import load_params
-from tests.helpers import REPO, BeforeRerun, committed_checkpoints, snapshot
+from tests.helpers import REPO, BeforeRerun, committed_checkpoints, launch_command, snapshot
 
 LOG_EVERY = 5
 FLAGS = [
@@ -161,10 +161,8 @@ def test_sigterm_saves_at_the_step_boundary_exits_cleanly_and_resumes(tmp_path, 
 
 # Two processes of one device each, started by the launcher, which forwards a SIGTERM to both
 # as a scheduler signals every task of a job.
-LAUNCHED = (
-    "jddp.runtime.launch", "--nproc=2", "--devices_per_proc=1", "--",
-    sys.executable, "-m", "experiments.train",
-)  # fmt: skip
+# (`start` runs `python -m MODULE...`: the launcher's command without its interpreter and `-m`.)
+LAUNCHED = (*launch_command(2, 1)[2:], sys.executable, "-m", "experiments.train")
 
 
 def test_sigterm_stops_every_process_at_the_same_step_and_they_save_it_together(

@@ -63,13 +63,21 @@ def mesh_devices(mesh: str):
 
 
 def gpt_trainer(
-    strategy, mesh, sp=False, positions="learned", tie=True, layers=LAYERS, scan=False, **kwargs
+    strategy,
+    mesh,
+    sp=False,
+    positions="learned",
+    tie=True,
+    layers=LAYERS,
+    scan=False,
+    dropout=0.0,
+    **kwargs,
 ):
-    """A Trainer of the tiny GPT on `mesh` (Megatron's rules; a stage axis stacks the layers),
-    or under ddp on every device."""
+    """A Trainer of the tiny GPT (with `dropout`) on `mesh` (Megatron's rules; a stage axis stacks
+    the layers), or under ddp on every device (or `devices=`)."""
     if strategy == "ddp":
         layout = {}
-        model = tiny_gpt(positions, tie, layers, scan_layers=scan)
+        model = tiny_gpt(positions, tie, layers, scan_layers=scan, dropout_rate=dropout)
     else:
         device_mesh = device_mesh_for(strategy, mesh, mesh_devices(mesh))
         layout = {
@@ -84,6 +92,7 @@ def gpt_trainer(
             tensor_axis=device_mesh.tensor_axis,
             sequence_parallel=sp,
             scan_layers=scan or device_mesh.stage_axis is not None,
+            dropout_rate=dropout,
         )
     return jddp.Trainer(
         model,
@@ -98,14 +107,20 @@ def gpt_trainer(
 
 
 def plain_init(positions="learned", tie=True, layers=LAYERS, stacked=False):
-    """The tiny GPT's parameters from a plain Flax `init` on one device for seed 0, with the
-    parameter key `Trainer.init(seed=0)` uses (the first of `jax.random.split(key(0), 3)`)."""
+    """The tiny GPT's parameters from a plain Flax `init` of the unrolled model on one device for
+    seed 0, with the parameter key `Trainer.init(seed=0)` uses (the first of
+    `jax.random.split(key(0), 3)`); `stacked`: its `block_i` stacked into `blocks` (jddp's promise:
+    stacking is a layout, the same parameters)."""
     params_key, dropout_key, _ = jax.random.split(jax.random.key(0), 3)
-    model = tiny_gpt(positions, tie, layers, scan_layers=stacked)
+    model = tiny_gpt(positions, tie, layers)
     inputs = np.zeros((1, SEQ), np.int32)
     # Compiled, as Trainer.init is: eager ops round some draws differently (1 ulp).
     variables = jax.jit(model.init)({"params": params_key, "dropout": dropout_key}, inputs)
-    return jax.device_get(variables["params"])
+    params = jax.device_get(variables["params"])
+    if stacked:
+        blocks = [params.pop(f"block_{i}") for i in range(layers)]
+        params["blocks"] = jax.tree.map(lambda *leaves: np.stack(leaves), *blocks)
+    return params
 
 
 def _digest(batches) -> str:

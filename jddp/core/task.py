@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jddp.core import row_keys
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 from jddp.errors import ConfigError, ShapeError, UsageError
+from jddp.parallel.pipeline import stage_layouts
 from jddp.parallel.pipeline.layers import finding_stacks
 
 Batch = Mapping[str, jax.Array]
@@ -118,6 +120,14 @@ class Task:
             raise ConfigError(
                 "a model may hold one jddp.parallel.pipeline.Pipelined stack, not several"
             )
+        if stacks and getattr(self.model, "scan_layers", False) is True:
+            # Stacked layers are a layout, not another model: initialize the unrolled twin
+            # (layers block_i/...) and stack it, so the same seed gives the same parameters.
+            # Under jit the stacked initialization above only told where the stack is.
+            unrolled = as_functional(self.model.clone(scan_layers=False), self.axis_aliases)
+            params, model_state = stage_layouts.to_stacked(
+                unrolled.init({"params": params_key, "dropout": dropout_key}, args, kwargs)
+            )
         object.__setattr__(self, "stack", stacks[0] if stacks else None)
         comm_state = None
         if self.init_comm_state is not None:
@@ -146,6 +156,12 @@ class Task:
     def batch_rows(self, batch: Batch) -> int:
         """How many examples `batch` holds (the first model input's leading size)."""
         return batch[self.inputs.entries[0]].shape[0]
+
+    def slice_key(self, step_key: jax.Array, index, batch: Batch) -> jax.Array:
+        """The step's key for the `index`-th equal slice of the global batch, `batch`: its
+        examples draw what they would on one device (jddp/core/row_keys.py)."""
+        rows = self.batch_rows(batch)
+        return row_keys.batch_key(step_key, index * rows, rows)
 
     def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
         """Model outputs in float32 and the updated mutable collections."""
@@ -211,9 +227,10 @@ class Task:
         params_fn = params_fn or (lambda params: params)
         scale = loss_scale["scale"] if self.loss_scaling else None
         steps = self.grad_accum_steps
+        size = self.batch_rows(batch)
+        rng = row_keys.as_row_key(rng, size)
         if steps == 1:
             return self._micro_grads(params, model_state, batch, rng, params_fn, scale)
-        size = self.batch_rows(batch)
         if size % steps:
             raise ShapeError(
                 f"a device's batch of {size} examples does not split into {steps} micro-batches; "
@@ -224,8 +241,9 @@ class Task:
         def accumulate(carry, inputs):
             grad_sum, totals_sum, model_state = carry
             index, micro_batch = inputs
+            micro_rng = row_keys.sub_batch_key(rng, index * (size // steps), size // steps)
             grads, totals, model_state = self._micro_grads(
-                params, model_state, micro_batch, jax.random.fold_in(rng, index), params_fn, scale
+                params, model_state, micro_batch, micro_rng, params_fn, scale
             )
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(grad_sum, grads), add(totals_sum, totals), model_state), None

@@ -1,4 +1,5 @@
-"""Datasets (TFDS random-access sources) and grain pipelines that batch them."""
+"""Datasets (TFDS random-access sources, or own files and functions: `npz:PATH`, `jsonl:PATH`,
+`parquet:PATH`, `hf:PATH`, `package.module:function`) and grain pipelines that batch them."""
 
 from jddp.data.cache import ArraySource
 from jddp.data.datasets import (

@@ -3,13 +3,16 @@
 `get_dataset(name)` answers what a model and a loss need before any data is read (the kind of
 task, the number of classes or the vocabulary); `open_dataset(spec, options)` prepares the TFDS
 dataset on first use (array_record files, no TensorFlow) and returns its random-access splits
-with the dataset's preprocessing.
+with the dataset's preprocessing. Own data (`npz:PATH`, `jsonl:PATH`, `parquet:PATH`, `hf:PATH`,
+`package.module:function`) is resolved by jddp/data/user_data.py: its spec reads the labels (or
+the text) already, to count the classes (or the characters).
 """
 
 import contextlib
 import dataclasses
 import difflib
 import fcntl
+import functools
 import os
 from collections.abc import Callable
 
@@ -17,7 +20,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from jddp.data import text, transforms
+from jddp.data import text, transforms, user_data
 from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
@@ -44,6 +47,12 @@ class DataOptions:
     image_size: int = 224  # ImageNet: side of the square crops
     augment: bool = True  # random crops and flips in training, where the dataset defines them
     cache_max_mb: float = 256.0  # splits up to this size on disk are decoded once to numpy
+    # Own data (npz:, jsonl:, parquet:, hf:, package.module:function), see user_data.py.
+    input_key: str = ""  # the input column; "" = image, inputs, input, features, x, text, the one
+    target_key: str = ""  # the label column; "" = label, labels, target, targets or y
+    num_classes: int = 0  # 0 = the largest label + 1
+    eval_path: str = ""  # the eval split's file (a bare path takes the dataset's scheme)
+    eval_fraction: float = 0.0  # or this fraction of the rows held out (0: none)
     threads: int = 1  # loader threads
     workers: int = 0  # loader processes (0: none, the threads of this process load)
     device_prefetch: int = 2  # batches placed on the devices ahead of the step
@@ -81,6 +90,8 @@ class DatasetSpec:
     train_split: str = "train"
     eval_split: str = "test"
     text_file: str = ""
+    # Own data: its splits and columns, resolved when the spec is made (user_data.py).
+    own: user_data.OwnData | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,19 +146,31 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-def get_dataset(name: str, text_file: str = "") -> DatasetSpec:
-    """The dataset `name`; `text_file` is the file of dataset `text_file` (read here for its
-    vocabulary)."""
-    if name not in DATASETS:
-        close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
-        hint = f" (close: {', '.join(close)})" if close else ""
-        raise ConfigError(
-            f"unknown dataset {name!r}{hint}; choose one of {', '.join(sorted(DATASETS))}"
-        )
+def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None = None):
+    """The dataset `name`: a built-in one or own data (`npz:PATH`, ...: read here for its
+    classes or vocabulary, with the columns and eval split `options` give); `text_file` (or
+    `options.text_file`) is the file of dataset `text_file` (read here for its vocabulary)."""
+    options = options or DataOptions()
+    text_file = text_file or options.text_file
+    own_data = user_data.is_own_data(name)
+    user_data.check_eval_options(options, own_data, name)
     if text_file and name != "text_file":
         raise ConfigError(
             f"data.text_file is set but dataset is {name!r}; set --config.dataset=text_file "
             "to train on the file, or clear --config.data.text_file"
+        )
+    if own_data:
+        return _own_dataset_spec(user_data.resolve(name, options))
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        scheme = {".npz": "npz", ".jsonl": "jsonl", ".parquet": "parquet"}
+        extension = os.path.splitext(name)[1]
+        if extension in scheme:  # a path without its scheme
+            hint = f" (did you mean {scheme[extension]}:{name}?)"
+        raise ConfigError(
+            f"unknown dataset {name!r}{hint}; choose one of {', '.join(sorted(DATASETS))}, or "
+            "own data: npz:PATH, jsonl:PATH, parquet:PATH, hf:PATH, package.module:function"
         )
     if name != "text_file":
         return DATASETS[name]
@@ -173,11 +196,32 @@ def _exclusive(path: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _own_dataset_spec(own: user_data.OwnData) -> DatasetSpec:
+    if own.language_model:
+        spec = _language_model_spec(own.name, None, own.vocabulary)
+        return dataclasses.replace(spec, own=own)
+    columns = user_data.OwnColumns(own.input_key, own.target_key)
+    return DatasetSpec(
+        own.name, CLASSIFICATION, own.num_classes, None, functools.partial(_fixed, columns),
+        input_key=own.input_key, target_key="label", own=own,
+    )  # fmt: skip
+
+
+def _fixed(transform: Transform, options: DataOptions) -> Transform:
+    return transform  # own data's transform does not depend on the options
+
+
 def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Dataset:
     """`spec`'s train and eval splits, prepared into the TFDS data dir on first use."""
     options = options or DataOptions()
     transform = spec.make_transform(options)
     splits = (spec.train_split, spec.eval_split)
+    if spec.own is not None and spec.own.language_model:
+        texts = {spec.train_split: spec.own.train, spec.eval_split: spec.own.eval}
+        where = {spec.train_split: spec.own.train_where, spec.eval_split: spec.own.eval_where}
+        return _language_model_splits(spec, options, texts, where, transform)
+    if spec.own is not None:
+        return Dataset(spec, spec.own.train, spec.own.eval, transform)
     if spec.builder_class is None:  # a local text file
         texts = text.text_file_splits(text.read_text_file(spec.text_file))
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}

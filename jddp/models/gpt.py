@@ -120,7 +120,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); dropout on each residual branch."""
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); dropout on each residual branch, drawn from
+    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike)."""
 
     num_heads: int
     mlp_dim: int
@@ -131,8 +132,11 @@ class Block(nn.Module):
     sequence_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, train: bool):
-        dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
+    def __call__(self, x, train: bool, key: jax.Array | None = None):
+        def dropout(h, index):
+            rng = None if key is None else jax.random.fold_in(key, index)
+            return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
+
         attn = CausalSelfAttention(
             self.num_heads,
             self.positions,
@@ -141,9 +145,9 @@ class Block(nn.Module):
             self.sequence_axis,
             name="attn",
         )
-        x = x + dropout(attn(nn.LayerNorm(name="ln_1")(x)))
+        x = x + dropout(attn(nn.LayerNorm(name="ln_1")(x)), 0)
         mlp = MLP(self.mlp_dim, self.residual_init_std, self.sequence_axis, name="mlp")
-        return x + dropout(mlp(nn.LayerNorm(name="ln_2")(x)))
+        return x + dropout(mlp(nn.LayerNorm(name="ln_2")(x)), 1)
 
 
 class GPT(nn.Module):
@@ -228,11 +232,14 @@ class GPT(nn.Module):
             self.attention_impl,
             sequence_axis,
         )
+        # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
+        layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
         if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
-            x = Pipelined(block(name=STACKED), self.num_layers)(x, train)
+            x = Pipelined(block(name=STACKED), self.num_layers)(x, train, layer_key=layer_key)
         else:
             for i in range(self.num_layers):
-                x = block(name=f"{PER_LAYER}{i}")(x, train)
+                key = None if layer_key is None else jax.random.fold_in(layer_key, i)
+                x = block(name=f"{PER_LAYER}{i}")(x, train, key)
         x = nn.LayerNorm(name="ln_f")(x)
         init = nn.initializers.normal(INIT_STD)
         if self.tie_embeddings and sequence_axis:

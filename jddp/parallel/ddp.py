@@ -74,8 +74,7 @@ class DDP:
     # ------------------------------------------------------------ per-device programs
     def _train(self, state: TrainState, device_errors, batch):
         state = self._with_errors(state, device_errors)
-        # Each replica draws its own dropout masks: its examples differ from its neighbours'.
-        rng = jax.random.fold_in(state.step_key(), lax.axis_index(AXIS))
+        rng = self.task.slice_key(state.step_key(), lax.axis_index(AXIS), batch)
         grads, metrics, model_state = self.task.local_grads(
             state.params, state.model_state, batch, rng, loss_scale=state.loss_scale
         )

@@ -244,7 +244,7 @@ class ZeroStrategy:
 
     def _per_device_grads(self, params, model_state, step_key, batch, loss_scale):
         index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
-        rng = jax.random.fold_in(step_key, index)  # the same on every stage and tensor rank
+        rng = self.task.slice_key(step_key, index, batch)  # the same on every stage, tensor rank
         if self.pipeline:  # parameters gathered once per step, not per micro-batch
             params = self._gather_params(params) if self.shard_params else params
             grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)

@@ -4,6 +4,7 @@ import jax
 import optax
 
 from jddp.errors import ConfigError
+from jddp.parallel.pipeline.stage_layouts import STACKED
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -30,8 +31,14 @@ def learning_rate_schedule(config) -> optax.Schedule:
 
 
 def _decay_matrices_only(params):
-    # Weight decay on kernels, not on biases or normalization scales (the usual AdamW practice).
-    return jax.tree.map(lambda x: x.ndim > 1, params)
+    # Weight decay on kernels, not on biases or normalization scales (the usual AdamW practice);
+    # stacked layers (blocks/..., a leading layer axis) by the shape of one layer, so that a
+    # stacked bias is not taken for a matrix.
+    def is_matrix(path, x):
+        stacked = any(getattr(entry, "key", None) == STACKED for entry in path)
+        return x.ndim - stacked > 1
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def create_optimizer(config, schedule: optax.Schedule) -> optax.GradientTransformation:

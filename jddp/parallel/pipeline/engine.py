@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jddp.core import row_keys
 from jddp.core.task import Task, cast_floats
 from jddp.errors import ShapeError
 from jddp.parallel.pipeline import layers
@@ -90,12 +91,17 @@ class Pipeline:
         return self._call
 
     # -------------------------------------------------------------- the model's three parts
-    def _pre(self, rest, batch, rng):
-        """The stack's input (compute dtype) for a micro-batch: embedding and whatever else
-        comes before the stack; what follows it is traced but unused (XLA drops it)."""
+    def _capture(self, rest, batch, rng) -> layers.StackCall:
+        """How the model calls its stack on a micro-batch: the stack's input (compute dtype;
+        embedding and whatever else comes before the stack) and its layers' key. What follows
+        the stack is traced but unused (XLA drops it)."""
         with layers.capture_stack() as split:
             self.task.forward(rest, {}, batch, train=True, rng=rng)
-        return split.call.inputs
+        return split.call
+
+    def _pre(self, rest, batch, rng):
+        """The stack's input for a micro-batch."""
+        return self._capture(rest, batch, rng).inputs
 
     def _post(self, rest, outputs, batch, rng):
         """(mean loss, metric means) of a micro-batch from the stack's output."""
@@ -105,16 +111,20 @@ class Pipeline:
         means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
         return means["loss"], means
 
-    def _stage(self, stage_params, x, rng, offset: int = 0):
+    def _stage(self, stage_params, x, rng, layer_key, offset: int = 0):
         """Layers of this stage, from its `offset`-th on (as many as `stage_params`, already in
-        the compute dtype, holds), in order, on `x`."""
+        the compute dtype, holds), in order, on `x`. Layer i gets `fold_in(layer_key, i)` as its
+        last argument when the model gave its stack a key (see `Pipelined`)."""
         first = lax.axis_index(self.axis) * self.layers_per_stage + offset
         call = self._call
 
         def layer(x, inputs):
             index, layer_params = inputs
+            args = call.args
+            if layer_key is not None:
+                args = (*args, jax.random.fold_in(layer_key, first + index))
             key = jax.random.fold_in(rng, first + index)
-            y = call.block.apply({"params": layer_params}, x, *call.args, rngs={"dropout": key})
+            y = call.block.apply({"params": layer_params}, x, *args, rngs={"dropout": key})
             return y, None
 
         count = jax.tree.leaves(stage_params)[0].shape[0]
@@ -134,10 +144,12 @@ class Pipeline:
                 f"batch slices x {steps * micro}"
             )
         parts = jax.tree.map(lambda x: x.reshape(steps, micro, -1, *x.shape[1:]), batch)
+        rng, part = row_keys.as_row_key(rng, size), size // steps
 
         def accumulate(carry, inputs):
             index, microbatches = inputs
-            grads, metrics = self._pipeline(params, microbatches, jax.random.fold_in(rng, index))
+            part_rng = row_keys.sub_batch_key(rng, index * part, part)
+            grads, metrics = self._pipeline(params, microbatches, part_rng)
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(carry[0], grads), add(carry[1], metrics)), None
 
@@ -171,15 +183,20 @@ class Pipeline:
         def take(m):
             return jax.tree.map(lambda x: x[m], microbatches)
 
-        def key(m):
-            return jax.random.fold_in(rng, m)
+        rows = self.task.batch_rows(take(0))
+
+        def key(m):  # the micro-batch's rows of the pipeline's
+            return row_keys.sub_batch_key(rng, m * rows, rows)
 
         def half_vjp(h, x, m):
             """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) on `x`:
             the pullback's leaves less the half's own parameters, which every micro-batch
             shares (stashed, they would copy the stage's weights into every slot)."""
             offset = low if h else 0
-            y, pullback = jax.vjp(lambda p, x: self._stage(p, x, key(m), offset), halves[h], x)
+            layer_key = self._capture(rest, take(m), key(m)).layer_key
+            y, pullback = jax.vjp(
+                lambda p, x: self._stage(p, x, key(m), layer_key, offset), halves[h], x
+            )
             params = {id(p): i for i, p in enumerate(jax.tree.leaves(halves[h]))}
             leaves, tree = jax.tree.flatten(pullback)
             which = [params.get(id(leaf)) for leaf in leaves]

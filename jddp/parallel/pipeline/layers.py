@@ -16,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jddp.errors import ConfigError
 
@@ -23,13 +24,15 @@ from jddp.errors import ConfigError
 @dataclasses.dataclass
 class StackCall:
     """What a stack was called with: its unbound block, the input, the extra arguments (such as
-    `train`), where its stacked parameters live, and its length."""
+    `train`), where its stacked parameters live, its length, and the key its layers' keys are
+    folded from (None: they draw from the `dropout` stream)."""
 
     block: nn.Module
     inputs: jax.Array
     args: tuple
     path: tuple[str, ...]
     num_layers: int
+    layer_key: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,11 @@ class Pipelined(nn.Module):
     """`num_layers` copies of `block` (a Linen module instance used as a template: each layer
     has its own parameters) applied in sequence: `x = block(x, *args)`. Parameters are stacked
     along a leading axis under the block's name (`Pipelined(Block(..., name="blocks"), 12)`
-    gives `blocks/...` with leading dimension 12). Dropout draws a different key per layer."""
+    gives `blocks/...` with leading dimension 12).
+
+    Random numbers: with `layer_key`, layer i is called as `block(x, *args, fold_in(layer_key, i))`
+    — the model derives `layer_key`, so its unrolled form can hand layer i the same key and both
+    forms, and a pipeline, draw alike. Without it, each layer's `dropout` stream is split off."""
 
     block: nn.Module
     num_layers: int
@@ -69,7 +76,7 @@ class Pipelined(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x, *args):
+    def __call__(self, x, *args, layer_key: jax.Array | None = None):
         found = _FOUND.get()
         if found is not None and self.is_initializing():
             found.append(Stack(tuple(self.block.path), self.num_layers))
@@ -78,17 +85,22 @@ class Pipelined(nn.Module):
             if split.call is not None:
                 raise ConfigError("a pipelined model may hold one Pipelined stack, not several")
             block = self.block.clone(parent=None, name=None)
-            split.call = StackCall(block, x, args, self.block.path, self.num_layers)
+            split.call = StackCall(block, x, args, self.block.path, self.num_layers, layer_key)
             return x  # what follows runs on this, and is discarded
         if isinstance(split, _Inject) and not self.is_initializing():
             return split.outputs
+        if layer_key is None:
+            keys, body = None, lambda block, carry, _: (block(carry, *args), None)
+        else:
+            keys = jax.vmap(lambda i: jax.random.fold_in(layer_key, i))(jnp.arange(self.num_layers))
+            body = lambda block, carry, key: (block(carry, *args, key), None)  # noqa: E731
         scan = nn.scan(
-            lambda block, carry, _: (block(carry, *args), None),
+            body,
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
             length=self.num_layers,
         )
-        x, _ = scan(self.block, x, None)
+        x, _ = scan(self.block, x, keys)
         return x
 
 

@@ -1,0 +1,102 @@
+"""Random numbers that follow the example, not the device: the keys a training step gives the model.
+
+One device draws a dropout mask for the whole global batch; eight devices each draw one for their
+slice. With ordinary keys the eight slices are not the one mask cut in eight, so dropout made the
+device count change the run. A *row key* is a PRNG key that also knows which rows of the global
+batch the model holds (`first_row`, `rows`): a draw whose leading dimension is `rows` is taken as
+one row per example, and row `r` of it draws from counters (`first_row + r`, position within the
+row). Every example therefore sees the same numbers on 1 device or 8, under any strategy, mesh,
+gradient accumulation or pipeline, which only move `first_row`; splits and `fold_in`s (Linen's
+`make_rng`, NNX `Rngs`) keep the rows. A draw of any other shape (a noise vector shared by the
+batch) is the same on every device, as on one.
+
+The bits are threefry2x32's, as `jax.random`'s default; only the counters differ from its own.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import random as jex_random
+
+_THREEFRY = jex_random.threefry_prng_impl
+
+
+def _seed(seed):
+    return jnp.concatenate([_THREEFRY.seed(seed), jnp.zeros(2, jnp.uint32)])
+
+
+def _split(key, shape):
+    keys = _THREEFRY.split(key[:2], shape)
+    rows = jnp.broadcast_to(key[2:], (*shape, 2))
+    return jnp.concatenate([keys, rows], axis=-1)
+
+
+def _fold_in(key, data):
+    return jnp.concatenate([_THREEFRY.fold_in(key[:2], data), key[2:]])
+
+
+def _counters(shape, first_row, rows):
+    """(row counter, position counter) of every element of a draw of `shape`."""
+    if not shape:
+        zero = jnp.zeros((), jnp.uint32)
+        return zero, zero
+    inner = math.prod(shape[1:])
+    if inner >= 2**32:
+        raise NotImplementedError(f"a random draw of {inner} numbers per row")
+    leading = lax.broadcasted_iota(jnp.uint32, shape, 0)
+    position = jnp.zeros(shape, jnp.uint32)
+    for axis in range(1, len(shape)):
+        stride = np.uint32(math.prod(shape[axis + 1 :]))
+        position = position + lax.broadcasted_iota(jnp.uint32, shape, axis) * stride
+    per_example = rows == np.uint32(shape[0])
+    return leading + jnp.where(per_example, first_row, np.uint32(0)), position
+
+
+def _random_bits(key, bit_width, shape):
+    row, position = _counters(tuple(shape), key[2], key[3])
+    bits1, bits2 = jex_random.threefry2x32_p.bind(key[0], key[1], row, position)
+    dtype = np.dtype(f"uint{bit_width}")
+    if bit_width == 64:
+        high = lax.convert_element_type(bits1, dtype)
+        return lax.shift_left(high, np.uint64(32)) | lax.convert_element_type(bits2, dtype)
+    return lax.convert_element_type(bits1 ^ bits2, dtype)
+
+
+ROW_KEYS = jex_random.define_prng_impl(
+    key_shape=(4,),
+    seed=_seed,
+    split=_split,
+    random_bits=_random_bits,
+    fold_in=_fold_in,
+    name="jddp_rows",
+    tag="jr",
+)
+
+
+def batch_key(key: jax.Array, first_row, rows: int) -> jax.Array:
+    """A row key for a model call that holds rows `first_row .. first_row + rows - 1` of the
+    global batch, drawing as `key` (a default-implementation key: the step's) would for the whole
+    batch."""
+    data = jax.random.key_data(key).astype(jnp.uint32)
+    rows_part = jnp.stack([jnp.asarray(first_row, jnp.uint32), jnp.uint32(rows)])
+    return jax.random.wrap_key_data(jnp.concatenate([data, rows_part]), impl=ROW_KEYS)
+
+
+def sub_batch_key(key: jax.Array, start, rows: int) -> jax.Array:
+    """`key` (a row key) for rows `start .. start + rows - 1` of the rows it holds: a micro-batch's
+    or a pipeline stage's part of a device's batch."""
+    data = jax.random.key_data(key)
+    first = data[2] + jnp.asarray(start, jnp.uint32)
+    return jax.random.wrap_key_data(
+        jnp.concatenate([data[:2], jnp.stack([first, jnp.uint32(rows)])]), impl=ROW_KEYS
+    )
+
+
+def as_row_key(key: jax.Array, rows: int) -> jax.Array:
+    """`key` if it is a row key, else a row key for a whole batch of `rows` drawn from it."""
+    if jax.random.key_impl(key) == ROW_KEYS:
+        return key
+    return batch_key(key, 0, rows)

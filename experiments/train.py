@@ -1,107 +1,19 @@
-"""Train an experiment config with data parallelism.
+"""`python -m experiments.train`: the installed `jddp-train` (jddp/run/train.py) run from a
+checkout, with experiments/configs/digits_mlp.py as its default config and the configs beside it
+suggested when --config names no file.
 
-    python -m experiments.train --config=experiments/configs/digits_mlp.py --workdir=runs/mlp \
-        --config.global_batch_size=256
-
-With no flags it trains the default experiment (digits_mlp) into a new workdir under runs/.
-A user mistake (bad flag, config value, workdir) ends in one line on stderr and exit code 2.
-Several processes: start each with the same command under `jddp-launch`, srun, mpirun, a
-Kubernetes Indexed Job or on every TPU VM worker, or pass the three process flags below.
+    python -m experiments.train --config=experiments/configs/digits_mlp.py --workdir=runs/mlp
 """
 
-import datetime
 import os
-import sys
 
-from absl import app, flags, logging
+from jddp.run.train import CONFIG, main, run
 
-from jddp.run.cli import ConfigFlag, fail
-from jddp.runtime.quiet import quiet_library_logs
+_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG.default_path = os.path.join(_CONFIGS, "digits_mlp.py")
+CONFIG.examples_dir = _CONFIGS
 
-_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
-CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    None,
-    "Directory for metrics, TensorBoard files and checkpoints "
-    "(default: a new runs/CONFIG-TIMESTAMP).",
-)
-# Multi-process jobs: all three, or none (then from jddp-launch, SLURM, Open MPI, Kubernetes or
-# a TPU pod's environment; with none of those, one process).
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, from 0.")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_seconds",
-    30,
-    "A process silent this long is declared lost and the job stops (multi-process only).",
-)
-
-
-def _default_workdir(config_path: str) -> str:
-    name = os.path.splitext(os.path.basename(config_path))[0]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{name}-{stamp}")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}; flags look like --config.KEY=VALUE")
-    # Before JAX starts its threads: XLA:CPU's step buffers then reuse freed host memory
-    # (jddp/runtime/host_memory.py). jddp's own entry points apply it; importing jddp does not.
-    from jddp.runtime import host_memory
-
-    host_memory.keep_freed_memory()
-    # Imported here so that --help and flag errors answer without loading JAX.
-    import jax
-
-    from jddp.errors import JddpError
-    from jddp.run.experiment import train_and_evaluate
-    from jddp.runtime import processes as runtime
-    from jddp.runtime import supervise
-
-    workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
-    quiet_library_logs()
-    processes = {
-        "coordinator_address": _COORDINATOR.value,
-        "num_processes": _NUM_PROCESSES.value,
-        "process_id": _PROCESS_ID.value,
-    }
-    try:
-        launch = runtime.detect(**processes)
-        if launch.source not in ("single", "jddp-launch") and not supervise.is_supervised():
-            # A lost peer aborts a process in JAX's own words: a watcher says it in one line.
-            command = [sys.executable, *sys.orig_argv[1:]]
-            sys.exit(supervise.supervise(command, launch.num_processes))
-        runtime.initialize(**processes, heartbeat_timeout_seconds=_HEARTBEAT.value)
-        if jax.process_index() > 0:  # one voice in the log: process 0's
-            logging.set_verbosity(logging.WARNING)
-        summary = train_and_evaluate(CONFIG.value, workdir)
-    except JddpError as e:
-        fail(str(e))
-    except KeyboardInterrupt as e:  # Ctrl-C: jddp.fit saved at the end of the step, if it ran
-        saved = f": {e}" if str(e) else ""
-        print(f"interrupted{saved}; run the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    except jax.errors.JaxRuntimeError as e:
-        supervise.await_lost_peer_verdict(e, _HEARTBEAT.value)
-        raise
-    if jax.process_index() > 0:
-        return
-    if summary.get("preempted"):
-        print(
-            f"preempted: checkpoint saved at step {summary['step']}; run the same command to "
-            f"resume; workdir {os.path.abspath(workdir)}"
-        )
-        return
-    perplexity = summary.get("eval_perplexity")  # language models
-    print(
-        f"done: eval accuracy {summary['eval_accuracy']:.4f}, "
-        f"eval loss {summary['eval_loss']:.4f}, "
-        + (f"perplexity {perplexity:.3f}, " if perplexity is not None else "")
-        + f"wall time {summary['wall_time_sec']:.1f} s; workdir {os.path.abspath(workdir)}"
-    )
-
+__all__ = ["CONFIG", "main", "run"]  # tests run `app.run(main, flags_parser=CONFIG.parse)`
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=CONFIG.parse)
+    run()

@@ -23,7 +23,7 @@ from jddp.checkpoints import store
 from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
 from jddp.data.prefetch import prefetch_to_device
-from jddp.errors import CheckpointError, ConfigError, DataError, TrainingHalted
+from jddp.errors import ConfigError, DataError, TrainingHalted
 from jddp.observe import device_peak, flops
 from jddp.observe.memory import format_bytes
 from jddp.observe.metrics_writer import MetricsWriter
@@ -79,9 +79,13 @@ def fit(
     # ---------------------------------------------------- checks (nothing written yet)
     _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep)
     eval_pass = _eval_pass(eval_batches)
+    store.check_checkpoints_dir(
+        os.path.join(workdir, "checkpoints"), checkpointing=checkpoint_every > 0
+    )
     check_workdir(workdir, resumable=checkpoint_every > 0, name="workdir")
     # An iterator is used as it is (one with `__next__` but no `__iter__` too), else iterated.
     batches = train_batches if hasattr(train_batches, "__next__") else iter(train_batches)
+    _check_batch_fits_data(batches)
     if sample_batch is None:
         peeked = _peek(batches)
         if peeked is None:
@@ -337,19 +341,9 @@ def _restore_or_start(trainer, checkpoints, sample_batch, seed, given, check):
     """(start step, state, saved data state or None)."""
     if checkpoints is not None and checkpoints.steps():
         abstract = trainer.abstract_state(sample_batch)
-
-        def fits(meta, saved_shapes):
-            if check is not None:
-                check(meta, saved_shapes)
-            mismatch = store.model_mismatch(
-                abstract, saved_shapes, f"the checkpoints of {checkpoints.directory}"
-            )
-            if mismatch:
-                raise CheckpointError(
-                    f"{mismatch}; these checkpoints belong to another model: pass a new workdir"
-                )
-
-        step, state, meta = checkpoints.restore_latest(abstract, fits, store.restore_layout)
+        step, state, meta = checkpoints.restore_latest(
+            abstract, check, store.restore_layout, fix="or pass a new workdir to train afresh"
+        )
         return step, state, meta.get("data")
     if given is None:
         return 0, trainer.init(seed, sample_batch), None
@@ -382,6 +376,27 @@ def _position(batches, start_step: int, data_state) -> None:
                 f"train_batches ended after {done} batches, but the checkpoint being resumed "
                 f"is at step {start_step}; pass the batches it was trained on"
             )
+
+
+def _check_batch_fits_data(batches) -> None:
+    """Where the iterator says how many examples it draws from (jddp.data.train_batches does,
+    in its state): none is a DataError, and a global batch larger than that one warning (it
+    trains, but each batch then repeats examples: not the batch size the run asked for)."""
+    state = batches.get_state() if hasattr(batches, "get_state") else None
+    if not isinstance(state, Mapping):
+        return
+    size, examples = state.get("global_batch_size"), state.get("num_examples")
+    if not (isinstance(size, int) and isinstance(examples, int)):
+        return
+    if examples == 0:
+        raise DataError("the training set has no examples; point the data at a non-empty split")
+    if size > examples and jax.process_index() == 0:
+        logging.warning(
+            "global_batch_size=%d is larger than the training set (%d examples): every batch "
+            "holds some examples more than once; use a global batch size of at most %d, or more "
+            "data",
+            size, examples, examples,
+        )  # fmt: skip
 
 
 def _eval_pass(eval_batches):

@@ -222,5 +222,5 @@ def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
         "--config.allow_config_change=true",
         *FAST,
     )
-    assert_error_exit(overridden, "shape", "another model")  # it cannot fit, says why
+    assert_error_exit(overridden, "'params/", "another model")  # it cannot fit, says why
     assert snapshot(workdir) == before

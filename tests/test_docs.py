@@ -2,9 +2,9 @@
 
 `mkdocs build --strict` fails on a broken link, anchor or API reference. Every ```python block
 of a page runs, in order, in one namespace per page, with the working directory a fresh
-temporary one; every ```bash / ```console block runs its jddp commands (`python -m
-experiments.train`, `python -m jddp.plan`, `jddp-launch`) from the repository root, with
-`--workdir` moved under that temporary directory. A shell block that cannot run here says why
+temporary one; every ```bash / ```console block runs its jddp commands (`jddp-train`,
+`python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`) from the repository root,
+with `--workdir` moved under that temporary directory. A shell block that cannot run here says why
 on the line before it: `<!-- not-run: REASON -->`.
 """
 
@@ -29,7 +29,9 @@ MARKER = re.compile(r"<!--\s*([\w-]+):start\s*-->")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 README_MAX_LINES = 300
 # jddp's command lines, as a page writes them: [VAR=value ...] python -m MODULE ...
-JDDP_MODULES = ("experiments.train", "jddp.plan", "jddp.runtime.launch")
+JDDP_MODULES = ("experiments.train", "jddp.run.train", "jddp.plan", "jddp.runtime.launch")
+# The installed commands, as the modules they run.
+SCRIPTS = {"jddp-launch": "jddp.runtime.launch", "jddp-train": "jddp.run.train"}
 PYTHONS = ("python", "python3", ".venv/bin/python")
 # Flags naming a run's directory: under the page's temporary directory, like the Python examples'.
 RUN_DIR_FLAGS = ("--workdir", "--config.init_from")
@@ -89,8 +91,8 @@ def shell_commands(code: str) -> list[str]:
 def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
     """`words` (one command, environment assignments already taken off) as this interpreter
     runs it, workdirs under `tmp_path`; None if it is not a jddp command."""
-    if words and words[0] == "jddp-launch":
-        words = ["python", "-m", "jddp.runtime.launch", *words[1:]]
+    if words and words[0] in SCRIPTS:
+        words = ["python", "-m", SCRIPTS[words[0]], *words[1:]]
     if len(words) < 3 or words[0] not in PYTHONS or words[1] != "-m":
         return None
     if words[2] not in JDDP_MODULES:
@@ -102,7 +104,7 @@ def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
         inner = jddp_argv(rest[split + 1 :], tmp_path)
         assert inner, f"jddp-launch must run a jddp command, not {rest[split + 1 :]}"
         return argv + rest[: split + 1] + inner
-    if words[2] == "experiments.train":
+    if words[2] in ("experiments.train", "jddp.run.train"):
         assert any(w.startswith("--workdir=") for w in rest), (
             "a documented training command names its --workdir (else it writes under runs/ of "
             f"the checkout): {shlex.join(words)}"

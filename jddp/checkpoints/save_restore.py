@@ -11,7 +11,7 @@ from absl import logging
 from jddp.checkpoints import store
 from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
-from jddp.errors import CheckpointError, WorkdirError
+from jddp.errors import CheckpointError, UsageError, WorkdirError
 from jddp.runtime.fs import directory_problem
 
 Batch = Mapping[str, np.ndarray]
@@ -23,11 +23,22 @@ def _checkpoints_dir(directory: str) -> str:
     return inside if os.path.isdir(inside) else directory
 
 
+def _check_step(step, caller: str) -> None:
+    if step is not None and (not isinstance(step, int | np.integer) or step < 0):
+        raise UsageError(f"jddp.{caller} got step={step!r}; pass a whole number >= 0, or None")
+
+
 def save(directory: str, state: TrainState, *, step: int | None = None, trainer=None, meta=None):
     """Saves `state` as checkpoint `step` (default: `state.step`) under `directory` (a `fit`
     workdir: into its `checkpoints/`), waits until it is committed and returns its path. A step
     already saved there is left as it is. Pass the `trainer` that made `state` (its arrays are
     then gathered into global ones, as ddp needs); `meta` is JSON-able data saved beside it."""
+    if not isinstance(state, TrainState):
+        raise UsageError(
+            f"jddp.save got {type(state).__name__}, not a TrainState; pass the state that "
+            "trainer.init, trainer.step or jddp.fit returned"
+        )
+    _check_step(step, "save")
     step = int(jax.device_get(state.step)) if step is None else int(step)
     if trainer is not None:
         state = trainer.global_state(state)
@@ -51,19 +62,19 @@ def restore(directory: str, trainer, sample_batch: Batch, *, step: int | None = 
     """The state saved under `directory` (a `fit` workdir or a `save` directory): the newest
     checkpoint, or that of `step`, laid out as `trainer` lays its state out (any strategy, mesh
     or device count: the arrays are resharded on load). None when there is no checkpoint."""
+    if not hasattr(trainer, "abstract_state"):
+        raise UsageError(
+            f"jddp.restore got {type(trainer).__name__} as its trainer; call "
+            "jddp.restore(directory, trainer, sample_batch) with the Trainer whose state to restore"
+        )
+    _check_step(step, "restore")
     folder = _checkpoints_dir(directory)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder!r} is not a directory of checkpoints")
     abstract = trainer.abstract_state(sample_batch)
-
-    def fits(meta, saved_shapes):
-        mismatch = store.model_mismatch(abstract, saved_shapes, f"the checkpoints of {folder}")
-        if mismatch:
-            raise CheckpointError(f"{mismatch}; restore them with a trainer of the same model")
-
     checkpoints = Checkpoints(folder, every=1, max_to_keep=None)
     try:
-        found = checkpoints.restore_latest(abstract, fits, store.restore_layout, step=step)
+        found = checkpoints.restore_latest(abstract, layout=store.restore_layout, step=step)
     finally:
         checkpoints.close()
     return None if found is None else found[1]

@@ -7,8 +7,9 @@ and `meta` (JSON: the resolved config, strategy, mesh, device and process counts
 and the data iterator's state). The state is saved as global arrays, so restoring into another
 strategy or device count is restoring into other shardings: orbax reshards on load.
 
-Weights to start a run from, found in these and in other programs' checkpoints:
-jddp/checkpoints/weights.py.
+Whether a checkpoint's state fits the trainer's (another model is refused, never set aside as
+damage): jddp/checkpoints/fits.py. Weights to start a run from, found in these and in other
+programs' checkpoints: jddp/checkpoints/weights.py.
 """
 
 import contextlib
@@ -25,8 +26,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from jddp.checkpoints.fits import check_state_fits, is_misfit
 from jddp.core.tree_paths import path_str
-from jddp.errors import CheckpointError
+from jddp.errors import CheckpointError, ShapeError, WorkdirError
 from jddp.observe.memory import format_bytes
 from jddp.parallel.pipeline import stage_layouts as layouts
 from jddp.runtime.fs import is_damage, write_failure
@@ -46,6 +48,7 @@ class Checkpoints:
 
     def __init__(self, directory: str, *, every: int, max_to_keep: int | None):
         self.directory = os.path.abspath(directory)
+        check_checkpoints_dir(self.directory)
         # Every process must find the directory in the same state, or orbax's processes take
         # different paths (one creates it, the others do not) and its barriers mismatch.
         os.makedirs(self.directory, exist_ok=True)
@@ -140,19 +143,21 @@ class Checkpoints:
                 "space or move the workdir, then run the same command to resume"
             ) from None
 
-    def restore_latest(self, abstract_state, check=None, layout=None, *, step=None):
+    def restore_latest(self, abstract_state, check=None, layout=None, *, step=None, fix=None):
         """(step, state, meta) of the newest checkpoint that restores (of `step` only, when
         given), or None if there is none.
 
         `abstract_state` carries the target shardings (ShapeDtypeStructs or arrays). Before the
-        state is read, `check(meta, saved_shapes)` may refuse the checkpoint by raising (a
-        different model is not damage). `layout(abstract_state, saved_shapes)` may give another
-        tree to restore into and a function from it to `abstract_state`'s layout. A checkpoint
-        whose files are damaged (truncated, missing, unparsable) is named in a warning and moved
-        to `checkpoints_damaged/` beside the checkpoints (never deleted); the one before it is
-        tried next. Any other failure to read (memory, permissions, a flaky file system), or
-        damage to every checkpoint, is a CheckpointError that leaves the checkpoints where they
-        are.
+        state is read, `check(meta, saved_shapes)` may refuse the checkpoint by raising, and a
+        checkpoint whose state differs from `abstract_state` in structure, shape or dtype (the
+        first differing path named) is a ShapeError ending with `fix`: a different model or
+        optimizer is not damage, and nothing is moved. `layout(abstract_state, saved_shapes)`
+        may give another tree to restore into and a function from it to `abstract_state`'s
+        layout. A checkpoint whose files are damaged (truncated, missing, unparsable) is named
+        in a warning and moved to `checkpoints_damaged/` beside the checkpoints (never deleted);
+        the one before it is tried next. Any other failure to read (memory, permissions, a flaky
+        file system), or damage to every checkpoint, is a CheckpointError that leaves the
+        checkpoints where they are.
         """
         _drop_closed_loop_reports()
         steps = sorted(self.steps(), reverse=True)
@@ -168,12 +173,15 @@ class Checkpoints:
                 meta = self._manager.restore(
                     step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
                 )[META]
-                saved_shapes = shapes_by_path(self._manager.item_metadata(step)[STATE].tree)
+                saved_tree = self._manager.item_metadata(step)[STATE].tree
             except Exception as e:
                 self._set_aside(step, e)
                 continue
+            saved_shapes = shapes_by_path(saved_tree)
             if check is not None:
                 check(meta, saved_shapes)
+            source = f"checkpoint {os.path.join(self.directory, str(step))}"
+            check_state_fits(abstract_state, saved_tree, source, fix)
             target, convert = (
                 layout(abstract_state, saved_shapes) if layout else (abstract_state, None)
             )
@@ -188,6 +196,13 @@ class Checkpoints:
                     ),
                 )
             except Exception as e:
+                if is_misfit(e):  # a difference the check above missed: still not damage
+                    also = f", {fix}" if fix else ""
+                    raise ShapeError(
+                        f"{source} does not fit this state ({_first_line(e)}): the checkpoints "
+                        "were saved by another model or setup and are left as they are; use the "
+                        f"model and optimizer that saved them{also}"
+                    ) from None
                 self._set_aside(step, e)
                 continue
             state = convert(restored[STATE]) if convert else restored[STATE]
@@ -260,6 +275,38 @@ def model_mismatch(abstract_state, saved_shapes: dict, source: str) -> str | Non
     )
 
 
+# ---------------------------------------------------------- the checkpoint folder itself
+def check_checkpoints_dir(directory: str, *, checkpointing: bool = True, names=None) -> None:
+    """Refuses, without writing, a checkpoint folder that exists but is not a directory this
+    process may list, read and write; and, when `checkpointing` is off, one holding committed
+    checkpoints (a run that cannot save must not skip or restart a run that could resume).
+    `names` = (what the workdir and checkpoint_every are called to the caller)."""
+    workdir_name, every_name = names or ("workdir", "checkpoint_every")
+    if not os.path.lexists(directory):
+        return
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"{directory} is a file, where the checkpoints directory belongs; move it away or "
+            f"pass another {workdir_name}"
+        )
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"checkpoint directory {directory} cannot be read and written by this user "
+            f"(permission denied); give it back read, write and search permission (chmod u+rwx) "
+            f"or pass another {workdir_name}"
+        )
+    if checkpointing:
+        return
+    saved = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+    if saved:
+        raise WorkdirError(
+            f"{os.path.dirname(directory)} holds checkpoints (steps {', '.join(map(str, saved))} "
+            f"in {directory}) but {every_name}=0 turns checkpointing off, so this run could "
+            f"neither resume them nor save; set {every_name} above 0 to resume, or pass a new "
+            f"{workdir_name}"
+        )
+
+
 def restore_layout(abstract_state, saved_shapes):
     """(what to restore into, a function to this run's layout or None): a checkpoint whose
     layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
@@ -283,7 +330,8 @@ def numbered(folder: str, prefix: str = "") -> list[str]:
 
 
 def peek_latest(directory: str):
-    """(meta, shapes by path) of the newest readable checkpoint under `directory`, or None.
+    """(meta, saved state's metadata tree) of the newest readable checkpoint under `directory`,
+    or None.
 
     Reads metadata files only, changes nothing, and takes no part in orbax's cross-process
     barriers (processes may call it while the directory changes under them); damaged
@@ -292,7 +340,7 @@ def peek_latest(directory: str):
         try:
             with open(os.path.join(folder, META, "metadata")) as f:
                 meta = json.load(f)
-            return meta, shapes_by_path(saved_tree(os.path.join(folder, STATE)))
+            return meta, saved_tree(os.path.join(folder, STATE))
         except Exception:  # unreadable or uncommitted: skip it here
             continue
     return None

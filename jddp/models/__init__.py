@@ -1,4 +1,5 @@
-"""Built-in Flax models, by the name a config's `model` gives them."""
+"""Flax models by the name a config's `model` gives them: a built-in one, or your own as
+"package.module:Name" (jddp/models/user_models.py)."""
 
 import dataclasses
 import difflib
@@ -10,6 +11,8 @@ from jddp.models.cnn import CNN
 from jddp.models.gpt import GPT, TENSOR_PARALLEL_RULES
 from jddp.models.mlp import MLP
 from jddp.models.resnet import ResNet
+from jddp.models.user_models import check_outputs, is_import_path
+from jddp.models.user_models import create as create_user_model
 
 MODELS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn": CNN, "resnet": ResNet, "gpt": GPT}
 # The field that receives the dataset's number of outputs (classes, or the vocabulary size).
@@ -23,26 +26,46 @@ _MESH_FIELDS = {"parent", "name", "batch_axis_name", "tensor_axis", "sequence_pa
 def create_model(
     name: str,
     num_outputs: int,
+    /,  # a model may take a `num_outputs` (or `name`) argument itself, through model_args
     *,
     batch_axis_name: str | tuple[str, ...] | None = None,
     tensor_axis: str | None = None,
     tensor_size: int = 1,
     sequence_parallel: bool = False,
     pipelined: bool = False,
+    seed: int = 0,
     **model_args,
-) -> nn.Module:
+):
     """The model `name` with `num_outputs` outputs; `model_args` are its other fields.
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
     BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT;
-    `pipelined` (a mesh with a stage axis) stacks GPT's layers (`scan_layers`).
+    `pipelined` (a mesh with a stage axis) stacks GPT's layers (`scan_layers`). An own model
+    ("package.module:Name") gets the same fields where it declares them, its outputs as
+    `num_outputs`, and an NNX one `rngs=nnx.Rngs(seed)`.
     """
+    _check_sequence_parallel(sequence_parallel, tensor_axis)
+    mesh_fields = {
+        "batch_axis_name": batch_axis_name,
+        "tensor_axis": tensor_axis,
+        "sequence_parallel": sequence_parallel,
+    }
+    if is_import_path(name):
+        return create_user_model(
+            name,
+            num_outputs,
+            seed=seed,
+            mesh_fields=mesh_fields,
+            pipelined=pipelined,
+            model_args=model_args,
+        )
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"unknown model {name!r}{hint}; choose one of {', '.join(sorted(MODELS))}"
+            f"unknown model {name!r}{hint}; choose one of {', '.join(sorted(MODELS))}, or your "
+            "own as 'package.module:Name'"
         )
     cls = MODELS[name]
     output_field = OUTPUT_FIELDS.get(name, "num_classes")
@@ -54,26 +77,11 @@ def create_model(
             f"model {name!r} has no argument {', '.join(unknown)}; its arguments are "
             f"{', '.join(sorted(fields))} (set them under config.model_args)"
         )
-    outputs = model_args.pop(output_field, num_outputs)
-    if outputs < num_outputs:
-        raise ConfigError(
-            f"model_args.{output_field}={outputs} is smaller than the dataset's {num_outputs}; "
-            f"remove it or raise it to at least {num_outputs}"
-        )
+    outputs = check_outputs(model_args.pop(output_field, num_outputs), num_outputs, output_field)
     if sequence_parallel and "sequence_parallel" not in all_fields:
         raise ConfigError(
             f"parallel.sequence_parallel applies to the gpt model, not {name!r}; set it to false"
         )
-    if sequence_parallel and tensor_axis is None:
-        raise ConfigError(
-            "parallel.sequence_parallel splits the sequence over the tensor axis, and "
-            "parallel.mesh has none; add one (e.g. 'fsdp:-1,tensor:2') or set it to false"
-        )
-    mesh_fields = {
-        "batch_axis_name": batch_axis_name,
-        "tensor_axis": tensor_axis,
-        "sequence_parallel": sequence_parallel,
-    }
     model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
     if pipelined and "scan_layers" in all_fields:
         model_args["scan_layers"] = True
@@ -81,6 +89,14 @@ def create_model(
     if tensor_size > 1 and isinstance(model, GPT):
         check_tensor_split(model, tensor_size)
     return model
+
+
+def _check_sequence_parallel(sequence_parallel: bool, tensor_axis: str | None) -> None:
+    if sequence_parallel and tensor_axis is None:
+        raise ConfigError(
+            "parallel.sequence_parallel splits the sequence over the tensor axis, and "
+            "parallel.mesh has none; add one (e.g. 'fsdp:-1,tensor:2') or set it to false"
+        )
 
 
 def check_tensor_split(model: GPT, tensor: int) -> None:

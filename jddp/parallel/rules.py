@@ -13,8 +13,14 @@ A rule is `(regex, spec)`: the regex is searched in the parameter's path
 
 A parameter's spec is its whole layout; the strategy decides which part applies where (ZeRO-1/2
 keep parameters whole over `fsdp` and shard only the optimizer state and gradients there).
+
+Every rule of your own must decide at least one parameter: a regex that matches no path, or only
+paths an earlier rule already took, is a ConfigError naming it (a typo would otherwise leave the
+weight to the default layout without a word). A model's preset (`fit_preset`) may match nothing:
+it names layers a model may not have (GPT's biases, its learned position table).
 """
 
+import difflib
 import math
 import re
 from collections.abc import Sequence
@@ -92,49 +98,73 @@ def _parse_explicit(spec: str, rule: Rule, mesh: DeviceMesh) -> P:
     return P(*entries)
 
 
+class PresetRule(tuple):
+    """A `(regex, spec)` rule of a model's preset (`fit_preset` gives these): it may match no
+    parameter, where a rule of the user's own must match one."""
+
+
+def first_rule(path: str, rules: Sequence[Rule]) -> int:
+    """The index in `(*rules, *DEFAULT_RULES)` of the rule that decides `path`."""
+    return next(
+        i for i, (regex, _) in enumerate((*rules, *DEFAULT_RULES)) if re.search(regex, path)
+    )
+
+
 def spec_for(path: str, shape, rules: Sequence[Rule], mesh: DeviceMesh, min_size: int) -> P:
     """The PartitionSpec of one parameter, checked against its shape."""
-    for rule in (*rules, *DEFAULT_RULES):
-        regex, spec = rule
-        if not re.search(regex, path):
-            continue
-        if spec == "fsdp":
-            return fsdp_spec(shape, mesh, min_size)
-        if spec == "replicate":
-            return P()
-        partition = _parse_explicit(spec, rule, mesh)
-        if len(partition) > len(shape):
+    return _spec_by(first_rule(path, rules), path, shape, rules, mesh, min_size)
+
+
+def _spec_by(index: int, path: str, shape, rules, mesh: DeviceMesh, min_size: int) -> P:
+    """The PartitionSpec rule `index` of `(*rules, *DEFAULT_RULES)` gives one parameter."""
+    rule = (*rules, *DEFAULT_RULES)[index]
+    spec = rule[1]
+    if spec == "fsdp":
+        return fsdp_spec(shape, mesh, min_size)
+    if spec == "replicate":
+        return P()
+    partition = _parse_explicit(spec, rule, mesh)
+    if len(partition) > len(shape):
+        raise ConfigError(
+            f"partition rule {rule!r} gives {len(partition)} entries for parameter {path!r} "
+            f"of shape {tuple(shape)}; give at most {len(shape)}"
+        )
+    for dim, axes in enumerate(partition):
+        size = math.prod(mesh.size(a) for a in axes_of(axes))
+        if shape[dim] % size:
             raise ConfigError(
-                f"partition rule {rule!r} gives {len(partition)} entries for parameter {path!r} "
-                f"of shape {tuple(shape)}; give at most {len(shape)}"
+                f"parameter {path!r} of shape {tuple(shape)}: dimension {dim} (size "
+                f"{shape[dim]}) does not divide over mesh axes {axes} (size {size}) under "
+                f"rule {rule!r}; pick another dimension or 'replicate'"
             )
-        for dim, axes in enumerate(partition):
-            size = math.prod(mesh.size(a) for a in axes_of(axes))
-            if shape[dim] % size:
-                raise ConfigError(
-                    f"parameter {path!r} of shape {tuple(shape)}: dimension {dim} (size "
-                    f"{shape[dim]}) does not divide over mesh axes {axes} (size {size}) under "
-                    f"rule {rule!r}; pick another dimension or 'replicate'"
-                )
-        return partition
-    raise AssertionError("the default rule matches every path")
+    return partition
 
 
 def validate_rules(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
     """The rules as (regex, spec) string pairs; a ConfigError for a malformed pair, a bad regex
     or a mesh axis the mesh does not have."""
+    if isinstance(rules, str | dict) or (
+        isinstance(rules, tuple | list)
+        and len(rules) == 2
+        and all(isinstance(r, str) for r in rules)
+    ):
+        raise ConfigError(
+            f"partition rules {rules!r} are not a sequence of (regex, spec) pairs; write them as "
+            "one, e.g. rules=(('head/kernel', 'replicate'),) (mind the trailing comma)"
+        )
     checked = []
     for rule in rules:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+        pair = isinstance(rule, tuple | list) and len(rule) == 2
+        if not (pair and all(isinstance(part, str) for part in rule)):
             raise ConfigError(
-                f"partition rule {rule!r} is not a (regex, spec) pair, e.g. ('head/kernel', "
-                "'replicate')"
+                f"partition rule {rule!r} is not a (regex, spec) pair of strings, e.g. "
+                "('head/kernel', 'replicate')"
             )
         try:
             re.compile(rule[0])
         except re.error as e:
             raise ConfigError(f"partition rule {rule!r}: bad regex ({e})") from None
-        rule = (str(rule[0]), str(rule[1]))
+        rule = PresetRule(rule) if isinstance(rule, PresetRule) else tuple(rule)
         if rule[1] not in ("fsdp", "replicate"):
             _parse_explicit(rule[1], rule, mesh)
         checked.append(rule)
@@ -152,25 +182,56 @@ def fit_preset(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
                 names = [n for n in entry.strip().split("+") if n in mesh.axis_names]
                 entries.append("+".join(names) or "None")
             spec = ",".join(entries)
-        fitted.append((regex, spec))
+        fitted.append(PresetRule((regex, spec)))
     return tuple(fitted)
 
 
 def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path=()):
-    """A tree of PartitionSpecs shaped like `params` (arrays or ShapeDtypeStructs).
+    """A tree of PartitionSpecs shaped like `params` (arrays or ShapeDtypeStructs); a
+    ConfigError for a rule of the user's own that decides no parameter (see the module doc).
 
     Parameters under `stack_path` (a `Pipelined` stack: leading axis = layer) get their rule's
     spec for one layer, after a leading `stage` (consecutive layers per stage) or None."""
     prefix = "/".join(stack_path) + "/" if stack_path else None
     lead = "stage" if "stage" in mesh.axis_names else None
+    decided = {}  # path -> index of the rule that decides it
 
     def spec(path, x):
         text = path_str(path)
+        decided[text] = index = first_rule(text, rules)
         if prefix and text.startswith(prefix):
-            return P(lead, *spec_for(text, x.shape[1:], rules, mesh, min_shard_size))
-        return spec_for(text, x.shape, rules, mesh, min_shard_size)
+            return P(lead, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
+        return _spec_by(index, text, x.shape, rules, mesh, min_shard_size)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    specs = jax.tree_util.tree_map_with_path(spec, params)
+    check_rules_used(rules, decided)
+    return specs
+
+
+def check_rules_used(rules: Sequence[Rule], decided: dict[str, int]) -> None:
+    """A ConfigError for the first rule (not a preset's) that decides none of the parameters
+    (`decided`: path -> index of the rule that decides it), naming the closest paths or the
+    earlier rule that takes the paths it matches."""
+    used = set(decided.values())
+    paths = list(decided)
+    for index, rule in enumerate(rules):
+        if index in used or isinstance(rule, PresetRule):
+            continue
+        matched = [path for path in paths if re.search(rule[0], path)]
+        if matched:
+            earlier = tuple(rules[decided[matched[0]]])
+            shown = ", ".join(repr(p) for p in matched[:3])
+            raise ConfigError(
+                f"partition rule {tuple(rule)!r} decides no parameter: the paths it matches "
+                f"({shown}) are taken by the earlier rule {earlier!r} (the first match wins); "
+                "move it before that rule, or remove it"
+            )
+        closest = difflib.get_close_matches(rule[0], paths, n=3, cutoff=0.0)
+        raise ConfigError(
+            f"partition rule {tuple(rule)!r} matches no parameter; the closest parameter paths "
+            f"are {', '.join(repr(p) for p in closest)}; fix its regex (searched in each path), "
+            "or remove the rule"
+        )
 
 
 def mirror_specs(tree, params, specs):

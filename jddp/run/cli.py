@@ -24,7 +24,8 @@ class ConfigFlag:
 
     `--config.model_args.NAME=VALUE` may name any argument of the model, whether or not the file
     sets it (the model refuses names it lacks); every other key must exist in the file.
-    `examples_dir` (a folder of config files) is suggested when the file is not found.
+    `examples_dir` (a folder of config files) is suggested when the file is not found. The
+    directory of a file `--config` names becomes importable (see `importable_config_dir`).
     """
 
     def __init__(self, default_path: str, examples_dir: str | None = None):
@@ -44,17 +45,26 @@ class ConfigFlag:
         """absl's parse, with every user mistake turned into one line and exit code 2."""
         model_args, argv = _split_model_args(argv)
         path = _config_path(argv, self.default_path)  # the flag is unreadable if parsing failed
+        if path != self.default_path:
+            importable_config_dir(path)
         try:
             # DEFINE_config_file reads the --config.KEY overrides from argv as it defines them.
             self._holder = config_flags.DEFINE_config_file(
                 "config",
                 self.default_path,
-                "Experiment config file (get_config() -> ConfigDict).",
+                "Experiment config file: a Python file whose get_config() returns an "
+                "ml_collections.ConfigDict; --config.KEY=VALUE overrides a key (every key: "
+                "docs/configs.md).",
                 sys_argv=argv,
             )
+            # --help lists the main program's key flags: --config is one, whoever defines it.
+            flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
             rest = flags.FLAGS(argv)
             config = self._holder.value
             config.keys()  # a missing file surfaces only when the config is read
+        except BrokenPipeError:  # `--help | head`: the reader left (Python's documented recipe)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError:
             fail(f"config file {path!r} not found; pass --config=PATH{self._examples()}")
         except AttributeError as e:
@@ -86,6 +96,16 @@ class ConfigFlag:
             return " to a file that defines get_config()"
         names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n[0] != "_")
         return f", e.g. one of {os.path.relpath(folder)}/{{{','.join(names)}}}.py"
+
+
+def importable_config_dir(path: str) -> None:
+    """Makes the directory of config file `path` importable, as Python does a script's: a model
+    named "my_models:Net" may live beside the config. Appended to `sys.path`, so that a file there
+    cannot shadow a package jddp itself imports. Entry points call this; importing jddp does not."""
+    file = path.split(":", 1)[0]  # ml_collections' "FILE:ARGUMENT" form
+    folder = os.path.dirname(os.path.abspath(file))
+    if os.path.isdir(folder) and folder not in sys.path:
+        sys.path.append(folder)
 
 
 def _missing_key(error: Exception, argv: list[str], path: str) -> str:

@@ -26,7 +26,13 @@ from jddp.runtime import workdir as workdir_lib
 
 
 def check_workdir(workdir: str, *, resumable: bool) -> None:
-    """`jddp.runtime.workdir.check_workdir`, its fixes worded for the command line."""
+    """`jddp.runtime.workdir.check_workdir` and the checkpoint folder's own checks (readable;
+    checkpoints only where checkpointing is on), their fixes worded for the command line."""
+    checkpoint.check_checkpoints_dir(
+        os.path.join(workdir, "checkpoints"),
+        checkpointing=resumable,
+        names=("--workdir", "--config.checkpoint_every"),
+    )
     workdir_lib.check_workdir(workdir, resumable=resumable, name="--workdir")
 
 

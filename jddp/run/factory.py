@@ -20,8 +20,9 @@ from jddp.trainer import Trainer
 
 
 def dataset_spec(config) -> data.DatasetSpec:
-    """The dataset `config.dataset` names (nothing is read or prepared yet)."""
-    return data.get_dataset(config.dataset, config.data.get("text_file", ""))
+    """The dataset `config.dataset` names: a built-in one (nothing is read or prepared yet), or
+    own data (its labels or text read, to count the classes or characters)."""
+    return data.get_dataset(config.dataset, options=data.DataOptions.from_config(config.data))
 
 
 def objective(dataset: data.DatasetSpec) -> Objective:
@@ -44,6 +45,7 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
         tensor_size=device_mesh.size("tensor"),
         sequence_parallel=config.parallel.sequence_parallel,
         pipelined=bool(device_mesh.stage_axis),
+        seed=config.seed,  # an own NNX model initializes its parameters from it
         **config.model_args,
     )
 
@@ -51,7 +53,11 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
 def partition_rules(config, device_mesh: DeviceMesh) -> tuple:
     """The rules that lay the parameters out on `device_mesh`: the config's own, or, on a mesh
     with a tensor axis and none given, the model's preset fitted to the mesh."""
-    rules = tuple(tuple(rule) for rule in config.parallel.rules)
+    # Pairs as tuples; anything else is left for the rules' own check to name (one pair
+    # without its enclosing tuple, say, whose strings would otherwise be split into letters).
+    rules = tuple(
+        tuple(rule) if isinstance(rule, list | tuple) else rule for rule in config.parallel.rules
+    )
     if device_mesh.tensor_axis and not rules:
         rules = fit_preset(models.TENSOR_RULES.get(config.model, ()), device_mesh)
     return rules

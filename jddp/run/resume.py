@@ -3,15 +3,18 @@ elsewhere (`init_from`), or a fresh initialization from the seed; and the checks
 anything is written, that the start can go ahead."""
 
 import dataclasses
+import inspect
 import json
 import os
 
 import jax
 from absl import logging
 
+from jddp import models
+from jddp.checkpoints import fits, weights
 from jddp.checkpoints import store as checkpoint
-from jddp.checkpoints import weights
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
+from jddp.models import user_models
 from jddp.parallel.pipeline import stage_layouts as layouts
 
 # Keys a resumed run may change without it counting as a config change: they decide how the run
@@ -39,6 +42,7 @@ RESUME_MAY_CHANGE = (
     "data.workers",
     "data.device_prefetch",
     "data.cache_max_mb",
+    "data.eval_path",  # evaluation only: the training rows stay as they were
     "parallel.",
 )
 _SHOWN_CHANGES = 4  # changed keys spelled out in the refusal; the rest are counted
@@ -71,16 +75,82 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def config_changes(saved: dict, config) -> dict[str, list]:
     """{dotted key: [saved value, this config's value]} for every key that differs between a
-    checkpoint's config and `config`, except the keys in RESUME_MAY_CHANGE."""
-    before, now = _flat(saved), _flat(_resolved(config))
+    checkpoint's config and `config`, except the keys in RESUME_MAY_CHANGE. A model argument
+    set on one side only counts at the model's own default on the other (see `model_defaults`):
+    setting it to that default is no change."""
+    resolved = _resolved(config)
+    before, now = _flat(saved), _flat(resolved)
+    defaults = {
+        "before": model_defaults(saved.get("model")),
+        "now": model_defaults(resolved.get("model")),
+    }
 
     def may_change(key: str) -> bool:
         return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
 
+    def value(side: str, values: dict, key: str):
+        if key in values:
+            return True, values[key]
+        name = key.removeprefix("model_args.")
+        if key.startswith("model_args.") and name in defaults[side]:
+            return True, defaults[side][name]
+        return False, None
+
+    changes = {}
+    for key in sorted(before.keys() | now.keys()):
+        old, new = value("before", before, key), value("now", now, key)
+        if not may_change(key) and old != new:
+            changes[key] = [old[1], new[1]]
+    return changes
+
+
+# Shown for a model's output size left unset: the dataset's number of classes (or tokens).
+DATASET_OUTPUTS = "unset (the dataset's)"
+
+
+def model_defaults(model: str | None) -> dict:
+    """{argument: default} of the model a config's `model` names (built-in, or an own
+    "package.module:Name"), as JSON would hold them; its output size counts as
+    DATASET_OUTPUTS (jddp fills it from the dataset). {} where the model cannot be found."""
+    if not isinstance(model, str):
+        return {}
+    own = user_models.is_import_path(model)
+    try:
+        target = user_models.load(model) if own else models.MODELS.get(model)
+    except Exception:  # an own model since moved or broken: compare the values as written
+        return {}
+    if target is None:
+        return {}
+    output = user_models.OUTPUT_FIELD if own else models.OUTPUT_FIELDS.get(model, "num_classes")
+    found = {
+        name: json.loads(json.dumps(value, default=str))
+        for name, value in argument_defaults(target).items()
+    }
+    return found | {output: DATASET_OUTPUTS}
+
+
+def argument_defaults(target) -> dict:
+    """{argument: default value} of a model class or of a function returning a model: a Linen
+    module's dataclass fields (less `parent` and `name`), an NNX module's `__init__`
+    parameters, a function's parameters. Arguments without a default are left out."""
+    if dataclasses.is_dataclass(target):
+        found = {}
+        for field in dataclasses.fields(target):
+            if field.name in ("parent", "name") or not field.init:
+                continue
+            if field.default is not dataclasses.MISSING:
+                found[field.name] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                found[field.name] = field.default_factory()
+        return found
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a callable Python cannot look into
+        return {}
     return {
-        key: [before.get(key), now.get(key)]
-        for key in sorted(before.keys() | now.keys())
-        if not may_change(key) and (key in before, before.get(key)) != (key in now, now.get(key))
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if parameter.default is not parameter.empty
     }
 
 
@@ -95,8 +165,13 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
         if config.init_from:
             _check_init_from(config, abstract)
         return Start()
-    meta, saved_shapes = found
-    changes = check_resumable(meta, saved_shapes, config, abstract, directory)
+    meta, saved_tree = found
+    changes = check_resumable(
+        meta, checkpoint.shapes_by_path(saved_tree), config, abstract, directory
+    )
+    fits.check_state_fits(
+        abstract, saved_tree, f"the checkpoints in {directory}", "or pass a new --workdir"
+    )
     step = int(meta["step"])
     if step > config.num_train_steps:
         raise ConfigError(
@@ -117,7 +192,7 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
 
 def check_resumable(meta, saved_shapes, config, abstract_state, directory) -> dict:
     """The config changes (allowed) of resuming the checkpoint `meta` describes; refuses other
-    changes, and a checkpoint of another model."""
+    changes, and gradient compression state of another setting."""
     changes = config_changes(meta.get("config", {}), config)
     if changes and not config.allow_config_change:
         listed = list(changes.items())[:_SHOWN_CHANGES]
@@ -131,14 +206,7 @@ def check_resumable(meta, saved_shapes, config, abstract_state, directory) -> di
             "--config.allow_config_change=true to continue with these changes"
         )
     _check_comm_state(meta, saved_shapes, config, abstract_state, directory)
-    mismatch = checkpoint.model_mismatch(
-        abstract_state, saved_shapes, f"the checkpoints of {directory}"
-    )
-    if mismatch:
-        raise CheckpointError(
-            f"{mismatch}; these checkpoints belong to another model: pass a new --workdir"
-        )
-    return changes
+    return changes  # whether the state fits: checked by the store before anything is read
 
 
 def _check_comm_state(meta, saved_shapes, config, abstract_state, directory) -> None:

@@ -1,12 +1,16 @@
 """Start N processes of one job on this machine, as torchrun does.
 
-    python -m jddp.runtime.launch --nproc 2 [--devices_per_proc 2 | --gpus_per_proc 1] -- \
-        python -m experiments.train --config=... --workdir=...
+    jddp-launch --nproc 2 [--devices_per_proc 2 | --gpus_per_proc 1] -- \
+        jddp-train --config=... --workdir=...
 
-(also installed as `jddp-launch`). Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on
-127.0.0.1), `JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize`
-reads; `--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives
-each its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is.
+(also `python -m jddp.runtime.launch`). The children run in the launcher's own environment: a
+command whose program is `python`, `python3` or `python3.X` (this interpreter's version) runs
+with the launcher's interpreter (`sys.executable`), a program installed beside it (`jddp-train`,
+any console script of the same virtual environment) is that one, and the children's PATH starts
+with that directory. Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on 127.0.0.1),
+`JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize` reads;
+`--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives each
+its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is.
 Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child. When a
 child fails, the others are stopped and the launcher exits with the failed child's code; if the
 child said why in an `error: ...` line, that line is the launcher's last. The launcher's own
@@ -15,6 +19,7 @@ mistakes (a bad flag, a command that does not exist) are one `error:` line and e
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -58,8 +63,35 @@ def reserve_port() -> tuple[int, socket.socket | None]:
     return free_port(), None
 
 
+def _own_bin_dir() -> str | None:
+    """The directory of the launcher's interpreter (a virtual environment's `bin/`), unresolved:
+    a venv's `python` is a symlink whose target lies outside the venv."""
+    return os.path.dirname(sys.executable) if sys.executable else None
+
+
+def child_command(command: list[str]) -> list[str]:
+    """`command` as every child runs it: `python` (or `python3`, or `python3.X` of this
+    interpreter's version) is this interpreter, a bare program name found beside it is that file,
+    anything else (a path, another program) stays as written."""
+    program, rest = command[0], command[1:]
+    if os.sep in program or not sys.executable:
+        return command
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if re.fullmatch(rf"python(3|{re.escape(version)})?", program):
+        return [sys.executable, *rest]
+    own = os.path.join(_own_bin_dir(), program)
+    if os.path.isfile(own) and os.access(own, os.X_OK):
+        return [own, *rest]
+    return command
+
+
 def child_env(rank: int, args, port: int) -> dict[str, str]:
     env = dict(os.environ)
+    own_bin = _own_bin_dir()
+    if own_bin:  # what the child itself starts by name comes from this environment too
+        path = env.get("PATH", "")
+        if path.split(os.pathsep)[0] != own_bin:
+            env["PATH"] = own_bin + (os.pathsep + path if path else "")
     env.update(
         JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JDDP_NUM_PROCESSES=str(args.nproc),
@@ -131,7 +163,7 @@ def _run(args, port: int) -> int:
     for rank in range(args.nproc):
         try:
             child = subprocess.Popen(
-                args.command,
+                child_command(args.command),
                 env=child_env(rank, args, port),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -216,7 +248,7 @@ def main(argv=None) -> int:
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if not args.command:
-        parser.error("give the command to run after --, e.g. -- python -m experiments.train")
+        parser.error("give the command to run after --, e.g. -- jddp-train --config=...")
     for name in ("nproc", "devices_per_proc", "gpus_per_proc"):
         lowest = 1 if name == "nproc" else 0
         if getattr(args, name) < lowest:

@@ -1,0 +1,128 @@
+"""The installed `jddp-train` command, and `jddp-launch` starting its children in its own
+environment: `--help` names `--config` and where the keys are documented; `jddp-launch --
+jddp-train ...` and `jddp-launch -- python -m experiments.train ...` train on 2 processes what
+one device trains, even when the first `python` and `jddp-train` on PATH are other programs
+(the bug: every rank started the system `python`, which had no absl)."""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jddp.runtime import launch
+from tests.helpers import REPO, assert_error_exit
+from tests.test_own_models import (
+    JDDP_TRAIN,
+    STEPS,
+    WIDTH,
+    linen_reference,
+    logged,
+    train_cli,
+    write_user_package,
+)
+
+JDDP_LAUNCH = os.path.join(REPO, ".venv", "bin", "jddp-launch")
+HARD_TIMEOUT_SEC = 240
+
+
+@pytest.fixture(scope="module")
+def own_config(tmp_path_factory):
+    return write_user_package(tmp_path_factory.mktemp("user"))
+
+
+@pytest.fixture(scope="module")
+def expected_losses(own_config):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(os.path.dirname(own_config))
+        return linen_reference()
+
+
+@pytest.fixture(scope="module")
+def impostors(tmp_path_factory) -> str:
+    """A folder of a `python` and a `jddp-train` that are not this environment's: each says so
+    and exits 3. First on PATH, it stands for a system Python without jddp."""
+    folder = tmp_path_factory.mktemp("impostors")
+    for name in ("python", "python3", "jddp-train"):
+        path = folder / name
+        path.write_text(f'#!/bin/sh\necho "error: the wrong {name} ran" >&2\nexit 3\n')
+        path.chmod(0o755)
+    return str(folder)
+
+
+def test_help_names_config_and_where_its_keys_are_documented(tmp_path):
+    result = subprocess.run(
+        [JDDP_TRAIN, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result.stderr  # absl's --help exit status
+    for words in ("--config:", "docs/configs.md", "--workdir:", "--num_processes:", "jddp-train"):
+        assert words in result.stdout, (words, result.stdout)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    result = train_cli(tmp_path / "nowhere.py", tmp_path, "--workdir=run")
+    assert_error_exit(result, "nowhere.py", "not found", "--config=PATH")
+    assert os.listdir(tmp_path) == []
+
+
+def test_launch_runs_python_and_console_scripts_from_its_own_environment(impostors):
+    own_bin = os.path.dirname(sys.executable)
+    for python in ("python", "python3", f"python3.{sys.version_info.minor}"):
+        assert launch.child_command([python, "-m", "x"]) == [sys.executable, "-m", "x"]
+    jddp_train = os.path.join(own_bin, "jddp-train")
+    assert launch.child_command(["jddp-train", "--a"]) == [jddp_train, "--a"]
+    as_written = (["python3.1", "x"], [os.path.join(impostors, "python")], ["no-such-program"])
+    for command in as_written:  # another version, a path, a program not beside this Python
+        assert launch.child_command(command) == command
+    args = argparse.Namespace(nproc=2, devices_per_proc=0, gpus_per_proc=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{impostors}{os.pathsep}/usr/bin")
+        path = launch.child_env(1, args, 1234)["PATH"].split(os.pathsep)
+    assert path == [own_bin, impostors, "/usr/bin"]
+
+
+def run_launched(command, cwd, impostors):
+    """`jddp-launch --nproc 2 --devices_per_proc 1 -- COMMAND` in `cwd`, the impostors first on
+    PATH; SIGKILLed with its children past the hard timeout."""
+    env = {
+        **os.environ,
+        "PATH": f"{impostors}{os.pathsep}{os.environ.get('PATH', '')}",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
+    }
+    process = subprocess.Popen(
+        [JDDP_LAUNCH, "--nproc", "2", "--devices_per_proc", "1", "--", *command],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=HARD_TIMEOUT_SEC)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, output
+
+
+@pytest.mark.parametrize("program", ["jddp-train", "python -m experiments.train"])
+def test_two_launched_processes_train_what_one_device_trains(
+    program, own_config, expected_losses, impostors, tmp_path
+):
+    """`jddp-train` from a directory outside the checkout; `python -m experiments.train` from
+    the checkout, as the README and docs/multi-host.md write it."""
+    workdir = tmp_path / "run"
+    cwd = tmp_path if program == "jddp-train" else REPO
+    flags = [f"--config={own_config}", f"--workdir={workdir}", f"--config.model_args.width={WIDTH}"]
+    code, output = run_launched([*program.split(), *flags], cwd, impostors)
+    assert code == 0, output[-3000:]
+    assert "the wrong" not in output
+    assert output.count("done: eval accuracy") == 1  # process 0 speaks for the job
+    records = logged(workdir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], expected_losses, rtol=1e-5)

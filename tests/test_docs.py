@@ -6,6 +6,11 @@ temporary one; every ```bash / ```console block runs its jddp commands (`jddp-tr
 `python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`) from the repository root,
 with `--workdir` moved under that temporary directory. A shell block that cannot run here says why
 on the line before it: `<!-- not-run: REASON -->`.
+
+A tutorial shows files of a user's project: a block preceded by `<!-- file: PATH -->` is written
+to PATH under the temporary directory instead of run. On a page that says
+`<!-- shell-cwd: page -->`, shell blocks run in that directory too (where its files are), as a user
+in their project folder would; and Python blocks import from it, as a script run there does.
 """
 
 import glob
@@ -26,6 +31,8 @@ PAGES = [README, *sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=T
 SHELL = ("bash", "console", "shell", "sh")
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.*?)\s*-->")
 MARKER = re.compile(r"<!--\s*([\w-]+):start\s*-->")
+FILE = re.compile(r"<!--\s*file:\s*(\S+)\s*-->")
+PAGE_CWD = "<!-- shell-cwd: page -->"
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 README_MAX_LINES = 300
 # jddp's command lines, as a page writes them: [VAR=value ...] python -m MODULE ...
@@ -61,13 +68,14 @@ def blocks(path: str) -> list[dict]:
             body.append(lines[i])
             i += 1
         before = next((line for line in reversed(lines[:start]) if line.strip()), "")
-        not_run, marker = NOT_RUN.search(before), MARKER.search(before)
+        not_run, marker, file = NOT_RUN.search(before), MARKER.search(before), FILE.search(before)
         found.append(
             {
                 "language": language,
                 "code": textwrap.dedent("\n".join(body)) if indent else "\n".join(body),
                 "not_run": not_run.group(1) if not_run else None,
                 "marker": marker.group(1) if marker else None,
+                "file": file.group(1) if file else None,
                 "line": start + 1,
             }
         )
@@ -118,7 +126,7 @@ def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
     return argv
 
 
-def run_shell_block(code: str, tmp_path, where: str) -> None:
+def run_shell_block(code: str, tmp_path, where: str, cwd=REPO) -> None:
     for command in shell_commands(code):
         words = shlex.split(command)
         env = dict(CHILD_ENV)
@@ -133,7 +141,7 @@ def run_shell_block(code: str, tmp_path, where: str) -> None:
         if "XLA_FLAGS" in env:  # keep the tests' simulated devices unless the page sets its own
             env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
         result = subprocess.run(
-            argv, cwd=REPO, env=checkout_env(**env), capture_output=True, text=True, timeout=300
+            argv, cwd=cwd, env=checkout_env(**env), capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 0, (
             f"{where}: {command}\nexit {result.returncode}\n{result.stderr[-3000:]}"
@@ -163,6 +171,9 @@ CHECKS = {"library-example": check_library_example, "pipeline-example": check_pi
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_page_examples_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative workdirs of the Python examples land here
+    monkeypatch.syspath_prepend(str(tmp_path))  # a tutorial's own modules, as a script's
+    with open(page, encoding="utf-8") as f:
+        shell_cwd = tmp_path if PAGE_CWD in f.read() else REPO
     namespace = {"__name__": "docs_example"}
     ran = set()
     for block in blocks(page):
@@ -171,10 +182,14 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
         if block["not_run"] is not None:
             assert block["not_run"], f"{where}: give the reason a block does not run"
             continue
-        if language == "python":
+        if block["file"]:
+            path = tmp_path / block["file"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block["code"] + "\n")
+        elif language == "python":
             exec(compile(block["code"], where, "exec"), namespace)  # our own documentation
         elif language in SHELL:
-            run_shell_block(block["code"], tmp_path, where)
+            run_shell_block(block["code"], tmp_path, where, shell_cwd)
         if block["marker"] in CHECKS:
             CHECKS[block["marker"]](namespace)
             ran.add(block["marker"])

@@ -10,8 +10,6 @@ import sys
 
 import numpy as np
 import optax
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jddp import data
@@ -29,6 +27,7 @@ from tests.helpers import (
     metrics_lines,
     run_cli,
 )
+from tests.own_data_files import global_batch_rows, global_batches, write_files, write_hf
 from tests.reference import plain_training
 
 N_TRAIN, N_EVAL, FEATURES, CLASSES = 20, 13, 6, 4
@@ -68,40 +67,20 @@ def splits():
 """
 
 
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for i in range(len(rows["label"])):
-            f.write(json.dumps({"x": rows["x"][i].tolist(), "label": int(rows["label"][i])}))
-            f.write("\n")
-
-
-def write_parquet(path, rows):
-    pq.write_table(pa.table({"x": list(rows["x"]), "label": rows["label"]}), path)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The same rows in every format, under one folder that is importable (the function's)."""
     import datasets
 
-    datasets.disable_progress_bars()
     root = tmp_path_factory.mktemp("own")
-    for split, rows in (("train", TRAIN), ("test", EVAL)):
-        np.savez(root / f"{split}.npz", **rows)
-        write_jsonl(root / f"{split}.jsonl", rows)
-        write_parquet(root / f"{split}.parquet", rows)
+    write_files(root, {"train": TRAIN, "test": EVAL})
     features = datasets.Features(
         {
             "x": datasets.Sequence(datasets.Value("float32")),  # a List in datasets 4+
             "label": datasets.ClassLabel(num_classes=CLASSES + 1),  # declares one class unseen
         }
     )
-    datasets.DatasetDict(
-        {
-            "train": datasets.Dataset.from_dict(TRAIN, features=features),
-            "validation": datasets.Dataset.from_dict(EVAL, features=features),
-        }
-    ).save_to_disk(str(root / "hf"))
+    write_hf(root / "hf", {"train": TRAIN, "validation": EVAL}, features)
     (root / "own_rows.py").write_text(FUNCTION_MODULE)
     sys.path.append(str(root))
     yield root
@@ -160,19 +139,13 @@ def own_config(dataset, eval_path):
 @pytest.fixture(scope="module")
 def reference(files):
     """Losses of a plain one-device optax loop over the rows in the loader's documented order
-    (epoch e: the permutation of default_rng([seed, e])), and its final eval loss over all 13."""
+    (tests/own_data_files.py), and its final eval loss over all 13."""
     config = own_config(f"npz:{files}/train.npz", f"{files}/test.npz")
     spec = factory.dataset_spec(config)
     trainer = factory.build_trainer(config, spec)
     sample = factory.sample_batch(config, spec)
     params = trainer.host_state(trainer.init(config.seed, sample)).params  # the same start
-    order = np.concatenate(
-        [np.random.default_rng([config.seed, e]).permutation(N_TRAIN) for e in range(2)]
-    )
-    batches = [
-        {"x": TRAIN["x"][rows], "label": TRAIN["label"][rows].astype(np.int32)}
-        for rows in order[: STEPS * BATCH].reshape(STEPS, BATCH)
-    ]
+    batches = global_batches(TRAIN, BATCH, STEPS, seed=config.seed)
     model = MLP(num_classes=CLASSES, hidden_sizes=(16,))
 
     def mean_loss(params, batch):
@@ -268,8 +241,7 @@ def test_each_process_reads_only_its_rows(files):
     name, options = named(files, "parquet")
     spec = data.get_dataset(name, options=options)
     opened = data.open_dataset(spec)
-    order = np.concatenate([np.random.default_rng([0, e]).permutation(N_TRAIN) for e in range(9)])
-    steps = order[: 20 * BATCH].reshape(20, BATCH)
+    steps = global_batch_rows(N_TRAIN, BATCH, 20)
     read = {}
     for process in (0, 1):
         train, test = Recorded(opened.train), Recorded(opened.eval)

@@ -1,11 +1,15 @@
-"""Own models from the config: `config.model = "package.module:Name"` names a Linen or NNX class
-or a function in a user package written outside jddp, beside the config file. Built in-process
-(every mistake one ConfigError line), and trained by the installed `jddp-train` started from
-another directory under ddp, zero3 and a tensor mesh with the config's own rules: every step's
-loss equals a plain single-device optax loop written here."""
+"""Own models and own data from the config: `config.model = "package.module:Name"` names a
+Linen or NNX class or a function in a user package written outside jddp, beside the config file,
+and `config.dataset` the user's rows as npz, Parquet or a `datasets` save_to_disk folder (JSON
+Lines: tests/test_train_command.py). Built in-process (every mistake one ConfigError line), and
+trained by the installed `jddp-train` started from another directory under ddp, zero3 and a
+tensor mesh with the config's own rules: every step's loss, and the eval loss, equal a plain
+single-device optax loop written here over the same rows in the loader's documented order.
+Killed after a checkpoint and rerun, a run with dropout is bit for bit the uninterrupted run."""
 
 import json
 import os
+import signal
 import subprocess
 import textwrap
 
@@ -16,13 +20,37 @@ import pytest
 from flax import nnx
 
 import jddp
-from jddp import data, models
+from jddp import models
 from jddp.run import factory
-from tests.helpers import REPO, assert_error_exit, assert_one_line
+from tests.helpers import (
+    REPO,
+    BeforeRerun,
+    assert_accuracy_over,
+    assert_error_exit,
+    assert_one_line,
+    committed_checkpoints,
+    metrics_lines,
+)
+from tests.own_data_files import as_loaded, global_batches, write_files, write_hf
+from tests.reference import plain_training
+from tests.test_resume_kill import assert_same_run, logged_steps, wait_until
 
 JDDP_TRAIN = os.path.join(REPO, ".venv", "bin", "jddp-train")
 PACKAGE = "own_nets"  # the user's package, beside the config file
 STEPS, GLOBAL_BATCH, LEARNING_RATE, WIDTH = 6, 32, 1e-2, 24
+# The user's rows: 80 to train on (6 steps of 32 cross two epoch boundaries, one inside a
+# batch) and 21 to evaluate (a padded last batch); 64 features, 10 classes.
+N_TRAIN, N_EVAL, FEATURES, CLASSES = 80, 21, 64, 10
+
+
+def make_rows(count: int, seed: int) -> dict:
+    """A task a small net learns in a few steps: the label is the largest of the first 10
+    features."""
+    x = np.random.default_rng(seed).normal(size=(count, FEATURES)).astype(np.float32)
+    return {"x": x, "label": x[:, :CLASSES].argmax(1)}
+
+
+TRAIN, EVAL = make_rows(N_TRAIN, 0), make_rows(N_EVAL, 1)
 # The config's own tensor layout for LinenNet: Megatron's column split of fc, row split of head.
 OWN_RULES = (("fc/kernel", "fsdp,tensor"), ("fc/bias", "tensor"), ("head/kernel", "tensor,fsdp"))
 
@@ -34,10 +62,12 @@ from flax import nnx
 class LinenNet(nn.Module):
     num_outputs: int
     width: int = 32
+    dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False):
         x = nn.relu(nn.Dense(self.width, name="fc")(x.reshape(x.shape[0], -1)))
+        x = nn.Dropout(self.dropout, deterministic=not train)(x)
         return nn.Dense(self.num_outputs, name="head")(x)
 
 
@@ -100,6 +130,8 @@ def get_config():
     config = default_config()
     config.model = "{package}.nets:LinenNet"
     config.model_args.width = {width}
+    config.dataset = "npz:{data}/train.npz"
+    config.data.eval_path = "npz:{data}/test.npz"
     config.global_batch_size = {batch}
     config.num_train_steps = {steps}
     config.learning_rate = {lr}
@@ -111,7 +143,12 @@ def get_config():
 
 
 def write_user_package(folder) -> str:
-    """The user's package and config file in `folder`; returns the config file's path."""
+    """The user's package, config file and rows (`data_flags`) in `folder`; returns the config
+    file's path."""
+    data_folder = os.path.join(folder, "data")
+    os.makedirs(data_folder)
+    write_files(data_folder, {"train": TRAIN, "test": EVAL})
+    write_hf(os.path.join(data_folder, "hf"), {"train": TRAIN, "test": EVAL})
     package = os.path.join(folder, PACKAGE)
     os.makedirs(package, exist_ok=True)
     with open(os.path.join(package, "__init__.py"), "w") as f:
@@ -122,10 +159,26 @@ def write_user_package(folder) -> str:
     with open(path, "w") as f:
         f.write(
             CONFIG.format(
-                package=PACKAGE, width=WIDTH, batch=GLOBAL_BATCH, steps=STEPS, lr=LEARNING_RATE
+                package=PACKAGE,
+                width=WIDTH,
+                data=data_folder,
+                batch=GLOBAL_BATCH,
+                steps=STEPS,
+                lr=LEARNING_RATE,
             )
         )
     return path
+
+
+def data_flags(config_path, fmt: str) -> list[str]:
+    """`--config` flags that train on the user's rows as `fmt` (npz is the config's own)."""
+    folder = os.path.join(os.path.dirname(config_path), "data")
+    if fmt == "hf":  # the DatasetDict's own test split is the eval split
+        return [f"--config.dataset=hf:{folder}/hf", "--config.data.eval_path="]
+    return [
+        f"--config.dataset={fmt}:{folder}/train.{fmt}",
+        f"--config.data.eval_path={fmt}:{folder}/test.{fmt}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -139,95 +192,107 @@ def importable(own_config, monkeypatch):
     monkeypatch.syspath_prepend(os.path.dirname(own_config))
 
 
+def jddp_train(config_path, *flags) -> list[str]:
+    return [JDDP_TRAIN, f"--config={config_path}", *flags]
+
+
+def child_env(env=None) -> dict[str, str]:
+    """Children compile without LLVM optimization, as the test processes do."""
+    return {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true", **(env or {})}
+
+
 def train_cli(config_path, cwd, *flags, env=None, timeout=300):
-    """The installed `jddp-train` on `config_path`, started in `cwd`; children compile without
-    LLVM optimization, as the test processes do."""
+    """The installed `jddp-train` on `config_path`, started in `cwd`."""
     return subprocess.run(
-        [JDDP_TRAIN, f"--config={config_path}", *flags],
+        jddp_train(config_path, *flags),
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true", **(env or {})},
+        env=child_env(env),
     )
 
 
 def logged(workdir) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return [json.loads(line) for line in metrics_lines(workdir)]
 
 
 # ---------------------------------------------------------------- the independent reference
-def digits_batches() -> list[dict]:
-    """The global batches jddp-train trains on: the digits dataset's order for seed 0."""
-    splits = data.open_dataset(data.get_dataset("digits"), data.DataOptions())
-    pipeline = data.train_batches(
-        splits.train, splits.transform, global_batch_size=GLOBAL_BATCH, seed=0
-    )
-    try:
-        return [next(pipeline) for _ in range(STEPS)]
-    finally:
-        pipeline.close()
-
-
-def reference_losses(apply, params) -> list[float]:
+def reference_run(apply, params) -> dict:
     """One device, plain optax: Adam on the config's cosine schedule (weight decay 0), the mean
-    cross-entropy over each whole global batch."""
+    cross-entropy over each whole global batch of the user's rows in the loader's documented
+    order; each step's loss, and the final parameters' mean loss over the eval rows."""
     optimizer = optax.adam(optax.cosine_decay_schedule(LEARNING_RATE, STEPS))
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss_fn(params):
-            logits = apply(params, batch["image"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    def mean_loss(params, batch):
+        logits = apply(params, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def loss_fn(params, model_state, batch):
+        return mean_loss(params, batch), model_state
 
-    opt_state, losses = optimizer.init(params), []
-    for batch in digits_batches():
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return losses
+    batches = global_batches(TRAIN, GLOBAL_BATCH, STEPS, seed=0)
+    final, _, losses = plain_training(loss_fn, params, {}, optimizer, batches)
+    return {"losses": losses, "eval_loss": float(mean_loss(final, as_loaded(EVAL)))}
 
 
-def linen_reference() -> list[float]:
+def linen_reference() -> dict:
     """LinenNet from the initial parameters jddp draws for seed 0 (those of one device)."""
     from own_nets.nets import LinenNet
 
-    model = LinenNet(num_outputs=10, width=WIDTH)
-    sample = {"image": np.zeros((1, 8, 8, 1), np.float32), "label": np.zeros(1, np.int32)}
+    model = LinenNet(num_outputs=CLASSES, width=WIDTH)
+    sample = as_loaded({key: value[:1] for key, value in TRAIN.items()})
     one_device = jddp.Trainer(
-        model, jddp.losses.softmax_cross_entropy, optax.sgd(0.0), devices=jax.devices()[:1]
+        model,
+        jddp.losses.softmax_cross_entropy,
+        optax.sgd(0.0),
+        devices=jax.devices()[:1],
+        input_key="x",
     )
     initial = one_device.host_state(one_device.init(0, sample)).params
-    return reference_losses(lambda p, x: model.apply({"params": p}, x), initial)
+    return reference_run(lambda p, x: model.apply({"params": p}, x), initial)
 
 
-def nnx_reference() -> list[float]:
+def nnx_reference() -> dict:
     """NnxNet as the user builds it with nnx.Rngs(seed 0)."""
     from own_nets.nets import NnxNet
 
-    graphdef, params = nnx.split(NnxNet(10, rngs=nnx.Rngs(0), width=WIDTH))
-    return reference_losses(lambda p, x: nnx.merge(graphdef, p)(x), params)
+    graphdef, params = nnx.split(NnxNet(CLASSES, rngs=nnx.Rngs(0), width=WIDTH))
+    return reference_run(lambda p, x: nnx.merge(graphdef, p)(x), params)
 
 
 @pytest.fixture(scope="module")
-def linen_losses(own_config):
+def references(own_config) -> dict:
+    """{model: its reference run}: the same for every format (the same rows)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(os.path.dirname(own_config))
-        return linen_reference()
+        return {"LinenNet": linen_reference(), "NnxNet": nnx_reference()}
+
+
+def assert_matches_reference(workdir, reference) -> None:
+    """`workdir`'s run logged every step's loss and the final eval of the reference run."""
+    history = logged(workdir)
+    assert [r["step"] for r in history] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in history], reference["losses"], rtol=1e-5)
+    assert history[-1]["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    assert_accuracy_over(history[-1]["eval_accuracy"], N_EVAL)  # each eval row counted once
+    losses = reference["losses"]
+    assert losses[-1] < losses[0] - 0.1  # it learns: the comparison is not of constants
 
 
 # ------------------------------------------------------------------- jddp-train, 8 devices
 @pytest.mark.parametrize(
-    "model,flags",
+    "model,fmt,flags",
     [
-        ("LinenNet", ["--config.parallel.strategy=ddp"]),
-        ("NnxNet", ["--config.parallel.strategy=zero3", "--config.parallel.min_shard_size=1"]),
+        ("LinenNet", "npz", ["--config.parallel.strategy=ddp"]),
+        (
+            "NnxNet",
+            "parquet",
+            ["--config.parallel.strategy=zero3", "--config.parallel.min_shard_size=1"],
+        ),
         (
             "LinenNet",
+            "hf",
             [
                 "--config.parallel.strategy=zero3",
                 "--config.parallel.mesh=data:2,fsdp:2,tensor:2",
@@ -235,10 +300,10 @@ def linen_losses(own_config):
             ],
         ),
     ],
-    ids=["linen-ddp", "nnx-zero3", "linen-tensor-mesh-own-rules"],
+    ids=["linen-npz-ddp", "nnx-parquet-zero3", "linen-save-to-disk-tensor-mesh-own-rules"],
 )
 def test_jddp_train_from_another_directory_equals_one_device(
-    own_config, linen_losses, tmp_path, model, flags
+    own_config, references, tmp_path, model, fmt, flags
 ):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -246,26 +311,68 @@ def test_jddp_train_from_another_directory_equals_one_device(
         own_config,
         elsewhere,
         f"--config.model={PACKAGE}.nets:{model}",
+        *data_flags(own_config, fmt),
         "--workdir=run",  # relative: under the directory jddp-train started in
         *flags,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: eval accuracy" in result.stdout
-    records = logged(elsewhere / "run")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    if model == "NnxNet":
-        with pytest.MonkeyPatch.context() as patch:
-            patch.syspath_prepend(os.path.dirname(own_config))
-            expected = nnx_reference()
-    else:
-        expected = linen_losses
-    np.testing.assert_allclose([r["loss"] for r in records], expected, rtol=1e-5)
-    assert expected[-1] < expected[0] - 0.1  # it learns: the comparison is not of constants
+    assert_matches_reference(elsewhere / "run", references[model])
     if any("tensor" in flag for flag in flags):
         # The own rules took effect: fc and head split over fsdp x tensor, so each device holds
         # well under half the replicated state (parameters and Adam's two moments, float32).
-        params = WIDTH * 64 + WIDTH + 10 * WIDTH + 10
-        assert records[0]["state_bytes_per_device"] < 3 * 4 * params / 2
+        params = WIDTH * FEATURES + WIDTH + CLASSES * WIDTH + CLASSES
+        assert logged(elsewhere / "run")[0]["state_bytes_per_device"] < 3 * 4 * params / 2
+
+
+# ------------------------------------------------------------ killed after a checkpoint, rerun
+KILL_STEPS, KILL_CHECKPOINT_EVERY = 150, 10
+KILL_FLAGS = [
+    f"--config.model={PACKAGE}.nets:LinenNet",
+    "--config.model_args.dropout=0.1",  # its masks, too, must repeat after the restart
+    f"--config.num_train_steps={KILL_STEPS}",
+    f"--config.eval_every={KILL_STEPS}",
+    f"--config.checkpoint_every={KILL_CHECKPOINT_EVERY}",
+    "--workdir=run",
+]
+
+
+def test_killed_after_a_checkpoint_and_rerun_is_bit_for_bit_the_uninterrupted_run(
+    own_config, references, tmp_path
+):
+    """The config's own npz rows and LinenNet with dropout 0.1, under ddp on 8 devices: SIGKILL
+    once a checkpoint is committed, then the same command in the same directory."""
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    for folder in (uninterrupted, interrupted):
+        folder.mkdir()
+    result = train_cli(own_config, uninterrupted, *KILL_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Dropout is on: step 1 (the same start and rows) differs from the run without it.
+    assert logged(uninterrupted / "run")[0]["loss"] != pytest.approx(
+        references["LinenNet"]["losses"][0], rel=1e-3
+    )
+
+    workdir = interrupted / "run"
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(
+            jddp_train(own_config, *KILL_FLAGS),
+            cwd=interrupted,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+        )
+    assert wait_until(
+        process,
+        lambda: committed_checkpoints(workdir) and logged_steps(workdir) > KILL_CHECKPOINT_EVERY,
+    )
+    process.kill()
+    assert process.wait() == -signal.SIGKILL, "the run ended before it was killed"
+    before = BeforeRerun(workdir)
+    assert KILL_CHECKPOINT_EVERY <= before.resume_step < KILL_STEPS
+    result = train_cli(own_config, interrupted, *KILL_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before.assert_resumed(log_every=1)
+    assert_same_run(workdir, uninterrupted / "run")  # metrics and final parameters, bitwise
 
 
 # ----------------------------------------------------------------- building, in-process

@@ -1,8 +1,9 @@
 """The installed `jddp-train` command, and `jddp-launch` starting its children in its own
 environment: `--help` names `--config` and where the keys are documented; `jddp-launch --
-jddp-train ...` and `jddp-launch -- python -m experiments.train ...` train on 2 processes what
-one device trains, even when the first `python` and `jddp-train` on PATH are other programs
-(the bug: every rank started the system `python`, which had no absl)."""
+jddp-train ...` (the user's model on the user's JSON Lines rows, from a directory outside the
+checkout) and `jddp-launch -- python -m experiments.train ...` (on the config's npz rows) train
+on 2 processes what one device trains, even when the first `python` and `jddp-train` on PATH are
+other programs (the bug: every rank started the system `python`, which had no absl)."""
 
 import argparse
 import os
@@ -10,17 +11,16 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jddp.runtime import launch
 from tests.helpers import REPO, assert_error_exit
 from tests.test_own_models import (
     JDDP_TRAIN,
-    STEPS,
     WIDTH,
+    assert_matches_reference,
+    data_flags,
     linen_reference,
-    logged,
     train_cli,
     write_user_package,
 )
@@ -35,7 +35,7 @@ def own_config(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected_losses(own_config):
+def expected(own_config):
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(os.path.dirname(own_config))
         return linen_reference()
@@ -112,17 +112,19 @@ def run_launched(command, cwd, impostors):
 
 @pytest.mark.parametrize("program", ["jddp-train", "python -m experiments.train"])
 def test_two_launched_processes_train_what_one_device_trains(
-    program, own_config, expected_losses, impostors, tmp_path
+    program, own_config, expected, impostors, tmp_path
 ):
-    """`jddp-train` from a directory outside the checkout; `python -m experiments.train` from
-    the checkout, as the README and docs/multi-host.md write it."""
+    """`jddp-train` from a directory outside the checkout, on JSON Lines; `python -m
+    experiments.train` from the checkout, as the README and docs/multi-host.md write it. Each
+    process reads only its rows of every batch: the losses and the eval over every row once
+    equal one device's."""
     workdir = tmp_path / "run"
     cwd = tmp_path if program == "jddp-train" else REPO
     flags = [f"--config={own_config}", f"--workdir={workdir}", f"--config.model_args.width={WIDTH}"]
+    if program == "jddp-train":
+        flags += data_flags(own_config, "jsonl")
     code, output = run_launched([*program.split(), *flags], cwd, impostors)
     assert code == 0, output[-3000:]
     assert "the wrong" not in output
     assert output.count("done: eval accuracy") == 1  # process 0 speaks for the job
-    records = logged(workdir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in records], expected_losses, rtol=1e-5)
+    assert_matches_reference(workdir, expected)

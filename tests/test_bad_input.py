@@ -31,6 +31,8 @@ from tests.helpers import assert_error_output, assert_one_line, read_only_dir
         ("adam_b2", math.nan, ["adam_b2 must be in [0, 1)"]),
         ("momentum", 1.5, ["momentum must be in [0, 1)"]),
         ("min_lr_ratio", math.nan, ["min_lr_ratio must be in [0, 1]"]),
+        ("seed", -1, ["seed must be an integer from 0 to 2**63 - 1, got -1"]),
+        ("seed", 2**63, ["seed must be an integer from 0 to 2**63 - 1"]),
     ],
 )
 def test_non_finite_and_out_of_range_values_are_refused(key, value, words):
@@ -96,6 +98,60 @@ def test_mistakes_found_before_anything_is_written(tmp_path, make_config, error_
     assert_one_line(error, *words)
     assert not (tmp_path / "run").exists()
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+FIXED_OUTPUTS = """
+import flax.linen as nn
+from flax import nnx
+
+
+class ThreeClasses(nn.Module):  # decides its outputs itself: no num_outputs argument
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class ThreeClassesNnx(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.head = nnx.Linear(64, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+class FourTokens(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Dense(4)(nn.Embed(64, 8)(tokens))
+"""
+
+
+@pytest.mark.parametrize(
+    "model,text,words",
+    [
+        ("ThreeClasses", False, ["gives 3 outputs per example", "fewer than the 10 classes of"]),
+        ("ThreeClassesNnx", False, ["gives 3 outputs", "the 10 classes of digits"]),
+        ("FourTokens", True, ["gives 4 outputs", "fewer than the 8 tokens of text_file's"]),
+    ],
+)
+def test_an_own_model_with_fewer_outputs_than_the_data_is_refused(
+    tmp_path, monkeypatch, model, text, words
+):
+    """An own model without a `num_outputs` argument trained on without a word when it had
+    fewer outputs than the dataset's classes (or a language model's vocabulary)."""
+    package = tmp_path / "fixed_output_nets"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(FIXED_OUTPUTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = text_file_config(tmp_path / "corpus.txt") if text else digits_mlp.get_config()
+    config.data.seq_len = 16
+    (tmp_path / "corpus.txt").write_text("to be or not to be\n" * 40)  # 8 characters
+    config.model, config.model_args = f"fixed_output_nets.nets:{model}", {}
+    with pytest.raises(ConfigError) as error:
+        train_and_evaluate(config, str(tmp_path / "run"))
+    assert_one_line(error, f"model 'fixed_output_nets.nets:{model}'", *words, "num_outputs")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_workdir_under_a_file_or_on_a_read_only_file_system_is_refused(tmp_path):

@@ -73,6 +73,8 @@ MISTAKES = [
         ["powersgd", "ddp only", "zero3"],
     ),
     (["--config.hang_timeout_s=-1"], ["hang_timeout_s", ">= 0"]),
+    # Once refused only by trainer.init, after the workdir and its checkpoints folder existed.
+    (["--config.seed=-1"], ["seed must be an integer from 0", "got -1", "--config.seed"]),
 ]
 
 

@@ -184,3 +184,61 @@ def test_the_planner_counts_float16_as_2_bytes_as_the_trainer_computes():
     trainer = build_trainer(config, data.get_dataset(config.dataset))
     assert from_config(config).compute_bytes == 2
     assert np.dtype(trainer.task.compute_dtype).itemsize == 2
+
+
+# ------------------------------------------------------------------------ own models, rules
+OWN_NNX = """
+from flax import nnx
+
+
+class PlannedNnxNet(nnx.Module):
+    def __init__(self, num_outputs: int, rngs: nnx.Rngs, width: int = 32):
+        self.fc = nnx.Linear(64, width, rngs=rngs)
+        self.head = nnx.Linear(width, num_outputs, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.fc(x.reshape(x.shape[0], -1))))
+"""
+
+
+def test_an_own_nnx_model_is_planned_from_its_own_parameters(tmp_path, monkeypatch):
+    """`config.model = "pkg.mod:Name"` naming an NNX class ended in "'PlannedNnxNet' object has
+    no attribute 'init'" (the planner called Linen's `init`). Its parameters are now the ones
+    NNX itself gives the module, and the compiled peak of its real step is found."""
+    from flax import nnx
+
+    package = tmp_path / "planned_nets"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(OWN_NNX)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = digits_mlp.get_config()
+    config.model, config.model_args = "planned_nets.nets:PlannedNnxNet", {"width": 24}
+    config.global_batch_size = 32
+    workload = from_config(config)
+
+    from planned_nets.nets import PlannedNnxNet  # the reference: NNX's own parameters
+
+    own = nnx.to_pure_dict(nnx.state(PlannedNnxNet(10, nnx.Rngs(0), width=24), nnx.Param))
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), own)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), workload.params) == shapes
+    assert workload.param_count == 64 * 24 + 24 + 24 * 10 + 10
+    assert workload.model_flops > 0  # XLA's count of the forward, times 3
+    rows, _ = search.plan(workload, 8, devices.PRESETS["h100"], 8, stages=False)
+    ddp = next(r for r in rows if r["strategy"] == "ddp")
+    assert ddp["state_bytes"]["params"] == 4 * workload.param_count
+    peaks = compiled_peaks(config, [Layout("zero3", fsdp=8)])
+    assert peaks["zero3 fsdp:8"] > 0
+
+
+def test_a_rule_of_your_own_that_decides_no_parameter_is_refused_by_the_planner():
+    """As training refuses it (jddp/parallel/rules.py): before, the planner planned a typo'd
+    rule as if it were not there, and its compiled peaks skipped every sharded layout."""
+    config = digits_mlp.get_config()
+    config.parallel.rules = (("hiden/kernel", "replicate"),)
+    with pytest.raises(ConfigError) as error:
+        search.plan(from_config(config), 8, devices.PRESETS["h100"], 8, stages=False)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "partition rule ('hiden/kernel', 'replicate') matches no parameter" in message
+    assert "'hidden_1/kernel', 'hidden_0/kernel'" in message

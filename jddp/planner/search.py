@@ -8,7 +8,7 @@ from jddp.errors import ConfigError
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout, candidates
 from jddp.planner.memory_model import activation_bytes, gathered_bytes, state_bytes
-from jddp.planner.shards import all_shards
+from jddp.planner.shards import all_shards, check_rules
 from jddp.planner.stages import check_stages, microbatches
 from jddp.planner.timing import predict
 from jddp.planner.workload import Workload
@@ -110,7 +110,9 @@ def plan(
     devices_per_host: int,
     stages: bool = True,
 ) -> tuple[list[dict], dict[str, str]]:
-    """(ranked rows, {layout: why it cannot run}); a ConfigError if no layout can run."""
+    """(ranked rows, {layout: why it cannot run}); a ConfigError if no layout can run, or if
+    the partition rules are wrong whatever the layout (`shards.check_rules`)."""
+    check_rules(workload)
     layouts, rejected = layouts_for(workload, devices, devices_per_host, stages)
     if not layouts:
         reasons = sorted(set(rejected.values()))[:3]

@@ -20,7 +20,14 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.core.tree_paths import path_str
 from jddp.parallel.mesh import DeviceMesh
-from jddp.parallel.rules import mirror_specs, spec_axes, spec_for
+from jddp.parallel.rules import (
+    check_rules_used,
+    first_rule,
+    mirror_specs,
+    spec_axes,
+    spec_for,
+    validate_rules,
+)
 from jddp.planner.layouts import AXES, Layout
 from jddp.planner.workload import Workload, block_index
 
@@ -53,6 +60,16 @@ def abstract_mesh(layout: Layout) -> DeviceMesh:
     """The layout's mesh without devices (what partition rules need: axis names and sizes)."""
     axes = [a for a in AXES if a != "stage" and layout.sizes[a] > 1] or ["fsdp"]
     return DeviceMesh(AbstractMesh(tuple(layout.sizes[a] for a in axes), tuple(axes)))
+
+
+def check_rules(workload: Workload) -> None:
+    """The trainer's checks of the partition rules, made once before any layout: a ConfigError
+    for a malformed rule, or for a rule of your own that decides no parameter (which paths a
+    rule matches does not depend on the mesh; a preset's rules may match nothing)."""
+    mesh = abstract_mesh(Layout("zero3", data=2, fsdp=2, tensor=2))  # every axis a rule names
+    rules = validate_rules(workload.rules_for(mesh), mesh)
+    decided = {path: first_rule(path, rules) for path, _, _ in _param_table(workload)}
+    check_rules_used(rules, decided)
 
 
 def on_first_stage(shard: "ParamShard", workload: Workload, stages: int) -> bool:

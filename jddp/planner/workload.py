@@ -217,18 +217,21 @@ def block_index(path: str) -> int | None:
 def model_workload(
     model, sample_input, global_batch: int, optimizer=None, *, name: str = "model", **fields
 ) -> Workload:
-    """The workload of training a Flax Linen `model` on `global_batch` examples shaped like
-    `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None: Adam's
-    two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
+    """The workload of training a Flax Linen or NNX `model` on `global_batch` examples shaped
+    like `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None:
+    Adam's two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
+    from jddp.core.modules import as_functional
     from jddp.models import GPT
     from jddp.observe import flops
 
     shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
-    variables = jax.eval_shape(
-        lambda x: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x),
+    functional = as_functional(model)  # the trainer's view: the same parameter paths
+    params, _ = jax.eval_shape(
+        lambda x: functional.init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, (x,), {}
+        ),
         shape,
     )
-    params = variables["params"]
     transformer = None
     if isinstance(model, GPT):
         transformer = Transformer(
@@ -272,6 +275,7 @@ def from_config(config) -> Workload:
         dataset.num_classes,
         batch_axis_name=("data", "fsdp"),
         tensor_axis=tensor_axis,
+        seed=config.seed,  # an own NNX model initializes its parameters from it
         **config.model_args,
     )
     sample_input = factory.sample_batch(config, dataset)[dataset.input_key]

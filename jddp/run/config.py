@@ -123,6 +123,7 @@ _RANGES = {
     "momentum": (0.0, 1.0, False),
 }
 NAN_POLICIES = ("halt", "skip")
+_MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
 
 _DATA_MINIMUMS = {
     "seq_len": 1,
@@ -171,6 +172,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         ):
             interval = f"[{low:g}, {high:g}{']' if high_allowed else ')'}"
             raise ConfigError(f"{key} must be in {interval}, got {value!r}; set --config.{key}")
+    seed = config.seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _MAX_SEED:
+        # Checked here, not first in trainer.init: by then the workdir would exist.
+        raise ConfigError(
+            f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}; set --config.seed"
+        )
     if config.nan_policy not in NAN_POLICIES:
         raise ConfigError(
             f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {config.nan_policy!r}"

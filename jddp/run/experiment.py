@@ -82,7 +82,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     data_options = data.DataOptions.from_config(config.data)
     splits = data.open_dataset(dataset, data_options)
     sample_batch = factory.sample_batch(config, dataset, splits)
-    check_model_fits(trainer.task, sample_batch, config.model, config.dataset)
+    check_model_fits(trainer.task, sample_batch, config.model, config.dataset, dataset)
     trainer.check_layout(sample_batch, config.global_batch_size)
     # Each process reads only its block of every global batch (see jddp/data/loader.py):
     # block `part` of `parts`; pipeline stages on other hosts read the same block.

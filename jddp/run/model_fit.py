@@ -3,7 +3,10 @@
 The real failures: a convolutional model fed token sequences breaks deep inside Flax ("operands
 could not be broadcast"), and a model whose pooling shrinks small images to nothing fails in its
 initializer (ZeroDivisionError) or gets weight matrices with no rows. Initializing the model
-abstractly (`jax.eval_shape`, no compute) on one real example turns each into one line.
+abstractly (`jax.eval_shape`, no compute) on one real example turns each into one line. An own
+model that sets its outputs itself is held to the dataset's classes (or vocabulary) the same way:
+with fewer, the loss of an example past its last output is NaN (classification) or, for a
+language model, finite and wrong: it trains on without a word.
 """
 
 import dataclasses
@@ -13,12 +16,17 @@ import jax
 import numpy as np
 
 from jddp.core.task import Task
+from jddp.data import LANGUAGE_MODEL, DatasetSpec
 from jddp.errors import ConfigError, DataError
+from jddp.models.user_models import OUTPUT_FIELD, is_import_path
 
 
-def check_model_fits(task: Task, sample_batch, model_name: str, dataset_name: str) -> None:
+def check_model_fits(
+    task: Task, sample_batch, model_name: str, dataset_name: str, dataset: DatasetSpec | None = None
+) -> None:
     """Raises ConfigError for a layer of no width, and DataError if `task`'s model cannot take
-    `sample_batch`'s input, each in one line."""
+    `sample_batch`'s input, each in one line; given the `dataset`, also a ConfigError for an own
+    model with fewer outputs than its classes or vocabulary (`check_outputs`)."""
     _check_sizes(task.model, model_name)
     sample = np.asarray(sample_batch[task.input_key])
     what = (
@@ -45,6 +53,40 @@ def check_model_fits(task: Task, sample_batch, model_name: str, dataset_name: st
     ]
     if empty:
         raise DataError(f"{what}: parameter {empty[0]} would be empty; {hint}")
+    if dataset is not None and is_import_path(model_name):
+        check_outputs(task, state, sample_batch, model_name, dataset_name, dataset)
+
+
+def check_outputs(
+    task: Task, state, sample_batch, model_name: str, dataset_name: str, dataset: DatasetSpec
+) -> None:
+    """A ConfigError if the last axis of the model's output (from shapes: nothing is computed)
+    is shorter than `dataset`'s classes or vocabulary. Built-in models get their outputs from
+    the dataset; an own model that takes no `num_outputs` argument decides them itself."""
+    batch = {name: np.asarray(value)[:1] for name, value in sample_batch.items()}
+    try:
+        outputs = jax.eval_shape(
+            lambda params, model_state: task.forward(params, model_state, batch, train=False)[0],
+            state.params,
+            state.model_state,
+        )
+    except Exception:  # e.g. collectives over the mesh's axes: the strategy's step will tell
+        return
+    if not isinstance(outputs, jax.ShapeDtypeStruct) or not outputs.shape:
+        return  # not one array of scores: nothing to compare
+    given, needed = outputs.shape[-1], dataset.num_classes
+    if given >= needed:
+        return
+    counted = (
+        f"the {needed} tokens of {dataset_name}'s vocabulary"
+        if dataset.kind == LANGUAGE_MODEL
+        else f"the {needed} classes of {dataset_name}"
+    )
+    raise ConfigError(
+        f"model {model_name!r} gives {given} outputs per example (the last axis of its output), "
+        f"fewer than {counted}; give the model a {OUTPUT_FIELD} argument (jddp passes it "
+        f"{needed}) or make it give at least {needed} outputs"
+    )
 
 
 def _check_sizes(model, model_name: str) -> None:

@@ -308,9 +308,10 @@ def requires_data(path: str, how: str) -> None:
     pytest.skip(reason)
 
 
-def launch_command(nproc: int, devices_per_proc: int) -> list[str]:
-    """The `jddp-launch` command line up to its `--`: `nproc` processes of simulated devices."""
+def launch_command(nproc: int, devices_per_proc: int, program: str | None = None) -> list[str]:
+    """The `jddp-launch` command line up to its `--`: `nproc` processes of simulated devices;
+    `program`: the launcher to run (default: this interpreter's `-m jddp.runtime.launch`)."""
+    launcher = [program] if program else [sys.executable, "-m", "jddp.runtime.launch"]
     return [
-        sys.executable, "-m", "jddp.runtime.launch",
-        f"--nproc={nproc}", f"--devices_per_proc={devices_per_proc}", "--",
+        *launcher, f"--nproc={nproc}", f"--devices_per_proc={devices_per_proc}", "--",
     ]  # fmt: skip

@@ -31,12 +31,7 @@ def step_keys(steps):
 
 def train(trainer, batches):
     """(initial parameters on the host, final parameters on the host, losses) from seed 0."""
-    state = trainer.init(seed=0, sample_batch=batches[0])
-    initial = trainer.host_state(state).params
-    losses = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
+    initial, state, losses = tiny_gpt.run(trainer, batches)
     return initial, trainer.host_state(state).params, losses
 
 

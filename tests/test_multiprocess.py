@@ -49,11 +49,14 @@ def worker_result(path):
     return tree("initial/"), tree("final/"), result["losses"]
 
 
-def launch(nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None):
-    """`jddp-launch` in a subprocess; SIGKILLed (with its children) past `timeout`."""
+def launch(
+    nproc, devices_per_proc, *command, timeout=HARD_TIMEOUT_SEC, env=None, cwd=REPO, program=None
+):
+    """`jddp-launch` (or `program`) in a subprocess in `cwd`; SIGKILLed (with its children) past
+    `timeout`."""
     process = subprocess.Popen(
-        [*launch_command(nproc, devices_per_proc), *command],
-        cwd=REPO,
+        [*launch_command(nproc, devices_per_proc, program), *command],
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,7 +7,6 @@ other programs (the bug: every rank started the system `python`, which had no ab
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 
 from jddp.runtime import launch
 from tests.helpers import REPO, assert_error_exit
+from tests.test_multiprocess import launch as launch_job
 from tests.test_own_models import (
     JDDP_TRAIN,
     WIDTH,
@@ -89,25 +89,12 @@ def run_launched(command, cwd, impostors):
     """`jddp-launch --nproc 2 --devices_per_proc 1 -- COMMAND` in `cwd`, the impostors first on
     PATH; SIGKILLed with its children past the hard timeout."""
     env = {
-        **os.environ,
         "PATH": f"{impostors}{os.pathsep}{os.environ.get('PATH', '')}",
         "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
     }
-    process = subprocess.Popen(
-        [JDDP_LAUNCH, "--nproc", "2", "--devices_per_proc", "1", "--", *command],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+    return launch_job(
+        2, 1, *command, env=env, cwd=cwd, program=JDDP_LAUNCH, timeout=HARD_TIMEOUT_SEC
     )
-    try:
-        output, _ = process.communicate(timeout=HARD_TIMEOUT_SEC)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return process.returncode, output
 
 
 @pytest.mark.parametrize("program", ["jddp-train", "python -m experiments.train"])

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 
 import jax
@@ -23,7 +24,6 @@ import jddp
 from jddp import models
 from jddp.run import factory
 from tests.helpers import (
-    REPO,
     BeforeRerun,
     assert_accuracy_over,
     assert_error_exit,
@@ -35,7 +35,7 @@ from tests.own_data_files import as_loaded, global_batches, write_files, write_h
 from tests.reference import plain_training
 from tests.test_resume_kill import assert_same_run, logged_steps, wait_until
 
-JDDP_TRAIN = os.path.join(REPO, ".venv", "bin", "jddp-train")
+JDDP_TRAIN = os.path.join(os.path.dirname(sys.executable), "jddp-train")  # installed beside it
 PACKAGE = "own_nets"  # the user's package, beside the config file
 STEPS, GLOBAL_BATCH, LEARNING_RATE, WIDTH = 6, 32, 1e-2, 24
 # The user's rows: 80 to train on (6 steps of 32 cross two epoch boundaries, one inside a

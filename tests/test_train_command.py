@@ -25,7 +25,7 @@ from tests.test_own_models import (
     write_user_package,
 )
 
-JDDP_LAUNCH = os.path.join(REPO, ".venv", "bin", "jddp-launch")
+JDDP_LAUNCH = os.path.join(os.path.dirname(sys.executable), "jddp-launch")
 HARD_TIMEOUT_SEC = 240
 
 

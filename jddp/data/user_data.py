@@ -20,7 +20,6 @@ The rules (docs/data.md says them to users):
 
 import dataclasses
 import difflib
-import importlib
 import os
 import re
 
@@ -28,6 +27,7 @@ import numpy as np
 
 from jddp.data import own_formats, tables
 from jddp.errors import ConfigError, DataError
+from jddp.runtime import user_code
 
 FILE_SCHEMES = {
     "npz": own_formats.read_npz,
@@ -83,28 +83,11 @@ def read_splits(name: DataName) -> dict[str, tables.Table]:
     function's dict of splits."""
     if name.scheme != FUNCTION:
         return FILE_SCHEMES[name.scheme](name.target, name.text)
-    module_name, _, function_name = name.target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):  # the module itself, not one it imports
-            raise ConfigError(
-                f"dataset {name.text!r}: no module {module_name!r} on sys.path; put it beside the "
-                f"config file (or on PYTHONPATH), or write {_ALL_FORMS}"
-            ) from None
-        raise DataError(f"importing {module_name!r} failed: {e}") from None
-    except Exception as e:  # the user's module raised while importing
-        raise DataError(
-            f"importing {module_name!r} failed: {type(e).__name__}: {tables.first_line(e)}"
-        ) from None
-    function = getattr(module, function_name, None)
+    function = user_code.load(
+        name.target, f"dataset {name.text!r}", hint=f", or write {_ALL_FORMS}", failure=DataError
+    )
     if not callable(function):
-        public = [n for n in dir(module) if not n.startswith("_")]
-        close = difflib.get_close_matches(function_name, public, n=3)
-        hint = f" (close: {', '.join(close)})" if close else ""
-        raise ConfigError(
-            f"dataset {name.text!r}: module {module_name!r} has no function {function_name!r}{hint}"
-        )
+        raise ConfigError(f"dataset {name.text!r}: {name.target!r} is not a function")
     try:
         returned = function()
     except Exception as e:  # the user's function failed: its own error, in one line

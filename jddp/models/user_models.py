@@ -10,12 +10,7 @@ fields of built-in models (`batch_axis_name`, `tensor_axis`, `sequence_parallel`
 """
 
 import dataclasses
-import difflib
-import importlib
 import inspect
-import os
-import re
-import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +18,9 @@ import flax.linen as nn
 from flax import nnx
 
 from jddp.errors import ConfigError
+from jddp.runtime import user_code
 
 OUTPUT_FIELD = "num_outputs"
-_IMPORT_PATH = re.compile(r"^(?P<module>\w+(?:\.\w+)*):(?P<attr>\w+(?:\.\w+)*)$")
-_WHERE = "put it beside the config file or on PYTHONPATH"
 _LINEN_OWN = {"parent", "name"}  # Linen dataclass fields that Flax sets itself
 
 
@@ -37,43 +31,13 @@ def is_import_path(name: str) -> bool:
 
 def load(spec: str) -> Any:
     """The object `spec` ("package.module:Name") names, imported; a ConfigError if it cannot be."""
-    match = _IMPORT_PATH.match(spec)
-    if not match:
+    if not user_code.IMPORT_PATH.match(spec):
         raise ConfigError(
             f"model {spec!r} is neither a built-in name nor 'package.module:Name' (a module "
             "importable from the config file's directory or PYTHONPATH, and a class or function "
             "in it)"
         )
-    module_name, attr = match["module"], match["attr"]
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # not found, or the user's module raised while it was imported
-        missing = isinstance(e, ModuleNotFoundError) and _names_part_of(e.name, module_name)
-        if missing:
-            raise ConfigError(
-                f"model {spec!r}: no module named {e.name!r} to import; {_WHERE} "
-                f"(as {module_name.replace('.', '/')}.py)"
-            ) from None
-        raise ConfigError(
-            f"model {spec!r}: importing {module_name!r} failed: {_brief(e)}"
-        ) from None
-    found, path = module, module_name
-    for part in attr.split("."):
-        if not hasattr(found, part):
-            names = [n for n in dir(found) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"it has {_listing(names)}"
-            where = getattr(found, "__file__", None)
-            raise ConfigError(
-                f"model {spec!r}: {path!r}{f' ({where})' if where else ''} has no {part!r}; {hint}"
-            )
-        found, path = getattr(found, part), f"{path}.{part}"
-    return found
-
-
-def _names_part_of(name: str | None, module_name: str) -> bool:
-    """Whether `name` is `module_name` or a package above it ('pkg' of 'pkg.models')."""
-    return bool(name) and (module_name == name or module_name.startswith(name + "."))
+    return user_code.load(spec, f"model {spec!r}")
 
 
 def create(
@@ -131,7 +95,8 @@ def create(
     except Exception as e:  # the user's constructor refused the arguments: one line, with where
         shown = {k: v for k, v in kwargs.items() if k != "rngs"}
         raise ConfigError(
-            f"model {spec!r} failed to build with {shown}: {_brief(e)}; check config.model_args"
+            f"model {spec!r} failed to build with {shown}: {user_code.brief(e)}; "
+            "check config.model_args"
         ) from None
     if not isinstance(model, nn.Module | nnx.Module):
         raise ConfigError(
@@ -206,34 +171,3 @@ def _parameters(target, kind: str) -> tuple[set[str], list[str], bool]:
     open_ended = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     required = [p.name for p in parameters if p.default is p.empty]
     return {p.name for p in parameters}, required, open_ended
-
-
-def _brief(error: BaseException) -> str:
-    """`Type: first line of the message (at FILE:LINE)`: the innermost line of the user's own
-    code that raised it (not jddp's, nor an installed library's, where there is one)."""
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    if isinstance(error, SyntaxError) and error.filename:
-        return f"{text} (at {error.filename}:{error.lineno})"
-    frames = traceback.extract_tb(error.__traceback__)
-    own = [f for f in frames if not _is_library(f.filename)] or frames
-    return f"{text} (at {own[-1].filename}:{own[-1].lineno})" if own else text
-
-
-_JDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _is_library(filename: str) -> bool:
-    """Whether a traceback frame is jddp's, the standard library's or an installed package's."""
-    path = os.path.abspath(filename)
-    return (
-        path.startswith(_JDDP_DIR + os.sep)
-        or "site-packages" in path
-        or path.startswith(os.path.dirname(os.__file__) + os.sep)
-        or filename.startswith("<")
-    )
-
-
-def _listing(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(names[:most]) + (", ..." if len(names) > most else "")
-    return shown or "no public names"

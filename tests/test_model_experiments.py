@@ -65,7 +65,7 @@ def test_language_model_run_logs_tokens_mfu_and_perplexity(tmp_path):
 
     records = read_records(tmp_path / "run")
     model = models.create_model("gpt", vocab_size, **config.model_args)
-    flops_per_token = flops.gpt_train_flops(model, 1, 32) / 32
+    flops_per_token = flops.decoder_train_flops(model, 1, 32) / 32
     for record in records:
         assert record["tokens_per_sec"] == pytest.approx(32 * record["examples_per_sec"])
         per_device = record["tokens_per_sec"] * flops_per_token / 8

@@ -100,7 +100,7 @@ def make_variant(attention: str, batch_size: int, small: bool, device):
         jax.block_until_ready((holder["state"], metrics))
         return (time.perf_counter() - start) / steps
 
-    return window, flops.gpt_train_flops(model, batch_size, seq_len)
+    return window, flops.decoder_train_flops(model, batch_size, seq_len)
 
 
 def main() -> None:

@@ -63,7 +63,9 @@ def arranged_like(tree, given, what: str):
         name = path_str(path)
         if name not in found:
             raise ShapeError(f"{what} has no {name!r} (the model's has shape {leaf.shape})")
-        value = np.asarray(found.pop(name))
+        value = found.pop(name)
+        if not getattr(value, "lazy", False):  # lazy leaves read their values when indexed
+            value = np.asarray(value)
         if value.shape != tuple(leaf.shape):
             raise ShapeError(
                 f"{what}'s {name!r} has shape {value.shape}, the model's {tuple(leaf.shape)}"

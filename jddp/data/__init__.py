@@ -15,6 +15,7 @@ from jddp.data.datasets import (
 from jddp.data.loader import TrainBatches, eval_batches, train_batches
 from jddp.data.padding import pad_batch
 from jddp.data.prefetch import DevicePrefetch, prefetch_to_device
+from jddp.data.tokenizer import TextTokenizer, load_tokenizer
 
 __all__ = [
     "ArraySource",
@@ -25,9 +26,11 @@ __all__ = [
     "Dataset",
     "DatasetSpec",
     "DevicePrefetch",
+    "TextTokenizer",
     "TrainBatches",
     "eval_batches",
     "get_dataset",
+    "load_tokenizer",
     "open_dataset",
     "pad_batch",
     "prefetch_to_device",

@@ -5,7 +5,8 @@ task, the number of classes or the vocabulary); `open_dataset(spec, options)` pr
 dataset on first use (array_record files, no TensorFlow) and returns its random-access splits
 with the dataset's preprocessing. Own data (`npz:PATH`, `jsonl:PATH`, `parquet:PATH`, `hf:PATH`,
 `package.module:function`) is resolved by jddp/data/user_data.py: its spec reads the labels (or
-the text) already, to count the classes (or the characters).
+the text) already, to count the classes (or the characters). With `data.tokenizer`, text is
+tokenized by a Hugging Face tokenizer (jddp/data/tokenizer.py) instead of by characters.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from jddp.data import text, transforms, user_data
+from jddp.data import tokenizer as tokenizer_lib
 from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
@@ -29,7 +31,7 @@ from jddp.data.loader import Transform, read_batch
 from jddp.data.mnist import FashionMnist, Mnist
 from jddp.data.shakespeare import VOCABULARY, ShakespeareChar
 from jddp.data.source_files import LocalFilesBuilder
-from jddp.errors import ConfigError, DataError
+from jddp.errors import ConfigError, DataError, UsageError
 from jddp.runtime.fs import directory_problem
 from jddp.runtime.quiet import library_warnings_muted
 
@@ -43,6 +45,8 @@ class DataOptions:
     data_dir: str = ""  # TFDS data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
     manual_dir: str = ""  # local source files; "" = <data_dir>/downloads/manual
     text_file: str = ""  # dataset text_file: the UTF-8 file to model
+    tokenizer: str = ""  # text: a Hugging Face tokenizer.json (or its directory); "" = characters
+    eos_token: str = ""  # with tokenizer: the end-of-document token; "" = found (tokenizer.py)
     seq_len: int = 256  # language models: tokens per example
     image_size: int = 224  # ImageNet: side of the square crops
     augment: bool = True  # random crops and flips in training, where the dataset defines them
@@ -86,12 +90,19 @@ class DatasetSpec:
     make_transform: Callable[[DataOptions], Transform]
     input_key: str = "image"  # the model input
     target_key: str = "label"  # what the loss compares the outputs with
-    vocabulary: str = ""  # language models: token i is vocabulary[i]
+    vocabulary: str = ""  # character-level language models: token i is vocabulary[i]
     train_split: str = "train"
     eval_split: str = "test"
     text_file: str = ""
     # Own data: its splits and columns, resolved when the spec is made (user_data.py).
     own: user_data.OwnData | None = dataclasses.field(default=None, compare=False, repr=False)
+    tokenizer: tokenizer_lib.TextTokenizer | None = None  # data.tokenizer; None: characters
+
+    def decode(self, tokens) -> str:
+        """A language model's token ids back to text: by the tokenizer, else the vocabulary."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(tokens)
+        return text.decode(tokens, self.vocabulary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +160,8 @@ DATASETS: dict[str, DatasetSpec] = {
 def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None = None):
     """The dataset `name`: a built-in one or own data (`npz:PATH`, ...: read here for its
     classes or vocabulary, with the columns and eval split `options` give); `text_file` (or
-    `options.text_file`) is the file of dataset `text_file` (read here for its vocabulary)."""
+    `options.text_file`) is the file of dataset `text_file` (read here for its vocabulary). With
+    `options.tokenizer`, a text dataset's vocabulary is that tokenizer's (loaded here)."""
     options = options or DataOptions()
     text_file = text_file or options.text_file
     own_data = user_data.is_own_data(name)
@@ -159,8 +171,22 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             f"data.text_file is set but dataset is {name!r}; set --config.dataset=text_file "
             "to train on the file, or clear --config.data.text_file"
         )
+    if options.eos_token and not options.tokenizer:
+        raise ConfigError(
+            "data.eos_token applies with data.tokenizer (a Hugging Face tokenizer.json); set "
+            "--config.data.tokenizer=PATH or clear data.eos_token"
+        )
+    if options.tokenizer and name in DATASETS and DATASETS[name].kind != LANGUAGE_MODEL:
+        raise ConfigError(_tokenizer_needs_text(f"dataset {name!r}"))
+    tokenizer = None
+    if options.tokenizer and (own_data or name in DATASETS):
+        tokenizer = tokenizer_lib.load_tokenizer(options.tokenizer, options.eos_token)
     if own_data:
-        return _own_dataset_spec(user_data.resolve(name, options))
+        own = user_data.resolve(name, options)
+        if tokenizer is not None and not own.language_model:
+            where = f"the input {own.input_key!r} of {name} (not text)"
+            raise ConfigError(_tokenizer_needs_text(where, own=True))
+        return _own_dataset_spec(own, tokenizer)
     if name not in DATASETS:
         close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
         hint = f" (close: {', '.join(close)})" if close else ""
@@ -172,11 +198,27 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             f"unknown dataset {name!r}{hint}; choose one of {', '.join(sorted(DATASETS))}, or "
             "own data: npz:PATH, jsonl:PATH, parquet:PATH, hf:PATH, package.module:function"
         )
-    if name != "text_file":
-        return DATASETS[name]
-    vocabulary = "".join(sorted(set(text.read_text_file(text_file))))
+    spec = DATASETS[name]
+    if name == "text_file":
+        vocabulary = "".join(sorted(set(text.read_text_file(text_file))))
+        spec = dataclasses.replace(
+            spec, num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
+        )
+    return _tokenized_spec(spec, tokenizer) if tokenizer is not None else spec
+
+
+def _tokenizer_needs_text(what: str, own: bool = False) -> str:
+    fix = "set data.input_key to a text column" if own else "choose a text dataset"
+    return (
+        f"data.tokenizer tokenizes text, and {what} is not a language model's text; clear "
+        f"data.tokenizer or {fix} (text_file, shakespeare_char, or own data with a text column)"
+    )
+
+
+def _tokenized_spec(spec: DatasetSpec, tokenizer: tokenizer_lib.TextTokenizer) -> DatasetSpec:
+    """`spec` tokenized by `tokenizer`: its outputs are the tokenizer's vocabulary."""
     return dataclasses.replace(
-        DATASETS[name], num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
+        spec, num_classes=tokenizer.vocab_size, vocabulary="", tokenizer=tokenizer
     )
 
 
@@ -196,10 +238,10 @@ def _exclusive(path: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _own_dataset_spec(own: user_data.OwnData) -> DatasetSpec:
+def _own_dataset_spec(own: user_data.OwnData, tokenizer=None) -> DatasetSpec:
     if own.language_model:
-        spec = _language_model_spec(own.name, None, own.vocabulary)
-        return dataclasses.replace(spec, own=own)
+        spec = dataclasses.replace(_language_model_spec(own.name, None, own.vocabulary), own=own)
+        return _tokenized_spec(spec, tokenizer) if tokenizer is not None else spec
     columns = user_data.OwnColumns(own.input_key, own.target_key)
     return DatasetSpec(
         own.name, CLASSIFICATION, own.num_classes, None, functools.partial(_fixed, columns),
@@ -214,14 +256,29 @@ def _fixed(transform: Transform, options: DataOptions) -> Transform:
 def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Dataset:
     """`spec`'s train and eval splits, prepared into the TFDS data dir on first use."""
     options = options or DataOptions()
+    if options.tokenizer and spec.tokenizer is None:
+        raise UsageError(
+            f"options set data.tokenizer but the spec of {spec.name} was made without it; make "
+            "the spec with get_dataset(name, options=...) given the same options"
+        )
     transform = spec.make_transform(options)
     splits = (spec.train_split, spec.eval_split)
     if spec.own is not None and spec.own.language_model:
         texts = {spec.train_split: spec.own.train, spec.eval_split: spec.own.eval}
         where = {spec.train_split: spec.own.train_where, spec.eval_split: spec.own.eval_where}
+        if spec.tokenizer is not None:  # documents, or one whose tokens are split
+            return _tokenized_splits(spec, options, texts, where, transform, spec.own.eval_fraction)
         return _language_model_splits(spec, options, texts, where, transform)
     if spec.own is not None:
         return Dataset(spec, spec.own.train, spec.own.eval, transform)
+    if spec.builder_class is None and spec.tokenizer is not None:  # a text file: one document
+        documents = {spec.train_split: [text.read_text_file(spec.text_file)], spec.eval_split: None}
+        fraction = text.TEXT_FILE_TEST_FRACTION
+        where = {
+            spec.train_split: f"the first {1 - fraction:g} of the tokens of {spec.text_file}",
+            spec.eval_split: f"the last {fraction:g} of the tokens of {spec.text_file}",
+        }
+        return _tokenized_splits(spec, options, documents, where, transform, fraction)
     if spec.builder_class is None:  # a local text file
         texts = text.text_file_splits(text.read_text_file(spec.text_file))
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
@@ -238,14 +295,17 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
         builder = _prepared_builder(spec, options)
         sources = builder.as_data_source()
         if spec.kind == LANGUAGE_MODEL:  # one example per work: the split's text, in work order
-            texts = {
-                split: "".join(
+            works = {
+                split: [
                     work["text"].decode("utf-8")
                     for work in sorted(sources[split], key=lambda work: work["work"])
-                )
+                ]
                 for split in splits
             }
             where = {split: f"{spec.name} split {split}" for split in splits}
+            if spec.tokenizer is not None:  # each work a document
+                return _tokenized_splits(spec, options, works, where, transform)
+            texts = {split: "".join(works[split]) for split in splits}
             return _language_model_splits(spec, options, texts, where, transform)
         train, test = (_split_source(builder, sources, split, spec, options) for split in splits)
         return Dataset(spec, train, test, transform)
@@ -300,5 +360,22 @@ def _language_model_splits(spec, options, texts, where, transform) -> Dataset:
         spec,
         text.language_model_windows(tokens[train], options.seq_len, True, where[train]),
         text.language_model_windows(tokens[test], options.seq_len, False, where[test]),
+        transform,
+    )
+
+
+def _tokenized_splits(spec, options, documents, where, transform, eval_fraction=0.0) -> Dataset:
+    """Token windows over the train and eval documents, each packed by the spec's tokenizer; an
+    eval split of None is the last `eval_fraction` of the train tokens (one document)."""
+    train, test = spec.train_split, spec.eval_split
+    tokens = spec.tokenizer.pack(documents[train])
+    if documents[test] is None:
+        tokens, eval_tokens = tokenizer_lib.split_tokens(tokens, eval_fraction)
+    else:
+        eval_tokens = spec.tokenizer.pack(documents[test])
+    return Dataset(
+        spec,
+        text.language_model_windows(tokens, options.seq_len, True, where[train], "tokens"),
+        text.language_model_windows(eval_tokens, options.seq_len, False, where[test], "tokens"),
         transform,
     )

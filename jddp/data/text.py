@@ -2,7 +2,8 @@
 
 Token i is character `vocabulary[i]`; vocabularies are sorted by code point. A split's text is one
 token array; its examples are windows of it (`TokenWindows`), which `transforms.NextCharacter`
-turns into `inputs` and `targets`.
+turns into `inputs` and `targets`. Text tokenized by a Hugging Face tokenizer (tokenizer.py) is
+one token array as well, cut into the same windows.
 """
 
 import os
@@ -38,10 +39,12 @@ def decode(tokens, vocabulary: str) -> str:
 class TokenWindows:
     """A random-access source: example i is `{"tokens": tokens[i*stride : i*stride + length]}`."""
 
-    def __init__(self, tokens: np.ndarray, length: int, stride: int, where: str):
+    def __init__(
+        self, tokens: np.ndarray, length: int, stride: int, where: str, unit: str = "characters"
+    ):
         if len(tokens) < length:
             raise DataError(
-                f"{where} has {len(tokens)} characters, fewer than one example needs ({length}); "
+                f"{where} has {len(tokens)} {unit}, fewer than one example needs ({length}); "
                 "use a smaller --config.data.seq_len or more text"
             )
         self.tokens, self.length, self.stride = tokens, length, stride
@@ -57,13 +60,15 @@ class TokenWindows:
         return {name: rows[0] for name, rows in self.read_batch([index]).items()}
 
 
-def language_model_windows(tokens: np.ndarray, seq_len: int, train: bool, where: str):
+def language_model_windows(
+    tokens: np.ndarray, seq_len: int, train: bool, where: str, unit: str = "characters"
+):
     """Examples of a split: in training, windows of 2 x seq_len tokens every seq_len tokens (the
     transform cuts seq_len + 1 at a random offset), else windows of seq_len + 1 every seq_len, so
-    each character is a target exactly once."""
+    each token is a target exactly once. `unit` names the tokens in messages."""
     if train:
-        return TokenWindows(tokens, 2 * seq_len, seq_len, where)
-    return TokenWindows(tokens, seq_len + 1, seq_len, where)
+        return TokenWindows(tokens, 2 * seq_len, seq_len, where, unit)
+    return TokenWindows(tokens, seq_len + 1, seq_len, where, unit)
 
 
 def read_text_file(path: str) -> str:

@@ -7,13 +7,15 @@ The rules (docs/data.md says them to users):
   else the one column left.
 - **Kind.** A text (string) input trains a character-level language model: the rows' texts joined
   by newlines, tokenized by the sorted characters of train and eval (as dataset `text_file`),
-  windows of `data.seq_len`. Any other input is classification against an integer label per row;
+  windows of `data.seq_len`. With `data.tokenizer`, each row is a document instead, packed by the
+  tokenizer (tokenizer.py). Any other input is classification against an integer label per row;
   its classes are `data.num_classes`, else the largest label over both splits + 1 (at least what a
   `datasets` ClassLabel declares).
 - **Eval split.** `data.eval_path` (a second file; a bare path takes the dataset's scheme), or
   `data.eval_fraction` (held-out rows: the first fraction of a permutation seeded with
   `HOLD_OUT_SEED`, so the same data gives the same split; for text, the last fraction of the
-  characters), or the data's own validation / test / eval split (a DatasetDict, a function's dict).
+  characters; for tokenized text, the last fraction of the rows, or of the tokens of a single
+  row), or the data's own validation / test / eval split (a DatasetDict, a function's dict).
   With none of these, one error line asks for one: a hold-out chosen silently would train on
   fewer rows than given.
 """
@@ -25,7 +27,7 @@ import re
 
 import numpy as np
 
-from jddp.data import own_formats, tables
+from jddp.data import own_formats, tables, tokenizer
 from jddp.errors import ConfigError, DataError
 from jddp.runtime import user_code
 
@@ -99,18 +101,20 @@ def read_splits(name: DataName) -> dict[str, tables.Table]:
 
 @dataclasses.dataclass(frozen=True)
 class OwnData:
-    """Own data resolved: its kind, columns and splits (tables, or texts for a language model)."""
+    """Own data resolved: its kind, columns and splits (tables; for a language model texts, or
+    with data.tokenizer lists of documents)."""
 
     name: str
     language_model: bool
     num_classes: int  # classification only; a language model's come from its vocabulary
     input_key: str  # the input column
     target_key: str  # the label column ("" for text)
-    train: object  # a tables.Table, or the training text
-    eval: object  # a tables.Table, or the eval text
+    train: object  # a tables.Table, or the training text (documents)
+    eval: object  # a tables.Table, or the eval text (documents; None: see eval_fraction)
     train_where: str = ""
     eval_where: str = ""
-    vocabulary: str = ""  # a language model's characters, sorted by code point
+    vocabulary: str = ""  # a character-level language model's characters, by code point
+    eval_fraction: float = 0.0  # one tokenized document: its last fraction of tokens is eval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +246,8 @@ def _roles(table: tables.Table, options) -> tuple[str, str, bool]:
     if text_input:
         if options.target_key:
             raise ConfigError(
-                f"the input {input_key!r} is text, which trains a character-level language "
-                "model (the target is the next character); clear data.target_key"
+                f"the input {input_key!r} is text, which trains a language model (the target "
+                "is the next token); clear data.target_key"
             )
         return input_key, "", True
     if not target:
@@ -321,7 +325,10 @@ def _num_classes(train, eval_table, target_key: str, given: int) -> int:
 
 
 def _text_data(text, train, eval_table, input_key: str, options) -> OwnData:
-    """A language model's train and eval texts: rows joined by newlines."""
+    """A language model's train and eval texts: rows joined by newlines (with data.tokenizer:
+    each row a document)."""
+    if options.tokenizer:
+        return _documents(text, train, eval_table, input_key, options)
     train_text = "\n".join(str(t) for t in train.column(input_key))
     if eval_table is None:  # the last eval_fraction of the characters (as dataset text_file)
         cut = int(len(train_text) * (1 - options.eval_fraction))
@@ -339,4 +346,28 @@ def _text_data(text, train, eval_table, input_key: str, options) -> OwnData:
     return OwnData(
         text, True, len(vocabulary), input_key, "", train_text, eval_text,
         train_where=train_where, eval_where=eval_where, vocabulary=vocabulary,
+    )  # fmt: skip
+
+
+def _documents(text, train, eval_table, input_key: str, options) -> OwnData:
+    """A tokenized language model's train and eval documents, one per row. Held out by
+    eval_fraction: the last fraction of the rows, or of the tokens of a single row (cut when the
+    data is opened and tokenized)."""
+    documents = [str(t) for t in train.column(input_key)]
+    fraction, eval_fraction = options.eval_fraction, 0.0
+    if eval_table is not None:
+        eval_documents = [str(t) for t in eval_table.column(input_key)]
+        train_where, eval_where = train.where, eval_table.where
+    elif len(documents) > 1:
+        held = tokenizer.held_out_documents(len(documents), fraction, train.where)
+        documents, eval_documents = documents[:-held], documents[-held:]
+        train_where = f"the first {len(documents)} rows of {train.where}"
+        eval_where = f"the last {held} rows ({fraction:g}) of {train.where}"
+    else:
+        eval_documents, eval_fraction = None, fraction
+        train_where = f"the first {1 - fraction:g} of the tokens of {train.where}"
+        eval_where = f"the last {fraction:g} of the tokens of {train.where}"
+    return OwnData(
+        text, True, 0, input_key, "", documents, eval_documents,
+        train_where=train_where, eval_where=eval_where, eval_fraction=eval_fraction,
     )  # fmt: skip

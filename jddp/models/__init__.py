@@ -7,18 +7,39 @@ import difflib
 import flax.linen as nn
 
 from jddp.errors import ConfigError
+from jddp.models import llama
 from jddp.models.cnn import CNN
+from jddp.models.decoder import Decoder, check_tensor_split
 from jddp.models.gpt import GPT, TENSOR_PARALLEL_RULES
+from jddp.models.llama import Llama
 from jddp.models.mlp import MLP
 from jddp.models.resnet import ResNet
 from jddp.models.user_models import check_outputs, is_import_path
 from jddp.models.user_models import create as create_user_model
 
-MODELS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn": CNN, "resnet": ResNet, "gpt": GPT}
+MODELS: dict[str, type[nn.Module]] = {
+    "mlp": MLP,
+    "cnn": CNN,
+    "resnet": ResNet,
+    "gpt": GPT,
+    "llama": Llama,
+}
 # The field that receives the dataset's number of outputs (classes, or the vocabulary size).
-OUTPUT_FIELDS = {"gpt": "vocab_size"}
-# Partition rules for meshes with a tensor axis, by model name.
-TENSOR_RULES = {"gpt": TENSOR_PARALLEL_RULES}
+OUTPUT_FIELDS = {"gpt": "vocab_size", "llama": "vocab_size"}
+# Models with a tensor-parallel preset (`tensor_rules`).
+TENSOR_PARALLEL_MODELS = ("gpt", "llama")
+
+
+def tensor_rules(name: str, model: nn.Module, tensor: int) -> tuple:
+    """The partition rules for model `name` (built as `model`) on a mesh whose tensor axis has
+    `tensor` devices: GPT's and Llama's Megatron layouts; () for other models."""
+    if name == "gpt":
+        return TENSOR_PARALLEL_RULES
+    if name == "llama":
+        return llama.tensor_parallel_rules(model.kv_heads, tensor)
+    return ()
+
+
 # Fields jddp sets from the mesh, never from model_args.
 _MESH_FIELDS = {"parent", "name", "batch_axis_name", "tensor_axis", "sequence_parallel"}
 
@@ -40,9 +61,9 @@ def create_model(
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
-    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT;
-    `pipelined` (a mesh with a stage axis) stacks GPT's layers (`scan_layers`). An own model
-    ("package.module:Name") gets the same fields where it declares them, its outputs as
+    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT
+    and Llama; `pipelined` (a mesh with a stage axis) stacks their layers (`scan_layers`). An
+    own model ("package.module:Name") gets the same fields where it declares them, its outputs as
     `num_outputs`, and an NNX one `rngs=nnx.Rngs(seed)`.
     """
     _check_sequence_parallel(sequence_parallel, tensor_axis)
@@ -80,13 +101,14 @@ def create_model(
     outputs = check_outputs(model_args.pop(output_field, num_outputs), num_outputs, output_field)
     if sequence_parallel and "sequence_parallel" not in all_fields:
         raise ConfigError(
-            f"parallel.sequence_parallel applies to the gpt model, not {name!r}; set it to false"
+            f"parallel.sequence_parallel applies to the gpt and llama models, not {name!r}; "
+            "set it to false"
         )
     model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
     if pipelined and "scan_layers" in all_fields:
         model_args["scan_layers"] = True
     model = cls(**{output_field: outputs}, **model_args)
-    if tensor_size > 1 and isinstance(model, GPT):
+    if tensor_size > 1 and isinstance(model, Decoder):
         check_tensor_split(model, tensor_size)
     return model
 
@@ -97,24 +119,3 @@ def _check_sequence_parallel(sequence_parallel: bool, tensor_axis: str | None) -
             "parallel.sequence_parallel splits the sequence over the tensor axis, and "
             "parallel.mesh has none; add one (e.g. 'fsdp:-1,tensor:2') or set it to false"
         )
-
-
-def check_tensor_split(model: GPT, tensor: int) -> None:
-    """A ConfigError unless heads, MLP units and the vocabulary split evenly over `tensor`."""
-    sizes = {
-        "num_heads": model.num_heads,
-        "mlp_dim": model.mlp_dim or 4 * model.embed_dim,
-        "vocab_size": model.vocab_size,
-    }
-    for field, size in sizes.items():
-        if size % tensor:
-            padded = -(-size // tensor) * tensor
-            hint = (
-                f"pad it: model_args.vocab_size={padded}"
-                if field == "vocab_size"
-                else f"use a multiple of {tensor}, e.g. {padded}"
-            )
-            raise ConfigError(
-                f"GPT {field}={size} does not split over tensor={tensor} (each tensor rank takes "
-                f"an equal part); {hint}, or change the tensor size in parallel.mesh"
-            )

@@ -5,9 +5,10 @@ training step is 3x the forward pass (the backward pass computes two matmuls per
 element-wise work (activations, normalization, softmax, optimizer) is not counted; activation
 recomputation (remat) is not counted either, so MFU does not reward it.
 
-- GPT: 6 x (matmul parameters) x tokens + 12 x layers x width x seq_len x tokens, where the
-  matmul parameters are the blocks' kernels and the output projection (tied or not), and the
-  attention term counts Q.K^T and attention x V over the whole (unmasked) T x T square.
+- GPT and Llama: 6 x (matmul parameters) x tokens + 12 x layers x (heads x head size) x seq_len x
+  tokens, where the matmul parameters are the blocks' kernels and the output projection (tied or
+  not), and the attention term counts Q.K^T and attention x V over the whole (unmasked) T x T
+  square.
 - Conv nets and MLPs: every `nn.Conv` and `nn.Dense` layer, 2 x outputs x kernel fan-in.
 - Any other module (your own Linen module, an NNX module): the FLOPs XLA counts in the compiled
   forward pass (all ops, element-wise too), times 3.
@@ -21,7 +22,7 @@ import jax
 
 from jddp.core.modules import as_functional
 from jddp.models.cnn import CNN
-from jddp.models.gpt import GPT
+from jddp.models.decoder import Decoder
 from jddp.models.mlp import MLP
 from jddp.models.resnet import ResNet
 
@@ -36,18 +37,22 @@ class StepFlops:
     method: str  # "analytic (...)" or "xla"
 
 
-def gpt_matmul_params(model: GPT) -> int:
-    """Parameters that multiply activations: per block qkv, out, fc, proj kernels; the head."""
-    width, mlp = model.embed_dim, model.mlp_dim or 4 * model.embed_dim
-    per_block = width * 3 * width + width * width + 2 * width * mlp
+def decoder_matmul_params(model: Decoder) -> int:
+    """Parameters that multiply activations: per block the attention projections (queries,
+    keys and values, output) and the MLP's matrices; the head."""
+    width, attention = model.embed_dim, model.num_heads * model.head_size
+    kv = 2 * model.kv_heads * model.head_size
+    mlp = (3 if model.gated_mlp else 2) * width * model.hidden_dim
+    per_block = width * (attention + kv) + attention * width + mlp
     return model.num_layers * per_block + width * model.vocab_size
 
 
-def gpt_train_flops(model: GPT, batch_size: int, seq_len: int) -> int:
-    """6 N T_total + 12 L d T T_total for `batch_size` sequences of `seq_len` tokens."""
+def decoder_train_flops(model: Decoder, batch_size: int, seq_len: int) -> int:
+    """6 N T_total + 12 L (heads x head size) T T_total for `batch_size` sequences of `seq_len`
+    tokens."""
     tokens = batch_size * seq_len
-    attention = 12 * model.num_layers * model.embed_dim * seq_len
-    return (6 * gpt_matmul_params(model) + attention) * tokens
+    attention = 12 * model.num_layers * model.num_heads * model.head_size * seq_len
+    return (6 * decoder_matmul_params(model) + attention) * tokens
 
 
 def layerwise_forward_flops(model: nn.Module, sample_input, **call_kwargs) -> int:
@@ -103,8 +108,8 @@ def train_step_flops(model, sample_batch_input) -> StepFlops | None:
     """Model FLOPs of one training step on a batch like `sample_batch_input` (its whole batch:
     pass the global batch for the global count). None if nothing can count them."""
     batch_size = sample_batch_input.shape[0]
-    if isinstance(model, GPT):
-        flops = gpt_train_flops(model, batch_size, sample_batch_input.shape[1])
+    if isinstance(model, Decoder):
+        flops = decoder_train_flops(model, batch_size, sample_batch_input.shape[1])
         return StepFlops(flops, "analytic (6 N tokens + attention)")
     if isinstance(model, LAYERWISE_MODELS):
         kwargs = {"train": False} if isinstance(model, ResNet) else {}

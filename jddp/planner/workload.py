@@ -214,6 +214,26 @@ def block_index(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def decoder_dimensions(model, seq_len: int) -> Transformer:
+    """The Transformer dimensions of a jddp GPT or Llama (jddp/models/decoder.py)."""
+    return Transformer(
+        layers=model.num_layers,
+        width=model.embed_dim,
+        heads=model.num_heads,
+        mlp_dim=model.hidden_dim,
+        vocab=model.vocab_size,
+        seq_len=seq_len,
+        kv_heads=model.kv_heads if model.kv_heads != model.num_heads else 0,
+        gated_mlp=model.gated_mlp,
+        tied=model.tie_embeddings,
+        learned_positions=model.positions == "learned",
+        biases=getattr(model, "attention_bias", True),
+        head_size=model.head_size,
+        fused_attention=model.attention_impl == "cudnn",
+        dropout=model.dropout_rate > 0,
+    )
+
+
 def model_workload(
     model, sample_input, global_batch: int, optimizer=None, *, name: str = "model", **fields
 ) -> Workload:
@@ -221,7 +241,7 @@ def model_workload(
     like `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None:
     Adam's two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
     from jddp.core.modules import as_functional
-    from jddp.models import GPT
+    from jddp.models import Decoder
     from jddp.observe import flops
 
     shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
@@ -233,19 +253,8 @@ def model_workload(
         shape,
     )
     transformer = None
-    if isinstance(model, GPT):
-        transformer = Transformer(
-            layers=model.num_layers,
-            width=model.embed_dim,
-            heads=model.num_heads,
-            mlp_dim=model.mlp_dim or 4 * model.embed_dim,
-            vocab=model.vocab_size,
-            seq_len=shape.shape[1],
-            tied=model.tie_embeddings,
-            learned_positions=model.positions == "learned",
-            fused_attention=model.attention_impl == "cudnn",
-            dropout=model.dropout_rate > 0,
-        )
+    if isinstance(model, Decoder):
+        transformer = decoder_dimensions(model, shape.shape[1])
         fields = {"vocab_parallel_loss": True, "recompute": float(model.remat)} | fields
     global_input = jax.ShapeDtypeStruct((global_batch, *shape.shape[1:]), shape.dtype)
     step_flops = flops.train_step_flops(model, global_input)
@@ -267,9 +276,10 @@ def from_config(config) -> Workload:
     from jddp.parallel.mesh import DeviceMesh
     from jddp.run import factory, optim
 
+    config = factory.with_checkpoint_model_args(config)
     dataset = factory.dataset_spec(config)
     # Axis names as a data x fsdp x tensor mesh gives them: the layouts vary only the sizes.
-    tensor_axis = "tensor" if config.model in models.TENSOR_RULES else None
+    tensor_axis = "tensor" if config.model in models.TENSOR_PARALLEL_MODELS else None
     model = models.create_model(
         config.model,
         dataset.num_classes,
@@ -281,7 +291,7 @@ def from_config(config) -> Workload:
     sample_input = factory.sample_batch(config, dataset)[dataset.input_key]
 
     def rules_for(mesh: DeviceMesh):  # what the trainer gets on that mesh
-        return factory.partition_rules(config, mesh)
+        return factory.partition_rules(config, mesh, model)
 
     return model_workload(
         model,

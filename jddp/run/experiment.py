@@ -69,6 +69,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
+    config = factory.with_checkpoint_model_args(config)
     check_workdir(workdir, resumable=config.checkpoint_every > 0)
     dataset = factory.dataset_spec(config)
     schedule = optim.learning_rate_schedule(config)

@@ -6,9 +6,11 @@ The mesh comes first: the model takes its axis names from it (big_vision's order
 """
 
 import jax
+import ml_collections
 import numpy as np
 
 from jddp import data, models
+from jddp.checkpoints import hf
 from jddp.core.task import compute_dtype_of
 from jddp.parallel import strategies
 from jddp.parallel.mesh import DeviceMesh
@@ -17,6 +19,19 @@ from jddp.parallel.rules import fit_preset
 from jddp.run import objectives, optim
 from jddp.run.objectives import Objective
 from jddp.trainer import Trainer
+
+
+def with_checkpoint_model_args(config) -> ml_collections.ConfigDict:
+    """`config` with `model_args` completed from `init_from="hf:DIR"`'s config.json (a copy;
+    `config` itself when it starts from no Hugging Face checkpoint), so that the run's
+    config.json and checkpoints record the whole model. A ConfigError names a model or an
+    argument that contradicts the checkpoint."""
+    if not hf.is_hf(config.init_from):
+        return config
+    args = hf.resolved_model_args(config.model, config.model_args.to_dict(), config.init_from)
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model_args = ml_collections.ConfigDict(args)
+    return config
 
 
 def dataset_spec(config) -> data.DatasetSpec:
@@ -50,16 +65,17 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
     )
 
 
-def partition_rules(config, device_mesh: DeviceMesh) -> tuple:
-    """The rules that lay the parameters out on `device_mesh`: the config's own, or, on a mesh
-    with a tensor axis and none given, the model's preset fitted to the mesh."""
+def partition_rules(config, device_mesh: DeviceMesh, model) -> tuple:
+    """The rules that lay `model`'s parameters out on `device_mesh`: the config's own, or, on a
+    mesh with a tensor axis and none given, the model's preset fitted to the mesh."""
     # Pairs as tuples; anything else is left for the rules' own check to name (one pair
     # without its enclosing tuple, say, whose strings would otherwise be split into letters).
     rules = tuple(
         tuple(rule) if isinstance(rule, list | tuple) else rule for rule in config.parallel.rules
     )
     if device_mesh.tensor_axis and not rules:
-        rules = fit_preset(models.TENSOR_RULES.get(config.model, ()), device_mesh)
+        preset = models.tensor_rules(config.model, model, device_mesh.size("tensor"))
+        rules = fit_preset(preset, device_mesh)
     return rules
 
 
@@ -76,14 +92,15 @@ def build_trainer(
     )
     schedule = schedule or optim.learning_rate_schedule(config)
     task_objective = objective(dataset)
+    model = create_model(config, dataset, device_mesh)
     return Trainer(
-        create_model(config, dataset, device_mesh),
+        model,
         task_objective.loss_fn,
         optim.create_optimizer(config, schedule),
         metrics=dict(task_objective.metrics),
         strategy=strategy,
         mesh=device_mesh,
-        rules=partition_rules(config, device_mesh),
+        rules=partition_rules(config, device_mesh, model),
         min_shard_size=config.parallel.min_shard_size,
         pipeline=PipelineOptions(**config.parallel.pipeline),
         grad_accum_steps=config.grad_accum_steps,

@@ -11,7 +11,7 @@ import jax
 from absl import logging
 
 from jddp import models
-from jddp.checkpoints import fits, weights
+from jddp.checkpoints import fits, hf, weights
 from jddp.checkpoints import store as checkpoint
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
 from jddp.models import user_models
@@ -163,7 +163,7 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
     found = checkpoint.peek_latest(directory) if config.checkpoint_every > 0 else None
     if found is None:
         if config.init_from:
-            _check_init_from(config, abstract)
+            _check_init_from(config, abstract, trainer.task.model)
         return Start()
     meta, saved_tree = found
     changes = check_resumable(
@@ -229,7 +229,15 @@ def _check_comm_state(meta, saved_shapes, config, abstract_state, directory) -> 
     )
 
 
-def _check_init_from(config, abstract_state) -> None:
+def _check_init_from(config, abstract_state, model) -> None:
+    if hf.is_hf(config.init_from):
+        if config.init_from_optimizer:
+            raise ConfigError(
+                f"init_from {config.init_from!r} holds weights only (a Hugging Face checkpoint "
+                "has no optimizer state); set init_from_optimizer=false"
+            )
+        hf.check(hf.directory(config.init_from), model, abstract_state.params)
+        return
     if not os.path.exists(config.init_from):
         raise CheckpointError(
             f"init_from {config.init_from!r} does not exist; point it at a jddp workdir (or its "
@@ -265,6 +273,9 @@ def _init_from(trainer, state, config, sample_batch):
     """`state` with the weights saved at `config.init_from` (parameters, and batch statistics
     where the checkpoint has them) and with `init_from_optimizer`, the optimizer state; the step,
     RNG and data order stay this run's own."""
+    if hf.is_hf(config.init_from):
+        logging.info("initialized from the Hugging Face checkpoint %s", config.init_from)
+        return hf.load(trainer, state, hf.directory(config.init_from))
     saved = weights.load_weights(config.init_from)
     has_model_state = bool(jax.tree.leaves(state.model_state))
     if has_model_state and saved.model_state is None:

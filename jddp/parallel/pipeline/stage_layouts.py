@@ -42,6 +42,8 @@ def per_layer_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
 
 def _stack(leaves):
     first = leaves[0]
+    if hasattr(first, "stacked"):  # parameters read when indexed (jddp.checkpoints.hf_files)
+        return first.stacked(leaves)
     if isinstance(first, jax.ShapeDtypeStruct):
         sharding = first.sharding
         if isinstance(sharding, NamedSharding):

@@ -1,0 +1,155 @@
+"""Hugging Face checkpoints in and out: a `save_pretrained` directory of a Llama- or GPT-2-family
+causal language model starts a jddp run under any strategy and mesh, and a run's weights go back
+out as one that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
+
+    model = jddp.checkpoints.hf.create_model("llama-dir")          # its config.json's model
+    trainer = jddp.Trainer(model, loss_fn, optax.adamw(1e-4), strategy="zero3")
+    state = jddp.checkpoints.hf.load(trainer, trainer.init(0, batch), "llama-dir")
+    ...
+    jddp.checkpoints.hf.save(state.params, model, "out-dir")       # or: jddp-export WORKDIR OUT
+
+From a config: `init_from = "hf:DIR"` (the model's arguments come from DIR/config.json), and the
+command `jddp-export --format=hf WORKDIR OUT` (jddp/run/export.py).
+"""
+
+import os
+
+import jax
+import numpy as np
+
+from jddp.checkpoints import hf_files, hf_models
+from jddp.core.tree_paths import nest_paths, path_str
+from jddp.errors import CheckpointError, ConfigError
+from jddp.parallel.pipeline import stage_layouts as layouts
+
+PREFIX = "hf:"
+
+
+def is_hf(init_from: str) -> bool:
+    return isinstance(init_from, str) and init_from.startswith(PREFIX)
+
+
+def directory(init_from: str) -> str:
+    """DIR of "hf:DIR"."""
+    return os.path.expanduser(init_from[len(PREFIX) :])
+
+
+def model_args(path: str, what: str = "init_from hf:") -> tuple[str, dict]:
+    """(jddp model name, its arguments) that DIR/config.json describes."""
+    return hf_models.model_args(hf_files.read_config(path, what), f"{path}/config.json")
+
+
+def resolved_model_args(model: str, given: dict, init_from: str) -> dict:
+    """A config's model arguments: `given`, and with `init_from="hf:DIR"` every argument
+    DIR/config.json sets. A ConfigError names a model or an argument that contradicts it."""
+    if not is_hf(init_from):
+        return dict(given)
+    path = directory(init_from)
+    name, from_file = model_args(path, f"init_from {init_from!r}:")
+    if model != name:
+        raise ConfigError(
+            f"init_from {init_from!r} holds a {name} model and the config trains model "
+            f"{model!r}; set model={name!r}"
+        )
+    clashes = [k for k in sorted(given.keys() & from_file.keys()) if given[k] != from_file[k]]
+    if clashes:
+        shown = ", ".join(f"{k}={given[k]!r} (config.json: {from_file[k]!r})" for k in clashes)
+        raise ConfigError(
+            f"model_args {shown} contradict {path}/config.json; remove them from model_args "
+            "(the checkpoint sets them)"
+        )
+    return {**given, **from_file}
+
+
+def create_model(path: str, **overrides):
+    """The jddp model (GPT or Llama) a save_pretrained directory holds; `overrides` set the
+    arguments config.json does not (dropout_rate, remat, scan_layers, ...)."""
+    from jddp import models
+
+    name, args = model_args(path, "Hugging Face checkpoint")
+    return models.MODELS[name](**resolved_model_args(name, overrides, PREFIX + path))
+
+
+def _architecture(model) -> hf_models.Architecture:
+    from jddp import models
+
+    for name, arch in hf_models.BY_MODEL.items():
+        if type(model) is models.MODELS[name]:
+            return arch
+    raise ConfigError(
+        f"{type(model).__name__} has no Hugging Face layout; jddp converts its gpt and llama models"
+    )
+
+
+def _tensors(model) -> list[hf_models.Tensor]:
+    return _architecture(model).tensors(model)
+
+
+def _per_layer_shapes(params) -> dict[str, tuple]:
+    shapes = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    return layouts.per_layer_shapes(shapes) if layouts.is_stacked(shapes) else shapes
+
+
+def check(path: str, model, params) -> None:
+    """A CheckpointError (one line, reading headers only) unless DIR holds every tensor of
+    `model` in the shapes of `params` (arrays or shapes, per-layer or stacked)."""
+    with hf_files.Reader(path, "init_from hf:") as reader:
+        reader.check(_tensors(model), _per_layer_shapes(params))
+
+
+def load(trainer, state, path: str):
+    """`state` with its parameters read from the save_pretrained directory `path`, each device
+    reading only its own shard of each tensor (the optimizer state, step and RNG stay)."""
+    model = trainer.task.model
+    with hf_files.Reader(path, "Hugging Face checkpoint") as reader:
+        reader.check(_tensors(model), _per_layer_shapes(state.params))
+        lazy = lazy_params(reader, model, state.params)
+        return trainer.replace_state(state, params=lazy)
+
+
+def lazy_params(reader: hf_files.Reader, model, params):
+    """A tree of `params`' structure (per-layer or stacked) whose leaves read their values from
+    `reader` when indexed."""
+    shapes = _per_layer_shapes(params)
+    dtype = jax.tree.leaves(params)[0].dtype
+    flat = {t.path: reader.lazy(t, shapes[t.path], dtype) for t in _tensors(model)}
+    tree = nest_paths(flat)
+    stacked = layouts.is_stacked({path_str(p): () for p, _ in _leaves(params)})
+    return layouts.to_stacked(tree) if stacked else tree
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def hf_tensors(params, model) -> dict[str, np.ndarray]:
+    """`params` (any layout; device or host arrays) as Hugging Face tensors by name."""
+    per_layer = layouts.to_per_layer(jax.tree.map(np.asarray, params))
+    flat = {path_str(p): x for p, x in _leaves(per_layer)}
+    tensors = _tensors(model)
+    unmapped = sorted(flat.keys() - {t.path for t in tensors})
+    if unmapped:
+        raise CheckpointError(
+            f"parameter {unmapped[0]!r} has no place in a Hugging Face {type(model).__name__}"
+        )
+    return {t.name: t.to_hf(np.asarray(flat[t.path])) for t in tensors}
+
+
+def check_output(out: str) -> None:
+    """A CheckpointError unless `out` is new or an empty directory (nothing is overwritten)."""
+    if os.path.isdir(out) and os.listdir(out):
+        raise CheckpointError(f"{out} is not empty; pass a new directory (nothing was written)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"{out} is a file; pass a new directory (nothing was written)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"{parent} is not writable; pass another output directory")
+
+
+def save(params, model, out: str, max_shard_bytes: int = hf_files.DEFAULT_MAX_SHARD_BYTES):
+    """Writes `params` of the jddp `model` to `out` as save_pretrained would: config.json and
+    safetensors (sharded above `max_shard_bytes`, with the index)."""
+    check_output(out)
+    config = _architecture(model).hf_config(model) | {"dtype": "float32"}
+    tensors = hf_tensors(params, model)
+    hf_files.write(out, config, tensors, max_shard_bytes)

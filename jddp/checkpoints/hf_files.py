@@ -1,0 +1,236 @@
+"""A directory as Hugging Face's `save_pretrained` writes it: `config.json` plus
+`model.safetensors`, or shards `model-0000k-of-0000n.safetensors` listed in
+`model.safetensors.index.json`. Read lazily (safetensors' `get_slice`: a device's shard of a
+tensor is read alone, never the whole file), written whole.
+
+Nothing is downloaded: a path that does not exist is one line, with the command that downloads
+a hub model to a local directory.
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+
+from jddp.checkpoints.hf_models import QKV_BY_HEAD, TRANSPOSE, Tensor
+from jddp.errors import CheckpointError
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def check_directory(path: str, what: str) -> None:
+    """A CheckpointError unless `path` is a local directory with a config.json."""
+    if not os.path.exists(path):
+        hint = (
+            f"; jddp downloads nothing: fetch the hub model first (`hf download {path} "
+            f"--local-dir DIR`) and pass hf:DIR"
+            if _HUB_NAME.fullmatch(path)
+            else "; pass a directory written by save_pretrained"
+        )
+        raise CheckpointError(f"{what} {path!r} does not exist{hint}")
+    if not os.path.isfile(os.path.join(path, CONFIG)):
+        raise CheckpointError(
+            f"{what} {path!r} has no {CONFIG}; pass a directory written by save_pretrained"
+        )
+
+
+def read_config(path: str, what: str) -> dict:
+    check_directory(path, what)
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{what} {path!r}: {CONFIG} is unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{what} {path!r}: {CONFIG} is not a JSON object")
+    return config
+
+
+class Reader:
+    """The tensors of one save_pretrained directory, by name; files are opened on first use
+    and closed by `close` (or the `with` block)."""
+
+    def __init__(self, path: str, what: str):
+        self.path, self.what = path, f"{what} {path!r}"
+        self._open = contextlib.ExitStack()
+        self._handles = {}
+        self.files = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        """{tensor name: file} from the index, or every tensor of model.safetensors."""
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{self.what}: {INDEX} is unreadable ({e})") from None
+            for name in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(self.path, name)):
+                    raise CheckpointError(
+                        f"{self.what} lacks the shard {name} that {INDEX} lists; download or "
+                        "copy the whole directory again"
+                    )
+            return {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+        single = os.path.join(self.path, WEIGHTS)
+        if os.path.isfile(single):
+            return dict.fromkeys(self._handle(single).keys(), single)
+        others = [
+            n
+            for n in ("pytorch_model.bin", "model.pt")
+            if os.path.exists(os.path.join(self.path, n))
+        ]
+        hint = (
+            f" (it has {others[0]}: save it again with save_pretrained(..., "
+            "safe_serialization=True))"
+            if others
+            else ""
+        )
+        raise CheckpointError(f"{self.what} holds no {WEIGHTS} nor {INDEX}{hint}")
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            try:
+                self._handles[file] = self._open.enter_context(safe_open(file, "np"))
+            except Exception as e:  # a truncated or foreign file
+                raise CheckpointError(
+                    f"{self.what}: {file} is not a safetensors file ({e})"
+                ) from None
+        return self._handles[file]
+
+    def slice(self, name: str):
+        """safetensors' lazy slice of tensor `name` (indexing it reads only that part)."""
+        return self._handle(self.files[name]).get_slice(name)
+
+    def check(self, tensors: list[Tensor], shapes: dict[str, tuple]) -> None:
+        """A CheckpointError naming the first tensor that is missing or of the wrong shape
+        for jddp parameters of `shapes` ({per-layer path: shape}); reads headers only."""
+        for tensor in tensors:
+            if tensor.name not in self.files:
+                raise CheckpointError(
+                    f"{self.what} has no tensor {tensor.name!r} (jddp's {tensor.path}); is it "
+                    "the model config.json describes?"
+                )
+            expected = tensor.hf_shape(shapes[tensor.path])
+            found = tuple(self.slice(tensor.name).get_shape())
+            if found != expected:
+                raise CheckpointError(
+                    f"{self.what}: tensor {tensor.name!r} has shape {found}, config.json makes "
+                    f"it {expected}"
+                )
+
+    def lazy(self, tensor: Tensor, shape: tuple, dtype) -> "LazyTensor":
+        return LazyTensor(self, tensor, tuple(shape), np.dtype(dtype))
+
+    def close(self) -> None:
+        self._open.close()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LazyTensor:
+    """A jddp parameter read from a Hugging Face tensor when indexed: `x[index]` reads only the
+    rows and columns of `index` (a device's shard), transposed or reordered to jddp's layout."""
+
+    lazy = True  # jddp.core.state.arranged_like passes it through unread
+
+    def __init__(self, reader: Reader, tensor: Tensor, shape: tuple, dtype):
+        self.reader, self.tensor, self.shape, self.dtype = reader, tensor, shape, dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def astype(self, dtype, copy: bool = False) -> "LazyTensor":
+        return LazyTensor(self.reader, self.tensor, self.shape, np.dtype(dtype))
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        source = self.reader.slice(self.tensor.name)
+        if self.tensor.transform == TRANSPOSE:
+            part = source[tuple(reversed(index))].T
+        elif self.tensor.transform == QKV_BY_HEAD:  # columns interleave: read it whole
+            part = self.tensor.to_jddp(source[:])[index]
+        else:
+            part = source[index]
+        return np.asarray(part).astype(self.dtype, copy=False)
+
+    @staticmethod
+    def stacked(layers: list) -> "LazyLayers":
+        return LazyLayers(layers)
+
+
+class LazyLayers:
+    """Per-layer LazyTensors as one stacked parameter (leading axis = layer)."""
+
+    lazy = True
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.shape = (len(layers), *layers[0].shape)
+        self.dtype = layers[0].dtype
+
+    def astype(self, dtype, copy: bool = False) -> "LazyLayers":
+        return LazyLayers([layer.astype(dtype) for layer in self.layers])
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        chosen = range(len(self.layers))[index[0]]
+        rest = index[1:]
+        parts = [self.layers[i][rest] for i in chosen]
+        if parts:
+            return np.stack(parts)
+        return np.zeros((0, *self.shape[1:]), self.dtype)
+
+
+def write(path: str, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    """`config.json` and the tensors (in order) as `model.safetensors`, or as shards of at most
+    `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their index.
+    Written into a temporary directory beside `path`, renamed at the end: an interrupted export
+    leaves no half directory."""
+    from safetensors.numpy import save_file
+
+    shards, current, size = [], {}, 0
+    for name, array in tensors.items():
+        if current and size + array.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = np.ascontiguousarray(array)
+        size += array.nbytes
+    shards.append(current)
+    partial = f"{path.rstrip(os.sep)}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    names = (
+        [WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, os.path.join(partial, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+            "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
+        }
+        with open(os.path.join(partial, INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    with open(os.path.join(partial, CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    if os.path.isdir(path):  # empty (checked by the caller)
+        os.rmdir(path)
+    os.rename(partial, path)

@@ -1,0 +1,259 @@
+"""How jddp's decoders and Hugging Face's causal language models name and lay out the same
+weights: `config.json` <-> a jddp model's arguments, and each jddp parameter <-> one tensor of
+`model.safetensors`, with the transform between them.
+
+Llama (`LlamaForCausalLM`, model_type "llama") is jddp's `llama`; GPT-2 (`GPT2LMHeadModel`,
+model_type "gpt2") is jddp's `gpt` with learned positions and tied embeddings. Hugging Face's
+`nn.Linear` weights are (out, in) and jddp's kernels (in, out): those are transposed. GPT-2's
+`Conv1D` weights are already (in, out); its fused `c_attn` holds all query columns, then all
+keys, then all values, where jddp's `qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jddp.errors import ConfigError
+
+TRANSPOSE, QKV_BY_HEAD = "transpose", "qkv_by_head"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One jddp parameter (its per-layer path) and the Hugging Face tensor it comes from."""
+
+    path: str  # "block_0/attn/q/kernel"
+    name: str  # "model.layers.0.self_attn.q_proj.weight"
+    transform: str = ""  # "", TRANSPOSE, or QKV_BY_HEAD
+    heads: int = 0  # QKV_BY_HEAD: the number of heads
+
+    def to_jddp(self, hf: np.ndarray) -> np.ndarray:
+        if self.transform == TRANSPOSE:
+            return hf.T
+        if self.transform == QKV_BY_HEAD:  # [...][part, head, dim] -> [...][head, part, dim]
+            lead = hf.shape[:-1]
+            split = hf.reshape(*lead, 3, self.heads, -1)
+            return np.swapaxes(split, -3, -2).reshape(*lead, -1)
+        return hf
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.transform == TRANSPOSE:
+            return ours.T
+        if self.transform == QKV_BY_HEAD:
+            lead = ours.shape[:-1]
+            split = ours.reshape(*lead, self.heads, 3, -1)
+            return np.swapaxes(split, -3, -2).reshape(*lead, -1)
+        return ours
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face tensor's shape for a jddp parameter of `shape`."""
+        return tuple(reversed(shape)) if self.transform == TRANSPOSE else tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A Hugging Face model family jddp reads and writes."""
+
+    model_type: str  # config.json's "model_type"
+    hf_class: str  # config.json's "architectures"
+    model: str  # jddp's model name
+    model_args: Callable[[dict], dict]  # config.json -> jddp model arguments
+    hf_config: Callable[[object], dict]  # jddp model -> config.json
+    tensors: Callable[[object], list[Tensor]]  # jddp model -> its parameters' tensors
+
+
+def _require(hf: dict, where: str, **expected) -> None:
+    """A ConfigError for a config.json setting jddp's model does not have."""
+    for key, allowed in expected.items():
+        value = hf.get(key, allowed[0])
+        if value not in allowed:
+            raise ConfigError(
+                f"{where} has {key}={value!r}, which jddp's model does not implement "
+                f"(it supports {' or '.join(map(repr, allowed))})"
+            )
+
+
+# ------------------------------------------------------------------------------------ Llama
+def _rope_theta(hf: dict, where: str) -> float:
+    """rope_theta from transformers 5's `rope_parameters` or older files' top-level keys;
+    scaled variants (Llama 3.1's "llama3", "linear", ...) are refused."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(
+            f"{where} uses rope_type={kind!r}; jddp's Llama implements plain rotary positions "
+            "(rope_type 'default') only"
+        )
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama_args(hf: dict, where: str) -> dict:
+    _require(hf, where, hidden_act=("silu",), sliding_window=(None,))
+    heads = hf["num_attention_heads"]
+    args = {
+        "vocab_size": hf["vocab_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "embed_dim": hf["hidden_size"],
+        "mlp_dim": hf["intermediate_size"],
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "rope_base": _rope_theta(hf, where),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
+    }
+    head_dim = hf.get("head_dim")
+    if head_dim and head_dim * heads != hf["hidden_size"]:
+        args["head_dim"] = head_dim
+    return args
+
+
+def _llama_config(model) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.embed_dim,
+        "intermediate_size": model.hidden_dim,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_base},
+        "tie_word_embeddings": model.tie_embeddings,
+        "attention_bias": model.attention_bias,
+        "mlp_bias": model.mlp_bias,
+        "attention_dropout": 0.0,
+    }
+
+
+def _llama_tensors(model) -> list[Tensor]:
+    found = [Tensor("token_embed/embedding", "model.embed_tokens.weight")]
+    linears = {"attn": ("q", "k", "v", "out"), "mlp": ("gate", "up", "proj")}
+    hf_linear = {"out": "o_proj", "proj": "down_proj"}
+    biases = {"attn": model.attention_bias, "mlp": model.mlp_bias}
+    for i in range(model.num_layers):
+        ours, theirs = f"block_{i}", f"model.layers.{i}"
+        found.append(Tensor(f"{ours}/ln_1/scale", f"{theirs}.input_layernorm.weight"))
+        found.append(Tensor(f"{ours}/ln_2/scale", f"{theirs}.post_attention_layernorm.weight"))
+        for part, names in linears.items():
+            hf_part = "self_attn" if part == "attn" else "mlp"
+            for name in names:
+                hf_name = f"{theirs}.{hf_part}.{hf_linear.get(name, f'{name}_proj')}"
+                found.append(Tensor(f"{ours}/{part}/{name}/kernel", f"{hf_name}.weight", TRANSPOSE))
+                if biases[part]:
+                    found.append(Tensor(f"{ours}/{part}/{name}/bias", f"{hf_name}.bias"))
+    found.append(Tensor("ln_f/scale", "model.norm.weight"))
+    if not model.tie_embeddings:
+        found.append(Tensor("head/kernel", "lm_head.weight", TRANSPOSE))
+    return found
+
+
+# ------------------------------------------------------------------------------------ GPT-2
+def _gpt2_args(hf: dict, where: str) -> dict:
+    _require(
+        hf,
+        where,
+        activation_function=("gelu_new", "gelu_pytorch_tanh"),
+        scale_attn_weights=(True,),
+        scale_attn_by_inverse_layer_idx=(False,),
+        tie_word_embeddings=(True,),
+    )
+    return {
+        "vocab_size": hf["vocab_size"],
+        "num_layers": hf["n_layer"],
+        "num_heads": hf["n_head"],
+        "embed_dim": hf["n_embd"],
+        "mlp_dim": hf.get("n_inner") or 4 * hf["n_embd"],
+        "max_seq_len": hf["n_positions"],
+        "positions": "learned",
+        "tie_embeddings": True,
+        "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+    }
+
+
+def _gpt2_config(model) -> dict:
+    if model.positions != "learned" or not model.tie_embeddings:
+        raise ConfigError(
+            "GPT-2's layout has learned positions and tied embeddings; this GPT has "
+            f"positions={model.positions!r}, tie_embeddings={model.tie_embeddings}, which no "
+            "Hugging Face GPT-2 reads"
+        )
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_embd": model.embed_dim,
+        "n_layer": model.num_layers,
+        "n_head": model.num_heads,
+        "n_inner": model.hidden_dim,
+        "n_positions": model.max_seq_len,
+        "layer_norm_epsilon": model.norm_eps,
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+def _gpt2_tensors(model) -> list[Tensor]:
+    found = [
+        Tensor("token_embed/embedding", "transformer.wte.weight"),
+        Tensor("position_embed", "transformer.wpe.weight"),
+    ]
+    layers = {
+        "ln_1": "ln_1",
+        "ln_2": "ln_2",
+        "attn/qkv": "attn.c_attn",
+        "attn/out": "attn.c_proj",
+        "mlp/fc": "mlp.c_fc",
+        "mlp/proj": "mlp.c_proj",
+    }
+    for i in range(model.num_layers):
+        for ours, theirs in layers.items():
+            transform, heads = (QKV_BY_HEAD, model.num_heads) if ours == "attn/qkv" else ("", 0)
+            weight = "scale" if ours.startswith("ln") else "kernel"
+            prefix, hf_prefix = f"block_{i}/{ours}", f"transformer.h.{i}.{theirs}"
+            found.append(Tensor(f"{prefix}/{weight}", f"{hf_prefix}.weight", transform, heads))
+            found.append(Tensor(f"{prefix}/bias", f"{hf_prefix}.bias", transform, heads))
+    found += [Tensor("ln_f/scale", "transformer.ln_f.weight")]
+    found += [Tensor("ln_f/bias", "transformer.ln_f.bias")]
+    return found
+
+
+ARCHITECTURES = {
+    "llama": Architecture(
+        "llama", "LlamaForCausalLM", "llama", _llama_args, _llama_config, _llama_tensors
+    ),
+    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "gpt", _gpt2_args, _gpt2_config, _gpt2_tensors),
+}
+BY_MODEL = {"llama": ARCHITECTURES["llama"], "gpt": ARCHITECTURES["gpt2"]}
+
+
+def architecture(hf_config: dict, where: str) -> Architecture:
+    """The Architecture of a config.json's `model_type`."""
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(
+            f"{where} has model_type={model_type!r}; jddp reads "
+            f"{' and '.join(sorted(ARCHITECTURES))} checkpoints"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def model_args(hf_config: dict, where: str) -> tuple[str, dict]:
+    """(jddp model name, its arguments) for a config.json (a dict)."""
+    arch = architecture(hf_config, where)
+    try:
+        return arch.model, arch.model_args(hf_config, where)
+    except KeyError as e:
+        raise ConfigError(
+            f"{where} has no {e.args[0]!r}; is it a {arch.hf_class} config?"
+        ) from None

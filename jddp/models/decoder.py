@@ -1,0 +1,274 @@
+"""What jddp's decoder language models (GPT, Llama) share: the token embedding, the stack of
+pre-norm residual blocks (unrolled, or stacked for `scan_layers` and pipelines), the final norm,
+the output head, and the tensor- and sequence-parallel plumbing.
+
+Parameter names are stable for sharding rules and checkpoint conversion: `token_embed/embedding`,
+`position_embed` (learned positions only), `block_{i}/{ln_1,attn,ln_2,mlp}` (stacked:
+`blocks/...`), `ln_f`, `head` (untied only). Kernels are 2-D (in, out). A model says what goes in a
+block and which norm it uses (`block_parts`); the rest is here.
+"""
+
+import functools
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jddp.errors import ConfigError, ShapeError
+from jddp.models import tensor_parallel
+from jddp.parallel.pipeline.layers import Pipelined
+
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+INIT_STD = 0.02  # GPT-2's initializer, Llama's too
+PER_LAYER, STACKED = "block_", "blocks"  # block_{i}/... per layer; blocks/... stacked
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (Su et al., 2021) of x (batch, seq, heads, head_dim): pairs of
+    channels (i, i + head_dim/2) rotated by position x frequency (Hugging Face's `rotate_half`
+    layout)."""
+    half = x.shape[-1] // 2
+    frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * frequencies  # (seq, half)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """`nn.Dense`'s parameters and product. With `tensor_axis` set (sequence parallelism) it is
+    Megatron's `split` ("column" or "row") with the collectives written out."""
+
+    features: int
+    kernel_init: Callable
+    split: str | None = None
+    tensor_axis: str | None = None
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        if self.tensor_axis is None or self.split is None:
+            y = x @ kernel
+        elif self.split == "column":
+            return tensor_parallel.column_parallel(x, kernel, bias, self.tensor_axis)
+        else:
+            y = tensor_parallel.row_parallel(x, kernel, self.tensor_axis)
+        return y if bias is None else y + bias
+
+
+def causal_attention(q, k, v, positions, rope_base: float | None, impl: str | None):
+    """Causal softmax attention of q (batch, seq, heads, head_dim) over k, v (batch, seq,
+    kv_heads, head_dim); query head n reads key/value head n // (heads / kv_heads). Rotary
+    positions when `rope_base` is set."""
+    if rope_base is not None:
+        q, k = rotary(q, positions, rope_base), rotary(k, positions, rope_base)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); dropout on each residual branch, drawn from
+    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike). The
+    model gives the attention, MLP and norm modules (constructors taking `name`)."""
+
+    attention: Callable[..., nn.Module]
+    mlp: Callable[..., nn.Module]
+    norm: Callable[..., nn.Module]
+    dropout_rate: float
+
+    @nn.compact
+    def __call__(self, x, train: bool, key: jax.Array | None = None):
+        def dropout(h, index):
+            rng = None if key is None else jax.random.fold_in(key, index)
+            return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
+
+        x = x + dropout(self.attention(name="attn")(self.norm(name="ln_1")(x)), 0)
+        return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
+
+
+class Decoder(nn.Module):
+    """A decoder-only transformer over int token ids (batch, seq_len), returning logits (batch,
+    seq_len, vocab_size). Subclasses give `block_parts` and `norm`.
+
+    `remat=True` recomputes each block's activations in the backward pass. `scan_layers=True`
+    runs the blocks as one `nn.scan` (`jddp.parallel.pipeline.Pipelined`) with their parameters
+    stacked under `blocks/` (leading axis = layer): the layout pipeline parallelism splits into
+    stages (a mesh with a `stage` axis turns it on). `attention_impl`: None or "xla" (any
+    device), "cudnn" (fused flash attention on NVIDIA GPUs, bfloat16 only). Dropout (on
+    embeddings and residual branches, not on attention probabilities, so fused attention stays
+    usable) draws from the `dropout` RNG stream.
+
+    `tensor_axis` (set by jddp from the mesh) keeps the logits split over the vocabulary there;
+    `sequence_parallel` also splits the residual stream along the sequence over it.
+    """
+
+    vocab_size: int
+    num_layers: int = 6
+    num_heads: int = 6
+    embed_dim: int = 384
+    mlp_dim: int = 0  # 0: the model's default multiple of embed_dim
+    max_seq_len: int = 256
+    positions: str = "learned"
+    rope_base: float = 10000.0  # rotary positions' base wavelength (Llama 3: 500000)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    dropout_rate: float = 0.0
+    remat: bool = False
+    attention_impl: str | None = None
+    scan_layers: bool = False
+    tensor_axis: str | None = None
+    sequence_parallel: bool = False
+
+    head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
+    gated_mlp = False  # SwiGLU's three MLP matrices instead of two
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (fewer than query heads under grouped-query attention)."""
+        return self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The MLP's width (`mlp_dim`, or the model's default for 0)."""
+        raise NotImplementedError
+
+    def block_parts(self, sequence_axis: str | None, tensor_size: int) -> tuple[Callable, ...]:
+        """(attention, mlp, norm) module constructors of one block (each takes `name`); the
+        norm is the final one's too."""
+        raise NotImplementedError
+
+    @property
+    def residual_init_std(self) -> float:
+        """Residual projections start smaller, 0.02 / sqrt(2 x layers), as in GPT-2."""
+        return INIT_STD / (2 * self.num_layers) ** 0.5
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        cls = type(self).__name__
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ShapeError(
+                f"{cls} takes integer token ids of shape (batch, seq_len), got {tokens.dtype} "
+                f"{tokens.shape}; feed the dataset's 'inputs' (input_key='inputs')"
+            )
+        seq_len = tokens.shape[1]
+        if seq_len > self.max_seq_len:
+            raise ShapeError(
+                f"sequences of {seq_len} tokens are longer than max_seq_len={self.max_seq_len}; "
+                "raise model_args.max_seq_len or shorten data.seq_len"
+            )
+        embed = nn.Embed(
+            self.vocab_size,
+            self.embed_dim,
+            embedding_init=nn.initializers.normal(INIT_STD),
+            name="token_embed",
+        )
+        tensor_axis = self._tensor_axis_in_mesh()
+        tensor_size = jax.sharding.get_abstract_mesh().shape[tensor_axis] if tensor_axis else 1
+        sequence_axis = self._sequence_axis(tensor_axis, seq_len)
+        if sequence_axis:  # the residual stream is split along the sequence from here on
+            x = tensor_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
+        else:
+            x = embed(tokens)
+        if self.positions == "learned":
+            table = self.param(
+                "position_embed",
+                nn.initializers.normal(INIT_STD),
+                (self.max_seq_len, self.embed_dim),
+            )
+            x = x + table[:seq_len].astype(x.dtype)
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+        block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
+        attention, mlp, norm = self.block_parts(sequence_axis, tensor_size)
+        block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate)
+        # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
+        layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
+        if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
+            x = Pipelined(block(name=STACKED), self.num_layers)(x, train, layer_key=layer_key)
+        else:
+            for i in range(self.num_layers):
+                key = None if layer_key is None else jax.random.fold_in(layer_key, i)
+                x = block(name=f"{PER_LAYER}{i}")(x, train, key)
+        x = norm(name="ln_f")(x)
+        init = nn.initializers.normal(INIT_STD)
+        if self.tie_embeddings and sequence_axis:
+            logits = tensor_parallel.column_parallel(x, embed.embedding.T, None, sequence_axis)
+        elif self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            head = Linear(
+                self.vocab_size, init, "column", sequence_axis, self.head_bias, name="head"
+            )
+            logits = head(x)
+        if tensor_axis:  # no device holds whole logits: the loss is vocabulary-parallel
+            logits = lax.with_sharding_constraint(logits, P(None, None, tensor_axis))
+        return logits
+
+    def _tensor_axis_in_mesh(self) -> str | None:
+        """`tensor_axis` when this call runs on a mesh that has it (a strategy's step); outside
+        one (initialization, FLOP counting, a plain `apply`) the model runs unsplit."""
+        if self.tensor_axis is None or self.is_initializing():
+            return None
+        mesh = jax.sharding.get_abstract_mesh()
+        return self.tensor_axis if self.tensor_axis in mesh.axis_names else None
+
+    def _sequence_axis(self, tensor_axis: str | None, seq_len: int) -> str | None:
+        """The tensor axis when the sequence is split over it (sequence parallelism)."""
+        if not (self.sequence_parallel and tensor_axis):
+            return None
+        size = jax.sharding.get_abstract_mesh().shape[tensor_axis]
+        if seq_len % size:
+            raise ShapeError(
+                f"sequence parallelism splits sequences of {seq_len} tokens over tensor={size}; "
+                f"use a data.seq_len divisible by {size}"
+            )
+        return self.tensor_axis
+
+
+def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
+    """Inconsistent dimensions fail at construction, in one line naming the field to change."""
+    cls = type(model).__name__
+    for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "max_seq_len"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{cls} {name}={getattr(model, name)} must be >= 1")
+    if model.positions not in positions:
+        raise ConfigError(f"{cls} positions={model.positions!r}; choose one of {positions}")
+    if not 0 <= model.dropout_rate < 1:
+        raise ConfigError(f"{cls} dropout_rate={model.dropout_rate} must be in [0, 1)")
+    if model.mlp_dim < 0:
+        raise ConfigError(f"{cls} mlp_dim={model.mlp_dim} must be >= 0 (0: the default)")
+    if not model.norm_eps > 0 or not model.rope_base > 0:
+        raise ConfigError(f"{cls} norm_eps and rope_base must be > 0")
+    if model.attention_impl not in ATTENTION_IMPLS:
+        raise ConfigError(
+            f"{cls} attention_impl={model.attention_impl!r}; choose None, 'xla' or 'cudnn'"
+        )
+
+
+def check_tensor_split(model: Decoder, tensor: int) -> None:
+    """A ConfigError unless (query) heads, MLP units and the vocabulary split evenly over
+    `tensor`."""
+    sizes = {"num_heads": model.num_heads, "mlp_dim": model.hidden_dim}
+    for field, size in (sizes | {"vocab_size": model.vocab_size}).items():
+        if size % tensor:
+            padded = -(-size // tensor) * tensor
+            hint = (
+                f"pad it: model_args.vocab_size={padded}"
+                if field == "vocab_size"
+                else f"use a multiple of {tensor}, e.g. {padded}"
+            )
+            raise ConfigError(
+                f"{type(model).__name__} {field}={size} does not split over tensor={tensor} "
+                f"(each tensor rank takes an equal part); {hint}, or change the tensor size in "
+                "parallel.mesh"
+            )

@@ -1,0 +1,91 @@
+"""`jddp-export --format=hf WORKDIR OUT`: the newest checkpoint of a run (any strategy, mesh or
+pipeline) written as a Hugging Face model directory, which
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads as it is. Also `python -m
+jddp.run.export`. A mistake (no checkpoint, a model without a Hugging Face layout, an OUT that is
+not empty) is one line and exit code 2, with nothing written."""
+
+import argparse
+import os
+import re
+
+from jddp.errors import CheckpointError, ConfigError, JddpError
+from jddp.run.cli import fail
+
+FORMATS = ("hf",)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB)?", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of "5GB", "500MB", "20KB" or "1000" (decimal units, as transformers counts)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"--max_shard_size={text!r} is not a size; write e.g. 5GB or 500MB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> str:
+    """Writes the newest checkpoint of the run in `workdir` to `out` as a Hugging Face model;
+    returns the checkpoint it read."""
+    from jddp import models
+    from jddp.checkpoints import hf, weights
+    from jddp.checkpoints import store as checkpoint
+
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(workdir):
+        raise CheckpointError(f"{workdir} does not exist; pass the --workdir of a jddp run")
+    found = checkpoint.peek_latest(directory)
+    if found is None:
+        raise CheckpointError(
+            f"{workdir} holds no checkpoint; pass the --workdir of a run that saved one "
+            "(checkpoint_every > 0)"
+        )
+    config = found[0].get("config") or {}
+    name, args = config.get("model"), dict(config.get("model_args") or {})
+    if name not in ("gpt", "llama"):
+        raise ConfigError(
+            f"{workdir} trained model {name!r}; jddp exports its gpt and llama models to "
+            "Hugging Face"
+        )
+    hf.check_output(out)
+    saved = weights.load_weights(workdir)
+    params = saved.params
+    args.setdefault("vocab_size", params["token_embed"]["embedding"].shape[0])
+    args.pop("scan_layers", None)  # the layout of the layers; Hugging Face has one
+    hf.save(params, models.MODELS[name](**args), out, max_shard_bytes)
+    return saved.source
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jddp-export",
+        description="Write the newest checkpoint of a jddp run as a Hugging Face model "
+        "directory (config.json + safetensors).",
+    )
+    parser.add_argument("--format", required=True, choices=FORMATS, help="hf: Hugging Face")
+    parser.add_argument("workdir", help="the --workdir of a jddp run")
+    parser.add_argument("out", help="a new (or empty) directory to write")
+    parser.add_argument(
+        "--max_shard_size",
+        default="5GB",
+        help="safetensors files above this size are split into shards with an index (5GB)",
+    )
+    parser.error = _usage_error
+    return parser
+
+
+def _usage_error(message: str):
+    fail(f"{message} (see jddp-export --help)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        source = export_run(args.workdir, args.out, max_shard_bytes=parse_size(args.max_shard_size))
+    except (JddpError, OSError) as e:  # a mistake, or the file system's refusal: one line
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    print(f"wrote {args.out} from {source}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Hugging Face checkpoints in and out, held to transformers itself: tiny random Llama (grouped
+and multi-query attention, untied) and GPT-2 models made by transformers on PyTorch (CPU), saved
+with save_pretrained (unsharded and sharded), imported under each layout, fine-tuned, exported
+and loaded back by transformers."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jddp  # noqa: E402
+from jddp.checkpoints import hf  # noqa: E402
+from jddp.models import tensor_rules  # noqa: E402
+from jddp.parallel.pipeline import stage_layouts  # noqa: E402
+from jddp.parallel.rules import fit_preset  # noqa: E402
+from jddp.run.objectives import OBJECTIVES  # noqa: E402
+from tests.reference import assert_trees_close, plain_training  # noqa: E402
+from tests.tiny_gpt import adamw, mesh_devices  # noqa: E402
+
+LM = OBJECTIVES["language_model"]
+VOCAB, SEQ, BATCH, STEPS = 96, 16, 16, 20
+LAYOUTS = {  # name: (strategy, mesh, sequence parallelism)
+    "1 device": ("ddp", None, False),
+    "fsdp:8": ("zero3", "fsdp:8", False),
+    "data:2,fsdp:2,tensor:2": ("zero3", "data:2,fsdp:2,tensor:2", False),
+    "data:2,fsdp:2,tensor:2 sp": ("zero3", "data:2,fsdp:2,tensor:2", True),
+    "stage:2,fsdp:4": ("zero3", "stage:2,fsdp:4", False),
+}
+
+
+def _llama(kv_heads: int, biases: bool):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=biases,
+        mlp_bias=biases,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: save_pretrained directory}: grouped-query Llama (sharded and not), multi-query
+    Llama with biases, GPT-2 (sharded). Norms and biases are perturbed from their initial ones
+    and zeros, so that a misplaced one shows."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    made = {
+        "llama": (_llama(2, False), None),
+        "llama-sharded": (_llama(2, False), "20KB"),
+        "llama-mqa": (_llama(1, True), None),
+        "gpt2": (_gpt2(), "20KB"),
+    }
+    found = {}
+    for name, (model, shard) in made.items():
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                if "norm" in param_name or "ln" in param_name or "bias" in param_name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        kwargs = {"max_shard_size": shard} if shard else {}
+        model.save_pretrained(root / name, **kwargs)
+        found[name] = str(root / name)
+    assert len([f for f in os.listdir(found["llama-sharded"]) if f.endswith(".safetensors")]) > 1
+    return found
+
+
+def _tokens(seed: int, rows: int = BATCH) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+
+
+def _batch(tokens):
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _hf_logits_and_loss(model, tokens):
+    """transformers' logits for `tokens` and its own loss with them as labels (shifted inside)."""
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens).long())
+    return out.logits.numpy(), float(out.loss)
+
+
+def _trainer(path, layout):
+    strategy, mesh, sp = LAYOUTS[layout]
+    if mesh is None:
+        model = hf.create_model(path)
+        return jddp.Trainer(
+            model, LM.loss_fn, adamw(), input_key="inputs", devices=jax.devices()[:1]
+        )
+    device_mesh = jddp.device_mesh_for(strategy, mesh, mesh_devices(mesh))
+    model = hf.create_model(
+        path,
+        tensor_axis=device_mesh.tensor_axis,
+        sequence_parallel=sp,
+        scan_layers=device_mesh.stage_axis is not None,
+    )
+    rules = tensor_rules(hf.model_args(path)[0], model, device_mesh.size("tensor"))
+    return jddp.Trainer(
+        model,
+        LM.loss_fn,
+        adamw(),
+        input_key="inputs",
+        strategy=strategy,
+        mesh=device_mesh,
+        rules=fit_preset(rules, device_mesh),
+        min_shard_size=1,
+    )
+
+
+def _plain(model):
+    """The same model unsplit and unrolled: the single-device reference's."""
+    return model.clone(tensor_axis=None, sequence_parallel=False, scan_layers=False)
+
+
+def _per_layer(params):
+    return stage_layouts.to_per_layer(jax.tree.map(np.asarray, params))
+
+
+def _read_all(path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors |= load_file(os.path.join(path, name))
+    return tensors
+
+
+CASES = [
+    ("llama", "1 device"),
+    ("llama-sharded", "fsdp:8"),
+    ("llama", "data:2,fsdp:2,tensor:2"),
+    ("llama", "data:2,fsdp:2,tensor:2 sp"),
+    ("llama-sharded", "stage:2,fsdp:4"),
+    ("llama-mqa", "data:2,fsdp:2,tensor:2 sp"),  # one key/value head: replicated over tensor
+    ("llama-mqa", "data:2,fsdp:2,tensor:2"),
+    ("gpt2", "1 device"),
+    ("gpt2", "fsdp:8"),
+    ("gpt2", "data:2,fsdp:2,tensor:2"),
+    ("gpt2", "data:2,fsdp:2,tensor:2 sp"),
+    ("gpt2", "stage:2,fsdp:4"),
+]
+
+
+@pytest.mark.parametrize("name,layout", CASES)
+def test_import_finetune_export(checkpoints, tmp_path, name, layout):
+    """Imported under `layout`: the same logits and loss as transformers (1e-5); exported
+    untrained: the original tensors bit for bit; fine-tuned 20 steps: the single-device optax
+    loop's parameters and losses (1e-5); exported and loaded by transformers: jddp's logits and
+    loss."""
+    path = checkpoints[name]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokens = _tokens(0)
+    want_logits, want_loss = _hf_logits_and_loss(hf_model, tokens)
+
+    trainer = _trainer(path, layout)
+    state = hf.load(trainer, trainer.init(0, _batch(tokens)), path)
+    params = _per_layer(state.params)
+    plain = _plain(trainer.task.model)
+    logits = plain.apply({"params": params}, tokens)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=1e-5)
+    # ... and the layout's own forward pass (its loss over the batch) agrees with transformers.
+    eval_loss = trainer.evaluate(state, [_batch(tokens)])["loss"]
+    np.testing.assert_allclose(eval_loss, want_loss, rtol=1e-5)
+    if name.startswith("llama") and "tensor" in layout:  # 2 key/value heads split, 1 does not
+        spec = state.params["block_0"]["attn"]["k"]["kernel"].sharding.spec
+        assert ("tensor" in str(spec)) == (name != "llama-mqa"), spec
+
+    hf.save(state.params, trainer.task.model, str(tmp_path / "untrained"), max_shard_bytes=10**4)
+    original, exported = _read_all(path), _read_all(tmp_path / "untrained")
+    assert sorted(original) == sorted(exported)
+    for tensor, value in original.items():
+        assert exported[tensor].dtype == value.dtype and np.array_equal(exported[tensor], value)
+
+    batches = [_batch(_tokens(seed)) for seed in range(1, STEPS + 1)]
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+
+    def loss_fn(p, model_state, batch):
+        return LM.loss_fn(plain.apply({"params": p}, batch["inputs"]), batch).mean(), model_state
+
+    expected, _, expected_losses = plain_training(loss_fn, params, {}, adamw(), batches)
+    trained = _per_layer(state.params)
+    assert_trees_close(trained, expected)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+
+    out = tmp_path / "finetuned"
+    hf.save(state.params, trainer.task.model, str(out))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    test_tokens = _tokens(99)
+    theirs, their_loss = _hf_logits_and_loss(reloaded, test_tokens)
+    ours = plain.apply({"params": trained}, test_tokens)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+    our_loss = float(LM.loss_fn(ours[:, :-1], _batch(test_tokens)).mean())
+    np.testing.assert_allclose(their_loss, our_loss, rtol=1e-5)

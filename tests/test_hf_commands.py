@@ -1,0 +1,180 @@
+"""Hugging Face checkpoints from the command line: `jddp-train` with `init_from="hf:DIR"`
+fine-tunes a pipelined Llama and the installed `jddp-export` writes what transformers loads; each
+careless input is one line, exit code 2, and nothing written."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tests.helpers import assert_error_exit, checkout_env, snapshot  # noqa: E402
+
+JDDP_EXPORT = os.path.join(os.path.dirname(sys.executable), "jddp-export")  # installed beside it
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny random Llama (grouped-query attention, untied) in shards, and a text file."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="20KB")
+    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
+    rng = np.random.default_rng(0)
+    text = "\n".join(" ".join(rng.choice(words, 10)) for _ in range(200))
+    (root / "text.txt").write_text(text)
+    return root
+
+
+def _train(root, *flags, workdir="run"):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jddp.run.train",
+            f"--workdir={root / workdir}",
+            "--config.model=llama",
+            f"--config.init_from=hf:{root / 'llama'}",
+            "--config.dataset=text_file",
+            f"--config.data.text_file={root / 'text.txt'}",
+            "--config.data.seq_len=16",
+            "--config.global_batch_size=8",
+            "--config.num_train_steps=4",
+            "--config.checkpoint_every=4",
+            "--config.eval_every=4",
+            "--config.log_every=2",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=checkout_env(),
+    )
+
+
+def _export(*args):
+    return subprocess.run(
+        [JDDP_EXPORT, *map(str, args)], capture_output=True, text=True, timeout=120,
+        env=checkout_env(),
+    )  # fmt: skip
+
+
+def test_finetune_then_export_loads_in_transformers(llama_dir):
+    """jddp-train from hf:DIR on stage:2,fsdp:4 (its config.json fills model_args, recorded in
+    the run's config.json), then jddp-export: transformers' logits of the export equal jddp's
+    from the run's newest checkpoint."""
+    from jddp.checkpoints import weights
+    from jddp.models import Llama
+
+    result = _train(
+        llama_dir, "--config.parallel.strategy=zero3", "--config.parallel.mesh=stage:2,fsdp:4"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "initialized from the Hugging Face checkpoint" in result.stderr
+    recorded = json.loads((llama_dir / "run" / "config.json").read_text())["model_args"]
+    assert recorded["num_kv_heads"] == 2 and recorded["vocab_size"] == VOCAB
+
+    out = llama_dir / "export"
+    exported = _export("--format=hf", llama_dir / "run", out, "--max_shard_size=20KB")
+    assert exported.returncode == 0, exported.stderr
+    assert (out / "model.safetensors.index.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    from jddp.parallel.pipeline import stage_layouts
+
+    params = stage_layouts.to_per_layer(weights.load_params(str(llama_dir / "run")))
+    ours = Llama(**recorded).apply({"params": params}, tokens)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+
+    again = _export("--format=hf", llama_dir / "run", out)  # out is not empty: nothing written
+    assert_error_exit(again, "not empty")
+
+
+def _broken(root, name: str, damage) -> str:
+    """A copy of the Llama directory, damaged by `damage(path)`."""
+    path = root / name
+    shutil.copytree(root / "llama", path)
+    damage(path)
+    return str(path)
+
+
+def _drop_weights(path):
+    for file in os.listdir(path):
+        if file.endswith(".safetensors") or file.endswith(".json") and file != "config.json":
+            os.remove(path / file)
+
+
+def _shard_of(path, tensor: str) -> str:
+    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+
+
+def _drop_shard(path):
+    os.remove(path / _shard_of(path, "model.norm.weight"))
+
+
+def _reshape_tensor(path):
+    from safetensors.numpy import load_file, save_file
+
+    file = path / _shard_of(path, "model.norm.weight")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = np.ones(31, np.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_careless_inputs_are_one_line_and_write_nothing(llama_dir):
+    root = llama_dir
+    cases = {
+        "contradiction": (
+            ["--config.model_args.num_layers=3", "--config.model_args.dropout_rate=0.1"],
+            ["num_layers=3", "config.json: 2", "remove them from model_args"],
+        ),
+        "other model": (["--config.model=gpt"], ["holds a llama model", "model='llama'"]),
+        "no weights": (
+            [f"--config.init_from=hf:{_broken(root, 'no-weights', _drop_weights)}"],
+            ["holds no model.safetensors"],
+        ),
+        "missing shard": (
+            [f"--config.init_from=hf:{_broken(root, 'no-shard', _drop_shard)}"],
+            ["lacks the shard " + _shard_of(root / "llama", "model.norm.weight")],
+        ),
+        "wrong shape": (
+            [f"--config.init_from=hf:{_broken(root, 'reshaped', _reshape_tensor)}"],
+            ["'model.norm.weight' has shape (31,)", "(32,)"],
+        ),
+        "hub name": (["--config.init_from=hf:meta-llama/Llama-3.2-1B"], ["downloads nothing"]),
+        "optimizer": (["--config.init_from_optimizer=true"], ["weights only"]),
+    }
+    before = snapshot(root)
+    with ThreadPoolExecutor(2) as pool:
+        results = pool.map(
+            lambda item: (item[0], _train(root, *item[1][0], workdir=item[0].replace(" ", "-"))),
+            cases.items(),
+        )
+        for name, result in results:
+            assert_error_exit(result, *cases[name][1])
+    assert snapshot(root) == before  # no workdir made, no checkpoint touched
+
+    assert_error_exit(_export("--format=hf", root / "nowhere", root / "out"), "does not exist")
+    assert_error_exit(_export("--format=onnx", root, root / "out"), "invalid choice")
+    assert_error_exit(_export("--format=hf", root, root / "out"), "holds no checkpoint")
+    assert snapshot(root) == before

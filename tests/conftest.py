@@ -60,6 +60,8 @@ LONGEST_FIRST = (
     "test_fashion_mnist.py",
     "test_multiprocess.py",
     "test_pipeline.py",
+    "test_hf_checkpoints.py",
+    "test_hf_commands.py",
     "test_pipeline_runs.py",
     "test_dropout.py",
     "test_own_models.py",

@@ -8,18 +8,17 @@ import os
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jddp  # noqa: E402
-from jddp.checkpoints import hf  # noqa: E402
-from jddp.models import tensor_rules  # noqa: E402
-from jddp.parallel.pipeline import stage_layouts  # noqa: E402
-from jddp.parallel.rules import fit_preset  # noqa: E402
-from jddp.run.objectives import OBJECTIVES  # noqa: E402
-from tests.reference import assert_trees_close, plain_training  # noqa: E402
-from tests.tiny_gpt import adamw, mesh_devices  # noqa: E402
+import jddp
+from jddp.checkpoints import hf
+from jddp.models import tensor_rules
+from jddp.parallel.pipeline import stage_layouts
+from jddp.parallel.rules import fit_preset
+from jddp.run.objectives import OBJECTIVES
+from tests.reference import assert_trees_close, plain_training
+from tests.tiny_gpt import adamw, mesh_devices
 
 LM = OBJECTIVES["language_model"]
 VOCAB, SEQ, BATCH, STEPS = 96, 16, 16, 20

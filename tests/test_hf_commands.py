@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from tests.helpers import assert_error_exit, checkout_env, snapshot  # noqa: E402
+from tests.helpers import assert_error_exit, checkout_env, snapshot
+from tests.test_multiprocess import launch
 
 JDDP_EXPORT = os.path.join(os.path.dirname(sys.executable), "jddp-export")  # installed beside it
 VOCAB = 64
@@ -44,25 +44,29 @@ def llama_dir(tmp_path_factory):
     return root
 
 
+def _train_flags(root, workdir):
+    """A few SGD steps (Adam would turn rounding into visible differences between layouts) of
+    the Llama on the text file."""
+    return [
+        f"--workdir={root / workdir}",
+        "--config.model=llama",
+        f"--config.init_from=hf:{root / 'llama'}",
+        "--config.dataset=text_file",
+        f"--config.data.text_file={root / 'text.txt'}",
+        "--config.data.seq_len=16",
+        "--config.global_batch_size=8",
+        "--config.num_train_steps=4",
+        "--config.checkpoint_every=4",
+        "--config.eval_every=4",
+        "--config.log_every=2",
+        "--config.optimizer=sgd",
+        "--config.learning_rate=0.5",
+    ]
+
+
 def _train(root, *flags, workdir="run"):
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jddp.run.train",
-            f"--workdir={root / workdir}",
-            "--config.model=llama",
-            f"--config.init_from=hf:{root / 'llama'}",
-            "--config.dataset=text_file",
-            f"--config.data.text_file={root / 'text.txt'}",
-            "--config.data.seq_len=16",
-            "--config.global_batch_size=8",
-            "--config.num_train_steps=4",
-            "--config.checkpoint_every=4",
-            "--config.eval_every=4",
-            "--config.log_every=2",
-            *flags,
-        ],
+        [sys.executable, "-m", "jddp.run.train", *_train_flags(root, workdir), *flags],
         capture_output=True,
         text=True,
         timeout=300,
@@ -77,37 +81,61 @@ def _export(*args):
     )  # fmt: skip
 
 
-def test_finetune_then_export_loads_in_transformers(llama_dir):
-    """jddp-train from hf:DIR on stage:2,fsdp:4 (its config.json fills model_args, recorded in
-    the run's config.json), then jddp-export: transformers' logits of the export equal jddp's
-    from the run's newest checkpoint."""
-    from jddp.checkpoints import weights
-    from jddp.models import Llama
-
+@pytest.fixture(scope="module")
+def pipelined_run(llama_dir):
+    """jddp-train from hf:DIR on stage:2,fsdp:4, one process."""
     result = _train(
         llama_dir, "--config.parallel.strategy=zero3", "--config.parallel.mesh=stage:2,fsdp:4"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialized from the Hugging Face checkpoint" in result.stderr
+    return llama_dir / "run"
+
+
+def _final_params(workdir):
+    from jddp.checkpoints import weights
+    from jddp.parallel.pipeline import stage_layouts
+
+    return stage_layouts.to_per_layer(weights.load_params(str(workdir)))
+
+
+def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
+    """The pipelined run's config.json records the model_args config.json filled in; jddp-export
+    of it: transformers' logits equal jddp's from the run's newest checkpoint."""
+    from jddp.models import Llama
+
     recorded = json.loads((llama_dir / "run" / "config.json").read_text())["model_args"]
     assert recorded["num_kv_heads"] == 2 and recorded["vocab_size"] == VOCAB
 
     out = llama_dir / "export"
-    exported = _export("--format=hf", llama_dir / "run", out, "--max_shard_size=20KB")
+    exported = _export("--format=hf", pipelined_run, out, "--max_shard_size=20KB")
     assert exported.returncode == 0, exported.stderr
     assert (out / "model.safetensors.index.json").exists()
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
         theirs = model(torch.tensor(tokens)).logits.numpy()
-    from jddp.parallel.pipeline import stage_layouts
-
-    params = stage_layouts.to_per_layer(weights.load_params(str(llama_dir / "run")))
-    ours = Llama(**recorded).apply({"params": params}, tokens)
+    ours = Llama(**recorded).apply({"params": _final_params(pipelined_run)}, tokens)
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
 
-    again = _export("--format=hf", llama_dir / "run", out)  # out is not empty: nothing written
+    again = _export("--format=hf", pipelined_run, out)  # out is not empty: nothing written
     assert_error_exit(again, "not empty")
+
+
+def test_two_processes_import_their_shards_and_train_what_one_process_trains(
+    llama_dir, pipelined_run
+):
+    """jddp-launch, 2 processes x 4 devices, data:2,fsdp:2,tensor:2: each process reads its
+    devices' shards of the checkpoint; the run ends where the one-process pipelined run does."""
+    flags = _train_flags(llama_dir, "two-processes")
+    mesh = ["--config.parallel.strategy=zero3", "--config.parallel.mesh=data:2,fsdp:2,tensor:2"]
+    code, output = launch(2, 4, sys.executable, "-m", "jddp.run.train", *flags, *mesh)
+    assert code == 0, output[-3000:]
+    from tests.reference import assert_trees_close
+
+    assert_trees_close(
+        _final_params(llama_dir / "two-processes"), _final_params(pipelined_run), rtol=1e-5
+    )
 
 
 def _broken(root, name: str, damage) -> str:
@@ -141,7 +169,7 @@ def _reshape_tensor(path):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_careless_inputs_are_one_line_and_write_nothing(llama_dir):
+def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, pipelined_run):
     root = llama_dir
     cases = {
         "contradiction": (

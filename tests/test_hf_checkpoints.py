@@ -3,6 +3,7 @@ and multi-query attention, untied) and GPT-2 models made by transformers on PyTo
 with save_pretrained (unsharded and sharded), imported under each layout, fine-tuned, exported
 and loaded back by transformers."""
 
+import json
 import os
 
 import jax
@@ -12,6 +13,7 @@ import torch
 import transformers
 
 import jddp
+from jddp import models as jddp_models
 from jddp.checkpoints import hf
 from jddp.models import tensor_rules
 from jddp.parallel.pipeline import stage_layouts
@@ -31,7 +33,7 @@ LAYOUTS = {  # name: (strategy, mesh, sequence parallelism)
 }
 
 
-def _llama(kv_heads: int, biases: bool):
+def _llama(kv_heads: int, biases: bool, tied: bool = False):
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -42,7 +44,7 @@ def _llama(kv_heads: int, biases: bool):
         max_position_embeddings=64,
         rope_theta=5000.0,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         attention_bias=biases,
         mlp_bias=biases,
     )
@@ -59,15 +61,15 @@ def _gpt2():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{name: save_pretrained directory}: grouped-query Llama (sharded and not), multi-query
-    Llama with biases, GPT-2 (sharded). Norms and biases are perturbed from their initial ones
-    and zeros, so that a misplaced one shows."""
+    """{name: save_pretrained directory}: grouped-query untied Llama (sharded and not),
+    multi-query tied Llama with biases, GPT-2 (sharded). Norms and biases are perturbed from
+    their initial ones and zeros, so that a misplaced one shows."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     made = {
         "llama": (_llama(2, False), None),
         "llama-sharded": (_llama(2, False), "20KB"),
-        "llama-mqa": (_llama(1, True), None),
+        "llama-mqa": (_llama(1, True, tied=True), None),
         "gpt2": (_gpt2(), "20KB"),
     }
     found = {}
@@ -213,3 +215,42 @@ def test_import_finetune_export(checkpoints, tmp_path, name, layout):
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
     our_loss = float(LM.loss_fn(ours[:, :-1], _batch(test_tokens)).mean())
     np.testing.assert_allclose(their_loss, our_loss, rtol=1e-5)
+
+
+def _config_json(**entries) -> dict:
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8}
+    return base | {"num_hidden_layers": 1, "num_attention_heads": 2} | entries
+
+
+@pytest.mark.parametrize(
+    "entries,message",
+    [
+        ({"model_type": "bert"}, "model_type='bert'; jddp reads gpt2 and llama checkpoints"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu', which jddp's model does not implement"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive integer"),
+        ({"hidden_size": "8"}, "hidden_size='8'; expected a positive integer"),
+    ],
+    ids=lambda x: str(x)[:20],
+)
+def test_configs_jddp_cannot_build_are_one_line(tmp_path, entries, message):
+    (tmp_path / "config.json").write_text(json.dumps(_config_json(**entries)))
+    with pytest.raises(jddp.ConfigError) as raised:
+        hf.create_model(str(tmp_path))
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        (jddp_models.GPT(8, positions="rotary"), "learned positions and tied embeddings"),
+        (jddp_models.MLP(num_classes=8), "MLP has no Hugging Face layout"),
+    ],
+    ids=["rotary gpt", "mlp"],
+)
+def test_models_without_a_hugging_face_layout_are_refused_before_writing(tmp_path, model, message):
+    with pytest.raises(jddp.ConfigError) as raised:
+        hf.save({}, model, str(tmp_path / "out"))
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "out").exists()

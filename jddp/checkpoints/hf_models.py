@@ -74,6 +74,19 @@ def _require(hf: dict, where: str, **expected) -> None:
             )
 
 
+def _count(hf: dict, key: str, where: str, default: int | None = None) -> int:
+    """config.json's `key`, a positive integer (a dimension or a count); `default` where it is
+    absent or null."""
+    if key not in hf and default is None:
+        raise ConfigError(f"{where} has no {key!r}; is it a save_pretrained config.json?")
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where} has {key}={value!r}; expected a positive integer")
+    return value
+
+
 # ------------------------------------------------------------------------------------ Llama
 def _rope_theta(hf: dict, where: str) -> float:
     """rope_theta from transformers 5's `rope_parameters` or older files' top-level keys;
@@ -90,23 +103,23 @@ def _rope_theta(hf: dict, where: str) -> float:
 
 def _llama_args(hf: dict, where: str) -> dict:
     _require(hf, where, hidden_act=("silu",), sliding_window=(None,))
-    heads = hf["num_attention_heads"]
+    heads, width = _count(hf, "num_attention_heads", where), _count(hf, "hidden_size", where)
     args = {
-        "vocab_size": hf["vocab_size"],
-        "num_layers": hf["num_hidden_layers"],
+        "vocab_size": _count(hf, "vocab_size", where),
+        "num_layers": _count(hf, "num_hidden_layers", where),
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "embed_dim": hf["hidden_size"],
-        "mlp_dim": hf["intermediate_size"],
-        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "num_kv_heads": _count(hf, "num_key_value_heads", where, heads),
+        "embed_dim": width,
+        "mlp_dim": _count(hf, "intermediate_size", where),
+        "max_seq_len": _count(hf, "max_position_embeddings", where, 2048),
         "rope_base": _rope_theta(hf, where),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": bool(hf.get("attention_bias", False)),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
     }
-    head_dim = hf.get("head_dim")
-    if head_dim and head_dim * heads != hf["hidden_size"]:
+    head_dim = _count(hf, "head_dim", where, width // heads)
+    if head_dim * heads != width:
         args["head_dim"] = head_dim
     return args
 
@@ -165,13 +178,14 @@ def _gpt2_args(hf: dict, where: str) -> dict:
         scale_attn_by_inverse_layer_idx=(False,),
         tie_word_embeddings=(True,),
     )
+    width = _count(hf, "n_embd", where)
     return {
-        "vocab_size": hf["vocab_size"],
-        "num_layers": hf["n_layer"],
-        "num_heads": hf["n_head"],
-        "embed_dim": hf["n_embd"],
-        "mlp_dim": hf.get("n_inner") or 4 * hf["n_embd"],
-        "max_seq_len": hf["n_positions"],
+        "vocab_size": _count(hf, "vocab_size", where),
+        "num_layers": _count(hf, "n_layer", where),
+        "num_heads": _count(hf, "n_head", where),
+        "embed_dim": width,
+        "mlp_dim": _count(hf, "n_inner", where, 4 * width),
+        "max_seq_len": _count(hf, "n_positions", where),
         "positions": "learned",
         "tie_embeddings": True,
         "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),

@@ -3,8 +3,9 @@
 `mkdocs build --strict` fails on a broken link, anchor or API reference. Every ```python block
 of a page runs, in order, in one namespace per page, with the working directory a fresh
 temporary one; every ```bash / ```console block runs its jddp commands (`jddp-train`,
-`python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`) from the repository root,
-with `--workdir` moved under that temporary directory. A shell block that cannot run here says why
+`python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`, `jddp-export`) from the
+repository root, with `--workdir` (and the other paths in RUN_DIR_FLAGS, and `jddp-export`'s
+directories) moved under that temporary directory. A shell block that cannot run here says why
 on the line before it: `<!-- not-run: REASON -->`.
 
 A tutorial shows files of a user's project: a block preceded by `<!-- file: PATH -->` is written
@@ -36,12 +37,29 @@ PAGE_CWD = "<!-- shell-cwd: page -->"
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 README_MAX_LINES = 300
 # jddp's command lines, as a page writes them: [VAR=value ...] python -m MODULE ...
-JDDP_MODULES = ("experiments.train", "jddp.run.train", "jddp.plan", "jddp.runtime.launch")
+JDDP_MODULES = (
+    "experiments.train",
+    "jddp.run.train",
+    "jddp.plan",
+    "jddp.runtime.launch",
+    "jddp.run.export",
+)
 # The installed commands, as the modules they run.
-SCRIPTS = {"jddp-launch": "jddp.runtime.launch", "jddp-train": "jddp.run.train"}
+SCRIPTS = {
+    "jddp-launch": "jddp.runtime.launch",
+    "jddp-train": "jddp.run.train",
+    "jddp-export": "jddp.run.export",
+}
 PYTHONS = ("python", "python3", ".venv/bin/python")
-# Flags naming a run's directory: under the page's temporary directory, like the Python examples'.
-RUN_DIR_FLAGS = ("--workdir", "--config.init_from")
+# Flags naming a run's directory or a file the page wrote: under the page's temporary directory,
+# where the Python examples' relative paths land too. `jddp-export`'s WORKDIR and OUT as well.
+RUN_DIR_FLAGS = (
+    "--workdir",
+    "--config.init_from",
+    "--config.data.text_file",
+    "--config.data.tokenizer",
+)
+HF_PREFIX = "hf:"  # init_from="hf:DIR": a Hugging Face checkpoint directory
 # Children compile without LLVM optimization, as the test processes do (tests/conftest.py):
 # the examples check that commands run, not how fast their programs are.
 CHILD_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}
@@ -120,10 +138,19 @@ def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
     for word in rest:
         flag, _, value = word.partition("=")
         if flag in RUN_DIR_FLAGS:
-            assert not os.path.isabs(value), f"use a relative run directory in the docs: {word}"
-            word = f"{flag}={os.path.join(tmp_path, value)}"
+            word = f"{flag}={under(tmp_path, value, word)}"
+        elif words[2] == "jddp.run.export" and not word.startswith("-"):
+            word = under(tmp_path, word, word)
         argv.append(word)
     return argv
+
+
+def under(tmp_path, value: str, word: str) -> str:
+    """A page's relative path (an "hf:DIR" checkpoint's too) under `tmp_path`."""
+    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
+    path = value[len(prefix) :]
+    assert not os.path.isabs(path), f"use a relative path in the docs: {word}"
+    return prefix + os.path.join(tmp_path, path)
 
 
 def run_shell_block(code: str, tmp_path, where: str, cwd=REPO) -> None:

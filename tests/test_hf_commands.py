@@ -16,6 +16,7 @@ import transformers
 
 from tests.helpers import assert_error_exit, checkout_env, snapshot
 from tests.test_multiprocess import launch
+from tests.tiny_tokenizer import WORDS, save_tokenizer
 
 JDDP_EXPORT = os.path.join(os.path.dirname(sys.executable), "jddp-export")  # installed beside it
 VOCAB = 64
@@ -23,7 +24,8 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """A tiny random Llama (grouped-query attention, untied) in shards, and a text file."""
+    """A tiny random Llama (grouped-query attention, untied) in shards with a tokenizer.json
+    beside it, and a text file of the tokenizer's words."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -37,22 +39,23 @@ def llama_dir(tmp_path_factory):
         tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="20KB")
-    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
+    save_tokenizer(root / "llama")
     rng = np.random.default_rng(0)
-    text = "\n".join(" ".join(rng.choice(words, 10)) for _ in range(200))
+    text = "\n".join(" ".join(rng.choice(WORDS, 10)) for _ in range(200))
     (root / "text.txt").write_text(text)
     return root
 
 
 def _train_flags(root, workdir):
     """A few SGD steps (Adam would turn rounding into visible differences between layouts) of
-    the Llama on the text file."""
+    the Llama on the text file, tokenized by the checkpoint's tokenizer."""
     return [
         f"--workdir={root / workdir}",
         "--config.model=llama",
         f"--config.init_from=hf:{root / 'llama'}",
         "--config.dataset=text_file",
         f"--config.data.text_file={root / 'text.txt'}",
+        f"--config.data.tokenizer={root / 'llama'}",
         "--config.data.seq_len=16",
         "--config.global_batch_size=8",
         "--config.num_train_steps=4",
@@ -191,6 +194,7 @@ def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, pipelined_run
         ),
         "hub name": (["--config.init_from=hf:meta-llama/Llama-3.2-1B"], ["downloads nothing"]),
         "optimizer": (["--config.init_from_optimizer=true"], ["weights only"]),
+        "characters": (["--config.data.tokenizer="], ["tokenized by characters", "tokenizer.json"]),
     }
     before = snapshot(root)
     with ThreadPoolExecutor(2) as pool:

@@ -1,6 +1,6 @@
 """Llama: Llama 3.2 1B's published size; remat changes nothing; bfloat16 compute under tensor and
 sequence parallelism with one key/value head trains with float32 master weights; bad dimensions
-are one-line errors. (Its equality with transformers, under every layout: test_hf_checkpoints.py.)"""
+are one-line errors. (Its equality with transformers under every layout: test_hf_checkpoints.py.)"""
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from jddp import data
 from jddp.checkpoints.weights import load_params
@@ -17,27 +17,9 @@ from jddp.data.shakespeare import TEST_WORKS
 from jddp.errors import ConfigError, DataError, UsageError
 from tests import fake_files
 from tests.helpers import assert_accuracy_over, assert_error_exit, assert_one_line, run_cli
+from tests.tiny_tokenizer import VOCAB_SIZE, WORDS, save_tokenizer
 
-WORDS = "the quick brown fox jumps over a lazy dog while cats sit on warm mats".split()
 SEQ_LEN = 8
-VOCAB_SIZE = len(set(WORDS)) + 3  # with <unk>, <s> and </s>
-
-
-def save_tokenizer(folder, special_tokens=("<unk>", "<s>", "</s>"), bos=True) -> str:
-    """A word-level tokenizer of WORDS (a BOS put first by its post-processor, as Llama's is),
-    saved as `folder`/tokenizer.json; returns the folder."""
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=list(special_tokens))
-    tokenizer.train_from_iterator([" ".join(WORDS)], trainer)
-    if bos:
-        bos_id = tokenizer.token_to_id("<s>")
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", bos_id)]
-        )
-    os.makedirs(folder, exist_ok=True)
-    tokenizer.save(os.path.join(folder, "tokenizer.json"))
-    return str(folder)
 
 
 def documents(count, seed) -> list[str]:

@@ -159,7 +159,8 @@ def ensure_checkpoint(path: str, dims: dict, shard_bytes: int) -> None:
     config = os.path.join(path, "config.json")
     if os.path.isfile(config):
         with open(config) as f:
-            found = {k: json.load(f).get(k) for k in dims} if True else {}
+            written = json.load(f)
+        found = {k: written.get(k) for k in dims}
         if found == dims:
             print(f"reusing the checkpoint in {path}")
             return

@@ -15,6 +15,7 @@ import ml_collections
 from absl import logging
 
 from jddp import data, loop
+from jddp.checkpoints import hf
 from jddp.checkpoints import store as checkpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
@@ -50,6 +51,18 @@ def write_config(workdir: str, config) -> None:
         f.write(text)
 
 
+def check_checkpoint_tokens(config, dataset: data.DatasetSpec) -> None:
+    """A Hugging Face checkpoint reads its tokenizer's ids: character-level text would train it
+    on other tokens without a word, so it is refused."""
+    if hf.is_hf(config.init_from) and dataset.kind == data.LANGUAGE_MODEL and not dataset.tokenizer:
+        tokenizer = os.path.join(hf.directory(config.init_from), "tokenizer.json")
+        raise ConfigError(
+            f"init_from {config.init_from!r} is a model of its tokenizer's tokens, and dataset "
+            f"{config.dataset!r} is tokenized by characters; set data.tokenizer (e.g. "
+            f"{tokenizer})"
+        )
+
+
 def check_eval_batch_size(eval_batch_size: int, slices: int) -> None:
     """A ConfigError unless eval batches split evenly into `slices` (one per device, except that
     the devices of a tensor group or of the stages share one)."""
@@ -72,6 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     config = factory.with_checkpoint_model_args(config)
     check_workdir(workdir, resumable=config.checkpoint_every > 0)
     dataset = factory.dataset_spec(config)
+    check_checkpoint_tokens(config, dataset)
     schedule = optim.learning_rate_schedule(config)
     trainer = factory.build_trainer(config, dataset, schedule)
     objective = factory.objective(dataset)

@@ -46,13 +46,13 @@ def llama_dir(tmp_path_factory):
     return root
 
 
-def _train_flags(root, workdir):
+def _train_flags(root, workdir, checkpoint="llama"):
     """A few SGD steps (Adam would turn rounding into visible differences between layouts) of
     the Llama on the text file, tokenized by the checkpoint's tokenizer."""
     return [
         f"--workdir={root / workdir}",
         "--config.model=llama",
-        f"--config.init_from=hf:{root / 'llama'}",
+        f"--config.init_from=hf:{root / checkpoint}",
         "--config.dataset=text_file",
         f"--config.data.text_file={root / 'text.txt'}",
         f"--config.data.tokenizer={root / 'llama'}",
@@ -64,6 +64,7 @@ def _train_flags(root, workdir):
         "--config.log_every=2",
         "--config.optimizer=sgd",
         "--config.learning_rate=0.5",
+        "--config.min_lr_ratio=1.0",  # constant: a run stopped and resumed is the same run
     ]
 
 
@@ -104,7 +105,8 @@ def _final_params(workdir):
 
 def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
     """The pipelined run's config.json records the model_args config.json filled in; jddp-export
-    of it: transformers' logits equal jddp's from the run's newest checkpoint."""
+    of it: transformers' logits equal jddp's from the run's newest checkpoint, and the
+    checkpoint's tokenizer and special token ids go along."""
     from jddp.models import Llama
 
     recorded = json.loads((llama_dir / "run" / "config.json").read_text())["model_args"]
@@ -114,6 +116,12 @@ def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
     exported = _export("--format=hf", pipelined_run, out, "--max_shard_size=20KB")
     assert exported.returncode == 0, exported.stderr
     assert (out / "model.safetensors.index.json").exists()
+    assert (out / "tokenizer.json").read_bytes() == (
+        llama_dir / "llama" / "tokenizer.json"
+    ).read_bytes()
+    original = json.loads((llama_dir / "llama" / "config.json").read_text())
+    written = json.loads((out / "config.json").read_text())
+    assert written["eos_token_id"] == original["eos_token_id"] is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
@@ -125,15 +133,25 @@ def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
     assert_error_exit(again, "not empty")
 
 
-def test_two_processes_import_their_shards_and_train_what_one_process_trains(
+def test_two_processes_import_their_shards_and_resume_after_the_checkpoint_moved(
     llama_dir, pipelined_run
 ):
     """jddp-launch, 2 processes x 4 devices, data:2,fsdp:2,tensor:2: each process reads its
-    devices' shards of the checkpoint; the run ends where the one-process pipelined run does."""
-    flags = _train_flags(llama_dir, "two-processes")
+    devices' shards of the checkpoint; 2 steps, then the Hugging Face directory moves and the
+    run resumes to step 4 (its model arguments from its own checkpoints): it ends where the
+    one-process pipelined run does."""
+    shutil.copytree(llama_dir / "llama", llama_dir / "moving")
     mesh = ["--config.parallel.strategy=zero3", "--config.parallel.mesh=data:2,fsdp:2,tensor:2"]
-    code, output = launch(2, 4, sys.executable, "-m", "jddp.run.train", *flags, *mesh)
+    flags = [*_train_flags(llama_dir, "two-processes", "moving"), *mesh]
+    code, output = launch(
+        2, 4, sys.executable, "-m", "jddp.run.train", *flags, "--config.num_train_steps=2"
+    )
     assert code == 0, output[-3000:]
+    os.rename(llama_dir / "moving", llama_dir / "moved")
+    more = "--config.allow_config_change=true"  # to train on past num_train_steps=2
+    code, output = launch(2, 4, sys.executable, "-m", "jddp.run.train", *flags, more)
+    assert code == 0, output[-3000:]
+    assert "resum" in output.lower()
     from tests.reference import assert_trees_close
 
     assert_trees_close(

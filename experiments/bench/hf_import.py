@@ -13,11 +13,12 @@ that the benchmark runs.
 Method. Each import runs in a fresh process with 8 simulated devices (whose memory is the
 process's host memory): the jddp model from `hf.create_model(DIR)`, a `jddp.Trainer` under zero3
 (mesh fsdp:8, `optax.sgd`), and `trainer.abstract_state` (shapes and shardings only: nothing is
-allocated). Right before the import the process's resident memory is its baseline; then the
-parameters are imported into that abstract state's shardings:
+allocated). Right before the import the process gives the free memory malloc keeps back to the
+OS (`malloc_trim`, so the import cannot reuse it unseen) and its resident memory is the
+baseline; then the parameters are imported into that abstract state's shardings:
 
-- `lazy`: `hf.load(trainer, abstract_state, DIR)`: each tensor read through safetensors'
-  `get_slice`, one device's shard at a time, by `jax.make_array_from_callback`.
+- `lazy`: `hf.load(trainer, abstract_state, DIR)`: each device's shard of a tensor read alone
+  through safetensors' `get_slice` and copied to its device before the next is read.
 - `whole`: every file read whole with `safetensors.numpy.load_file`, then placed with
   `trainer.replace_state` (what an importer without lazy reads does).
 
@@ -29,13 +30,16 @@ resident set (VmHWM), which also counts the checkpoint's file pages that safeten
 cache the kernel can drop, touched once, and mapped until the import closes its files, so they
 make the RSS peak include the whole checkpoint whatever the import holds. Like every jddp entry
 point, the imports keep freed host memory for reuse (jddp/runtime/host_memory.py), so the peaks
-include what the allocator keeps. Before each import the checkpoint's pages are dropped from the
-page cache (posix_fadvise), so "read GB" (/proc/PID/io read_bytes) is what it read from disk.
-Variants alternate, order reversed every round; time is the median, memory the largest of the
-rounds. Both variants must place the same parameters (a per-tensor checksum).
+include free memory the allocator keeps; after the import (host copies dropped) the process
+reports that (`kept_by_malloc`) and what is left beyond its shards once `malloc_trim` gives it
+back (`left_after_trim`: what the import leaked). Before each import the checkpoint's pages
+are dropped from the page cache (posix_fadvise), so "read GB" (/proc/PID/io read_bytes) is what
+it read from disk. Variants alternate, order reversed every round; time is the median, memory
+the largest of the rounds. Both variants must place the same parameters (a per-tensor checksum).
 """
 
 import argparse
+import gc
 import json
 import os
 import select
@@ -48,6 +52,8 @@ import time
 import numpy as np
 
 from experiments.bench import common
+from jddp.run.cli import fail
+from jddp.runtime import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 2**20
@@ -142,10 +148,9 @@ def write_checkpoint(path: str, dims: dict, shard_bytes: int) -> None:
             tensors[name] = tensor
         save_file(tensors, os.path.join(partial, file), metadata={"format": "pt"})
         del tensors
-    index = {
-        "metadata": {"total_size": sum(4 * int(np.prod(s)) for s in shapes.values())},
-        "weight_map": {name: file for file, names in zip(files, shards) for name in names},
-    }
+    weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+    total = sum(4 * int(np.prod(s)) for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
     with open(os.path.join(partial, "config.json"), "w") as f:
@@ -154,21 +159,27 @@ def write_checkpoint(path: str, dims: dict, shard_bytes: int) -> None:
 
 
 def ensure_checkpoint(path: str, dims: dict, shard_bytes: int) -> None:
-    """Writes the checkpoint unless `path` already holds one of `dims`; anything else there
-    ends the benchmark in one line."""
+    """Writes the checkpoint unless `path` already holds one of `dims`; anything else there,
+    or a failed write, ends the benchmark in one line."""
     config = os.path.join(path, "config.json")
     if os.path.isfile(config):
-        with open(config) as f:
-            written = json.load(f)
-        found = {k: written.get(k) for k in dims}
+        try:
+            with open(config) as f:
+                written = json.load(f)
+            found = {k: written.get(k) for k in dims}
+        except (OSError, ValueError, AttributeError):
+            found = "an unreadable config.json"
         if found == dims:
             print(f"reusing the checkpoint in {path}")
             return
-        common._fail(f"--dir {path!r} holds another model ({found}); pass a new --dir")
+        fail(f"--dir {path!r} holds another model ({found}); pass a new --dir")
     if os.path.exists(path):
-        common._fail(f"--dir {path!r} exists and holds no checkpoint; pass a new --dir")
+        fail(f"--dir {path!r} exists and holds no checkpoint; pass a new --dir")
     start = time.perf_counter()
-    write_checkpoint(path, dims, shard_bytes)
+    try:
+        write_checkpoint(path, dims, shard_bytes)
+    except OSError as e:
+        fail(f"cannot write the checkpoint to {path!r}: {e.strerror}; pass another --dir")
     print(f"wrote the checkpoint to {path} in {time.perf_counter() - start:.0f} s")
 
 
@@ -216,6 +227,14 @@ def disk_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
+def give_back_free_memory() -> None:
+    """Returns the free memory malloc keeps (jddp's programs never trim it) to the OS."""
+    gc.collect()
+    libc = host_memory.glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def whole_params(trainer, path: str):
     """Every tensor read whole into host memory, arranged as jddp's parameters."""
     from safetensors.numpy import load_file
@@ -249,9 +268,12 @@ def child(variant: str, path: str) -> None:
     tokens = np.zeros((8, 16), np.int32)
     abstract = trainer.abstract_state({"inputs": tokens, "targets": tokens})
 
+    # The baseline holds no free memory that the import could reuse unseen.
+    give_back_free_memory()
     before, read_before = status(), disk_read_bytes()
     print(START, flush=True)
     start = time.perf_counter()
+    host = tree = None
     if variant == "lazy":
         params = hf.load(trainer, abstract, path).params
     else:
@@ -262,12 +284,21 @@ def child(variant: str, path: str) -> None:
     after, read_after = status(), disk_read_bytes()
     print(DONE, flush=True)
 
+    # What stays: the host copies dropped, then the free memory malloc keeps given back.
+    del host, tree
+    gc.collect()
+    released = status()
+    give_back_free_memory()
+    trimmed = status()
+
     placed = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
     sums = jax.jit(lambda p: [jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(p)])(params)
     figures = {
         "import_sec": seconds,
         "baseline": before,
         "after": after,
+        "released": released,
+        "trimmed": trimmed,
         "read_bytes": read_after - read_before,
         "placed_bytes": placed,
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
@@ -310,16 +341,34 @@ def run_child(variant: str, path: str) -> dict:
                 if text in (START, DONE):
                     measuring = text == START
     if process.wait() != 0 or len(lines) < 3 or lines[-3:-1] != [START, DONE]:
-        common._fail(f"the {variant} import failed (exit code {process.returncode}); see above")
+        fail(f"the {variant} import failed (exit code {process.returncode}); see above")
     return json.loads(lines[-1]) | {"peak_anon": peak, "samples": samples}
 
 
 def beyond_shards(run: dict) -> dict[str, int]:
-    """Bytes the import held at its peak beyond its baseline and the placed shards."""
+    """Bytes the import held beyond its baseline and the placed shards: at its peak
+    (anonymous, and the whole RSS), and after it, its host copies dropped and malloc trimmed."""
     base, placed = run["baseline"], run["placed_bytes"]
     return {
         "anon": run["peak_anon"] - base["RssAnon"] - placed,
         "rss": run["after"]["VmHWM"] - base["VmRSS"] - placed,
+        "kept": run["released"]["RssAnon"] - run["trimmed"]["RssAnon"],
+        "left": run["trimmed"]["RssAnon"] - base["RssAnon"] - placed,
+    }
+
+
+def row(variant: str, done: list[dict], largest_bytes: int) -> dict:
+    """One variant's figures: the median time, the largest memory of its rounds."""
+    worst = {k: max(beyond_shards(run)[k] for run in done) for k in ("anon", "rss", "kept", "left")}
+    return {
+        "import": variant,
+        "import_sec": statistics.median(run["import_sec"] for run in done),
+        "read_GB": max(run["read_bytes"] for run in done) / 1e9,
+        "peak_anon_beyond_MiB": worst["anon"] / MiB,
+        "x_largest_tensor": worst["anon"] / largest_bytes,
+        "peak_RSS_beyond_MiB": worst["rss"] / MiB,
+        "kept_by_malloc_MiB": worst["kept"] / MiB,
+        "left_after_trim_MiB": worst["left"] / MiB,
     }
 
 
@@ -335,6 +384,8 @@ def main():
     path = args.dir or os.path.join(tempfile.gettempdir(), f"jddp-bench-hf-llama-{size}")
     if args.child:
         return child(args.child, path)
+    if args.repeats < 1:
+        fail(f"--repeats {args.repeats} imports nothing; pass 1 or more")
     common.check_output_folder(args.out)
     ensure_checkpoint(path, TINY if args.tiny else LLAMA_1B, SHARD_BYTES[size])
     sizes = tensor_sizes(path)
@@ -348,22 +399,9 @@ def main():
             print(f"round {round_index + 1}: {variant} imported", flush=True)
     checksums = {v: r[0]["checksums"] for v, r in runs.items()}
     if checksums["lazy"] != checksums["whole"]:
-        common._fail("the lazy and the whole import placed different parameters")
+        fail("the lazy and the whole import placed different parameters")
 
-    rows = []
-    for variant, done in runs.items():
-        anon = max(beyond_shards(run)["anon"] for run in done)
-        rss = max(beyond_shards(run)["rss"] for run in done)
-        rows.append(
-            {
-                "import": variant,
-                "import_sec": statistics.median(run["import_sec"] for run in done),
-                "read_GB": max(run["read_bytes"] for run in done) / 1e9,
-                "anon_beyond_shards_MiB": anon / MiB,
-                "anon_beyond / largest tensor": anon / sizes[largest],
-                "RSS_beyond_shards_MiB": rss / MiB,
-            }
-        )
+    rows = [row(variant, done, sizes[largest]) for variant, done in runs.items()]
     first = runs["lazy"][0]
     extra = {
         "parameters": first["param_count"],
@@ -372,6 +410,13 @@ def main():
         "placed_MiB": first["placed_bytes"] / MiB,
         "baseline_anon_MiB": first["baseline"]["RssAnon"] / MiB,
         "min_anon_samples": min(run["samples"] for done in runs.values() for run in done),
+        **{
+            f"{variant}_by_round": {
+                "peak_anon_beyond_MiB": [round(beyond_shards(run)["anon"] / MiB) for run in done],
+                "import_sec": [round(run["import_sec"], 1) for run in done],
+            }
+            for variant, done in runs.items()
+        },
         "repeats": args.repeats,
         "checkpoint": path,
     }

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jddp.checkpoints import hf_files, hf_models
+from jddp.core.state import arranged_like
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import CheckpointError, ConfigError
 from jddp.parallel.pipeline import stage_layouts as layouts
@@ -98,13 +99,24 @@ def check(path: str, model, params) -> None:
 
 
 def load(trainer, state, path: str):
-    """`state` with its parameters read from the save_pretrained directory `path`, each device
-    reading only its own shard of each tensor (the optimizer state, step and RNG stay)."""
+    """`state` with its parameters read from the save_pretrained directory `path` (the
+    optimizer state, step and RNG stay). `state` may be abstract (`trainer.abstract_state`)."""
     model = trainer.task.model
     with hf_files.Reader(path, "Hugging Face checkpoint") as reader:
         reader.check(_tensors(model), _per_layer_shapes(state.params))
-        lazy = lazy_params(reader, model, state.params)
-        return trainer.replace_state(state, params=lazy)
+        lazy = arranged_like(state.params, lazy_params(reader, model, state.params), path)
+        return state.replace(params=jax.tree.map(_place, state.params, lazy))
+
+
+def _place(like, lazy) -> jax.Array:
+    """`lazy` read and placed device by device in `like`'s sharding: each device's shard is
+    read alone and copied before the next is read, so the host holds one shard at a time
+    beyond the placed ones (`jax.make_array_from_callback` reads every local device's shard
+    first, a whole tensor on a host with many devices)."""
+    shards = []
+    for device, index in like.sharding.addressable_devices_indices_map(like.shape).items():
+        shards.append(jax.device_put(lazy[index], device).block_until_ready())
+    return jax.make_array_from_single_device_arrays(like.shape, like.sharding, shards)
 
 
 def lazy_params(reader: hf_files.Reader, model, params):
@@ -146,10 +158,39 @@ def check_output(out: str) -> None:
         raise CheckpointError(f"{parent} is not writable; pass another output directory")
 
 
-def save(params, model, out: str, max_shard_bytes: int = hf_files.DEFAULT_MAX_SHARD_BYTES):
+def save(
+    params,
+    model,
+    out: str,
+    max_shard_bytes: int = hf_files.DEFAULT_MAX_SHARD_BYTES,
+    *,
+    like: str | None = None,
+    tokenizer: str | None = None,
+) -> list[str]:
     """Writes `params` of the jddp `model` to `out` as save_pretrained would: config.json and
-    safetensors (sharded above `max_shard_bytes`, with the index)."""
+    safetensors (sharded above `max_shard_bytes`, with the index). `like`: the save_pretrained
+    directory the weights came from, whose special token ids and generation_config.json go
+    along; `tokenizer`: a tokenizer.json (or its directory), copied with its tokenizer_config.json
+    and special_tokens_map.json. Returns the files copied."""
     check_output(out)
     config = _architecture(model).hf_config(model) | {"dtype": "float32"}
+    companions = []
+    if like and os.path.isfile(os.path.join(like, hf_files.CONFIG)):
+        source = hf_files.read_config(like, "the original checkpoint")
+        config |= {k: source[k] for k in _SPECIAL_TOKEN_IDS if source.get(k) is not None}
+        companions += _existing(like, "generation_config.json")
+    if tokenizer:
+        folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+        companions += [tokenizer] if os.path.isfile(tokenizer) else []
+        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+        companions += [f for f in _existing(folder, *names) if f not in companions]
     tensors = hf_tensors(params, model)
-    hf_files.write(out, config, tensors, max_shard_bytes)
+    hf_files.write(out, config, tensors, max_shard_bytes, tuple(companions))
+    return companions
+
+
+_SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _existing(folder: str, *names: str) -> list[str]:
+    return [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]

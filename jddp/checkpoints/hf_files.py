@@ -196,11 +196,18 @@ class LazyLayers:
         return np.zeros((0, *self.shape[1:]), self.dtype)
 
 
-def write(path: str, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+def write(
+    path: str,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    max_shard_bytes: int,
+    companions: tuple[str, ...] = (),
+) -> None:
     """`config.json` and the tensors (in order) as `model.safetensors`, or as shards of at most
-    `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their index.
-    Written into a temporary directory beside `path`, renamed at the end: an interrupted export
-    leaves no half directory."""
+    `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their index, and
+    a copy of each `companions` file (a tokenizer's, a generation config). Written into a
+    temporary directory beside `path`, renamed at the end: an interrupted export leaves no half
+    directory."""
     from safetensors.numpy import save_file
 
     shards, current, size = [], {}, 0
@@ -231,6 +238,8 @@ def write(path: str, config: dict, tensors: dict[str, np.ndarray], max_shard_byt
     with open(os.path.join(partial, CONFIG), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
+    for file in companions:
+        shutil.copyfile(file, os.path.join(partial, os.path.basename(file)))
     if os.path.isdir(path):  # empty (checked by the caller)
         os.rmdir(path)
     os.rename(partial, path)

@@ -51,15 +51,24 @@ def write_config(workdir: str, config) -> None:
         f.write(text)
 
 
-def check_checkpoint_tokens(config, dataset: data.DatasetSpec) -> None:
-    """A Hugging Face checkpoint reads its tokenizer's ids: character-level text would train it
-    on other tokens without a word, so it is refused."""
-    if hf.is_hf(config.init_from) and dataset.kind == data.LANGUAGE_MODEL and not dataset.tokenizer:
-        tokenizer = os.path.join(hf.directory(config.init_from), "tokenizer.json")
+def check_checkpoint_data(config, dataset: data.DatasetSpec) -> None:
+    """A Hugging Face checkpoint reads its tokenizer's ids (character-level text would train it
+    on other tokens without a word) and sequences no longer than its positions."""
+    if not hf.is_hf(config.init_from) or dataset.kind != data.LANGUAGE_MODEL:
+        return
+    where = hf.directory(config.init_from)
+    if not dataset.tokenizer:
         raise ConfigError(
             f"init_from {config.init_from!r} is a model of its tokenizer's tokens, and dataset "
             f"{config.dataset!r} is tokenized by characters; set data.tokenizer (e.g. "
-            f"{tokenizer})"
+            f"{os.path.join(where, 'tokenizer.json')})"
+        )
+    longest = config.model_args.get("max_seq_len")
+    if longest and config.data.seq_len > longest:
+        raise ConfigError(
+            f"data.seq_len={config.data.seq_len} is longer than the {longest} positions of "
+            f"init_from {config.init_from!r} (its config.json); use a data.seq_len of at most "
+            f"{longest}"
         )
 
 
@@ -82,10 +91,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
-    config = factory.with_checkpoint_model_args(config)
+    config = factory.with_checkpoint_model_args(config, workdir)
     check_workdir(workdir, resumable=config.checkpoint_every > 0)
     dataset = factory.dataset_spec(config)
-    check_checkpoint_tokens(config, dataset)
+    check_checkpoint_data(config, dataset)
     schedule = optim.learning_rate_schedule(config)
     trainer = factory.build_trainer(config, dataset, schedule)
     objective = factory.objective(dataset)

@@ -24,9 +24,11 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
-def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> str:
-    """Writes the newest checkpoint of the run in `workdir` to `out` as a Hugging Face model;
-    returns the checkpoint it read."""
+def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> tuple[str, list[str]]:
+    """Writes the newest checkpoint of the run in `workdir` to `out` as a Hugging Face model,
+    with the run's tokenizer files and the special token ids and generation config of the
+    checkpoint it started from (where they still are); returns (the checkpoint it read, the
+    files it copied)."""
     from jddp import models
     from jddp.checkpoints import hf, weights
     from jddp.checkpoints import store as checkpoint
@@ -52,8 +54,16 @@ def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> str:
     params = saved.params
     args.setdefault("vocab_size", params["token_embed"]["embedding"].shape[0])
     args.pop("scan_layers", None)  # the layout of the layers; Hugging Face has one
-    hf.save(params, models.MODELS[name](**args), out, max_shard_bytes)
-    return saved.source
+    init_from = config.get("init_from") or ""
+    copied = hf.save(
+        params,
+        models.MODELS[name](**args),
+        out,
+        max_shard_bytes,
+        like=hf.directory(init_from) if hf.is_hf(init_from) else None,
+        tokenizer=(config.get("data") or {}).get("tokenizer") or None,
+    )
+    return saved.source, copied
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,10 +91,14 @@ def _usage_error(message: str):
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
-        source = export_run(args.workdir, args.out, max_shard_bytes=parse_size(args.max_shard_size))
+        source, copied = export_run(
+            args.workdir, args.out, max_shard_bytes=parse_size(args.max_shard_size)
+        )
     except (JddpError, OSError) as e:  # a mistake, or the file system's refusal: one line
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     print(f"wrote {args.out} from {source}")
+    for file in copied:
+        print(f"  with a copy of {file}")
 
 
 if __name__ == "__main__":

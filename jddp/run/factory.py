@@ -5,12 +5,15 @@ model, the partition rules and the bytes of the compute dtype.
 The mesh comes first: the model takes its axis names from it (big_vision's order).
 """
 
+import os
+
 import jax
 import ml_collections
 import numpy as np
 
 from jddp import data, models
 from jddp.checkpoints import hf
+from jddp.checkpoints import store as checkpoint
 from jddp.core.task import compute_dtype_of
 from jddp.parallel import strategies
 from jddp.parallel.mesh import DeviceMesh
@@ -21,17 +24,33 @@ from jddp.run.objectives import Objective
 from jddp.trainer import Trainer
 
 
-def with_checkpoint_model_args(config) -> ml_collections.ConfigDict:
+def with_checkpoint_model_args(config, workdir: str | None = None) -> ml_collections.ConfigDict:
     """`config` with `model_args` completed from `init_from="hf:DIR"`'s config.json (a copy;
     `config` itself when it starts from no Hugging Face checkpoint), so that the run's
     config.json and checkpoints record the whole model. A ConfigError names a model or an
-    argument that contradicts the checkpoint."""
+    argument that contradicts the checkpoint. A run resuming in `workdir` after DIR has moved
+    takes the arguments its checkpoints were written with."""
     if not hf.is_hf(config.init_from):
         return config
-    args = hf.resolved_model_args(config.model, config.model_args.to_dict(), config.init_from)
+    given = config.model_args.to_dict()
+    saved = _saved_model_args(config, workdir)
+    if saved is not None and not os.path.exists(hf.directory(config.init_from)):
+        args = {**saved, **given}
+    else:
+        args = hf.resolved_model_args(config.model, given, config.init_from)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model_args = ml_collections.ConfigDict(args)
     return config
+
+
+def _saved_model_args(config, workdir: str | None) -> dict | None:
+    """The model_args of the newest checkpoint in `workdir`, if it was started from the same
+    init_from."""
+    found = checkpoint.peek_latest(os.path.join(workdir, "checkpoints")) if workdir else None
+    saved = (found[0].get("config") or {}) if found else {}
+    if saved.get("init_from") != config.init_from:
+        return None
+    return dict(saved.get("model_args") or {})
 
 
 def dataset_spec(config) -> data.DatasetSpec:

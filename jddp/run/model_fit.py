@@ -17,7 +17,7 @@ import numpy as np
 
 from jddp.core.task import Task
 from jddp.data import LANGUAGE_MODEL, DatasetSpec
-from jddp.errors import ConfigError, DataError
+from jddp.errors import ConfigError, DataError, JddpError
 from jddp.models.user_models import OUTPUT_FIELD, is_import_path
 
 
@@ -43,7 +43,9 @@ def check_model_fits(
         )
     try:
         state = jax.eval_shape(task.init_state, jax.random.key(0), sample[:1])
-    except Exception as e:  # any failure here is the model rejecting the input
+    except JddpError as e:  # jddp's own models say what to change themselves
+        raise DataError(f"{what}: {e}") from None
+    except Exception as e:  # any other failure here is the model rejecting the input
         line = (str(e).strip().splitlines() or [""])[0][:160]
         raise DataError(f"{what}: {type(e).__name__}: {line}; {hint}") from None
     empty = [

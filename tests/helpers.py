@@ -315,3 +315,14 @@ def launch_command(nproc: int, devices_per_proc: int, program: str | None = None
     return [
         *launcher, f"--nproc={nproc}", f"--devices_per_proc={devices_per_proc}", "--",
     ]  # fmt: skip
+
+
+def safetensors_in(path) -> dict[str, np.ndarray]:
+    """Every tensor of every `.safetensors` file in the directory `path`, by name."""
+    from safetensors.numpy import load_file
+
+    found = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            found |= load_file(os.path.join(path, name))
+    return found

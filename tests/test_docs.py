@@ -59,6 +59,8 @@ RUN_DIR_FLAGS = (
     "--config.data.text_file",
     "--config.data.tokenizer",
 )
+# ... except a data file of the checkout itself (README.md as text), read where it is.
+DATA_FLAGS = ("--config.data.text_file", "--config.data.tokenizer")
 HF_PREFIX = "hf:"  # init_from="hf:DIR": a Hugging Face checkpoint directory
 # Children compile without LLVM optimization, as the test processes do (tests/conftest.py):
 # the examples check that commands run, not how fast their programs are.
@@ -137,7 +139,9 @@ def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
         )
     for word in rest:
         flag, _, value = word.partition("=")
-        if flag in RUN_DIR_FLAGS:
+        if flag in RUN_DIR_FLAGS and not (
+            flag in DATA_FLAGS and os.path.exists(os.path.join(REPO, value))
+        ):
             word = f"{flag}={under(tmp_path, value, word)}"
         elif words[2] == "jddp.run.export" and not word.startswith("-"):
             word = under(tmp_path, word, word)

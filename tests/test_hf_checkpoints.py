@@ -19,6 +19,7 @@ from jddp.models import tensor_rules
 from jddp.parallel.pipeline import stage_layouts
 from jddp.parallel.rules import fit_preset
 from jddp.run.objectives import OBJECTIVES
+from tests.helpers import safetensors_in
 from tests.reference import assert_trees_close, plain_training
 from tests.tiny_gpt import adamw, mesh_devices
 
@@ -136,16 +137,6 @@ def _per_layer(params):
     return stage_layouts.to_per_layer(jax.tree.map(np.asarray, params))
 
 
-def _read_all(path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    tensors = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            tensors |= load_file(os.path.join(path, name))
-    return tensors
-
-
 CASES = [
     ("llama", "1 device"),
     ("llama-sharded", "fsdp:8"),
@@ -187,7 +178,7 @@ def test_import_finetune_export(checkpoints, tmp_path, name, layout):
         assert ("tensor" in str(spec)) == (name != "llama-mqa"), spec
 
     hf.save(state.params, trainer.task.model, str(tmp_path / "untrained"), max_shard_bytes=10**4)
-    original, exported = _read_all(path), _read_all(tmp_path / "untrained")
+    original, exported = safetensors_in(path), safetensors_in(tmp_path / "untrained")
     assert sorted(original) == sorted(exported)
     for tensor, value in original.items():
         assert exported[tensor].dtype == value.dtype and np.array_equal(exported[tensor], value)

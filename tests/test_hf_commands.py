@@ -9,12 +9,16 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
 
-from tests.helpers import assert_error_exit, checkout_env, snapshot
+import jddp
+from jddp.checkpoints import hf
+from tests.helpers import assert_error_exit, checkout_env, safetensors_in, snapshot
 from tests.test_multiprocess import launch
 from tests.tiny_tokenizer import WORDS, save_tokenizer
 
@@ -131,6 +135,21 @@ def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
 
     again = _export("--format=hf", pipelined_run, out)  # out is not empty: nothing written
     assert_error_exit(again, "not empty")
+
+    # bfloat16 on disk: each tensor the float32 export's, rounded; it imports back as those.
+    half = llama_dir / "export-bf16"
+    assert _export("--format=hf", pipelined_run, half, "--dtype=bfloat16").returncode == 0
+    full_tensors, half_tensors = safetensors_in(out), safetensors_in(half)
+    for name, value in full_tensors.items():
+        assert half_tensors[name].dtype == jnp.bfloat16, (name, half_tensors[name].dtype)
+        np.testing.assert_array_equal(half_tensors[name], value.astype(jnp.bfloat16))
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    model = hf.create_model(str(half))
+    trainer = jddp.Trainer(model, lambda *_: 0.0, optax.sgd(0.0), input_key="inputs")
+    state = hf.load(trainer, trainer.abstract_state({"inputs": tokens}), str(half))
+    embedding = np.asarray(state.params["token_embed"]["embedding"])
+    want = full_tensors["model.embed_tokens.weight"].astype(jnp.bfloat16).astype(np.float32)
+    assert embedding.dtype == np.float32 and np.array_equal(embedding, want)
 
 
 def test_two_processes_import_their_shards_and_resume_after_the_checkpoint_moved(

@@ -1,1 +1,2 @@
-"""Checkpoints: the orbax store with exact resume, and weights in or out (init_from, export)."""
+"""Checkpoints: the orbax store with exact resume, weights in or out (init_from, export), and
+Hugging Face checkpoints in and out (`hf`)."""

@@ -166,14 +166,19 @@ def save(
     *,
     like: str | None = None,
     tokenizer: str | None = None,
+    dtype: str = "float32",
 ) -> list[str]:
     """Writes `params` of the jddp `model` to `out` as save_pretrained would: config.json and
-    safetensors (sharded above `max_shard_bytes`, with the index). `like`: the save_pretrained
+    safetensors in `dtype` (float32, bfloat16 or float16; sharded above `max_shard_bytes`, with
+    the index). `params` may be in any layout; in a job of several processes pass host arrays
+    (`trainer.host_state(state).params`). `like`: the save_pretrained
     directory the weights came from, whose special token ids and generation_config.json go
     along; `tokenizer`: a tokenizer.json (or its directory), copied with its tokenizer_config.json
     and special_tokens_map.json. Returns the files copied."""
     check_output(out)
-    config = _architecture(model).hf_config(model) | {"dtype": "float32"}
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    config = _architecture(model).hf_config(model) | {"dtype": dtype}
     companions = []
     if like and os.path.isfile(os.path.join(like, hf_files.CONFIG)):
         source = hf_files.read_config(like, "the original checkpoint")
@@ -184,12 +189,14 @@ def save(
         companions += [tokenizer] if os.path.isfile(tokenizer) else []
         names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
         companions += [f for f in _existing(folder, *names) if f not in companions]
-    tensors = hf_tensors(params, model)
+    as_dtype = jax.numpy.dtype(dtype)  # bfloat16 too (numpy's own dtypes lack it)
+    tensors = {k: v.astype(as_dtype) for k, v in hf_tensors(params, model).items()}
     hf_files.write(out, config, tensors, max_shard_bytes, tuple(companions))
     return companions
 
 
 _SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _existing(folder: str, *names: str) -> list[str]:

@@ -95,7 +95,7 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """A decoder-only transformer over int token ids (batch, seq_len), returning logits (batch,
-    seq_len, vocab_size). Subclasses give `block_parts` and `norm`.
+    seq_len, vocab_size). Subclasses give `block_parts` and `hidden_dim`.
 
     `remat=True` recomputes each block's activations in the backward pass. `scan_layers=True`
     runs the blocks as one `nn.scan` (`jddp.parallel.pipeline.Pipelined`) with their parameters

@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 
+from jddp.checkpoints.hf import EXPORT_DTYPES
 from jddp.errors import CheckpointError, ConfigError, JddpError
 from jddp.run.cli import fail
 
@@ -24,7 +25,9 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
-def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> tuple[str, list[str]]:
+def export_run(
+    workdir: str, out: str, *, max_shard_bytes: int, dtype: str = "float32"
+) -> tuple[str, list[str]]:
     """Writes the newest checkpoint of the run in `workdir` to `out` as a Hugging Face model,
     with the run's tokenizer files and the special token ids and generation config of the
     checkpoint it started from (where they still are); returns (the checkpoint it read, the
@@ -62,6 +65,7 @@ def export_run(workdir: str, out: str, *, max_shard_bytes: int) -> tuple[str, li
         max_shard_bytes,
         like=hf.directory(init_from) if hf.is_hf(init_from) else None,
         tokenizer=(config.get("data") or {}).get("tokenizer") or None,
+        dtype=dtype,
     )
     return saved.source, copied
 
@@ -80,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         default="5GB",
         help="safetensors files above this size are split into shards with an index (5GB)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=EXPORT_DTYPES,
+        help="the tensors' type on disk (training keeps float32 weights)",
+    )
     parser.error = _usage_error
     return parser
 
@@ -92,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         source, copied = export_run(
-            args.workdir, args.out, max_shard_bytes=parse_size(args.max_shard_size)
+            args.workdir,
+            args.out,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            dtype=args.dtype,
         )
     except (JddpError, OSError) as e:  # a mistake, or the file system's refusal: one line
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -326,3 +326,21 @@ def safetensors_in(path) -> dict[str, np.ndarray]:
         if name.endswith(".safetensors"):
             found |= load_file(os.path.join(path, name))
     return found
+
+
+def tiny_llama_config(**overrides):
+    """transformers' LlamaConfig of the tests' tiny Llama (2 layers of width 32, 4 query heads,
+    2 key/value heads, untied), with `overrides`."""
+    import transformers
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaConfig(**(fields | overrides))

@@ -1,6 +1,6 @@
 """GPT: a character-level model learns a text corpus; DDP on 4 devices trains what one device
-trains; dropout is deterministic per step; remat changes nothing; bad dimensions are one-line
-errors."""
+trains; dropout is deterministic per step; remat changes nothing (Llama's neither); bad
+dimensions are one-line errors."""
 
 from pydoc_data.topics import topics
 
@@ -12,7 +12,7 @@ import pytest
 
 import jddp
 from jddp import models
-from jddp.models import GPT
+from jddp.models import GPT, Llama
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import param_count, train_steps
 from tests.reference import assert_trees_close, plain_training
@@ -131,11 +131,17 @@ def test_dropout_masks_are_deterministic_per_step():
     assert losses(seed=1) != first
 
 
-def test_remat_recomputes_the_same_gradients():
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_remat_recomputes_the_same_gradients(family):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(2, 16)), jnp.int32)
     # One layer: each dropout site costs seconds of CPU compile time (threefry).
-    fields = dict(layers=1, dropout_rate=0.1)
-    plain, remat = char_gpt(50, **fields), char_gpt(50, remat=True, **fields)
+    if family == "gpt":
+        fields = dict(layers=1, dropout_rate=0.1)
+        plain, remat = char_gpt(50, **fields), char_gpt(50, remat=True, **fields)
+    else:  # with grouped-query attention and biases
+        fields = dict(num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, mlp_dim=64)
+        fields |= dict(max_seq_len=16, dropout_rate=0.1, attention_bias=True, mlp_bias=True)
+        plain, remat = Llama(50, **fields), Llama(50, remat=True, **fields)
     params = plain.init(jax.random.key(0), tokens)["params"]
 
     def grads(model):

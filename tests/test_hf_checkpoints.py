@@ -19,7 +19,7 @@ from jddp.models import tensor_rules
 from jddp.parallel.pipeline import stage_layouts
 from jddp.parallel.rules import fit_preset
 from jddp.run.objectives import OBJECTIVES
-from tests.helpers import safetensors_in
+from tests.helpers import safetensors_in, tiny_llama_config
 from tests.reference import assert_trees_close, plain_training
 from tests.tiny_gpt import adamw, mesh_devices
 
@@ -35,14 +35,9 @@ LAYOUTS = {  # name: (strategy, mesh, sequence parallelism)
 
 
 def _llama(kv_heads: int, biases: bool, tied: bool = False):
-    config = transformers.LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
         rope_theta=5000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,

@@ -18,7 +18,13 @@ import transformers
 
 import jddp
 from jddp.checkpoints import hf
-from tests.helpers import assert_error_exit, checkout_env, safetensors_in, snapshot
+from tests.helpers import (
+    assert_error_exit,
+    checkout_env,
+    safetensors_in,
+    snapshot,
+    tiny_llama_config,
+)
 from tests.test_multiprocess import launch
 from tests.tiny_tokenizer import WORDS, save_tokenizer
 
@@ -32,16 +38,7 @@ def llama_dir(tmp_path_factory):
     beside it, and a text file of the tokenizer's words."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(vocab_size=VOCAB)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="20KB")
     save_tokenizer(root / "llama")
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Llama: Llama 3.2 1B's published size; remat changes nothing; bfloat16 compute under tensor and
+"""Llama: Llama 3.2 1B's published size (remat: test_gpt.py); bfloat16 compute under tensor and
 sequence parallelism with one key/value head trains with float32 master weights; bad dimensions
 are one-line errors. (Its equality with transformers under every layout: test_hf_checkpoints.py.)"""
 
@@ -13,7 +13,6 @@ from jddp.models import Llama, llama
 from jddp.parallel.rules import fit_preset
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import param_count
-from tests.reference import assert_trees_close
 from tests.tiny_gpt import mesh_devices, token_batches
 
 LM = OBJECTIVES["language_model"]
@@ -36,24 +35,6 @@ def test_llama_3_2_1b_has_the_published_parameter_count():
         rope_base=500000.0,
     )
     assert param_count(model, jnp.zeros((1, 8), jnp.int32)) == 1_235_814_400
-
-
-def test_remat_recomputes_the_same_gradients():
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 16)), jnp.int32)
-    fields = dict(num_layers=1, dropout_rate=0.1, attention_bias=True, mlp_bias=True)
-    plain, remat = tiny_llama(**fields), tiny_llama(remat=True, **fields)
-    params = plain.init(jax.random.key(0), tokens)["params"]
-
-    def grads(model):
-        def loss(params):
-            logits = model.apply(
-                {"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(1)}
-            )
-            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
-
-        return jax.jit(jax.grad(lambda p: loss(p).mean()))(params)
-
-    assert_trees_close(grads(remat), grads(plain), rtol=1e-6)
 
 
 def test_bfloat16_compute_with_sequence_parallelism_and_one_kv_head_learns():

@@ -21,7 +21,7 @@ import sys
 from absl import app, flags
 
 from jddp.planner.devices import CALIBRATE
-from jddp.run.cli import ConfigFlag, fail
+from jddp.run.cli import NUMBER, ConfigFlag, fail, parse_amount
 from jddp.runtime.quiet import quiet_library_logs
 
 # The library's own defaults (jddp/run/config.py is a config file too): jddp never reads
@@ -60,24 +60,11 @@ _CALIBRATE = flags.DEFINE_bool(
     "calibrate", False, "Moved: measuring this machine is `python -m experiments.calibrate`."
 )
 
-_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
-_UNITS |= {"GI": 2**30, "TI": 2**40}
 _TIME_UNITS = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
-_NUMBER = r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*"  # 450, 0.5, .5, 989e12, 3E-6
-
-
-def parse_amount(flag: str, text: str) -> float:
-    """'80GB', '24GiB', '450e9', '450GB/s' -> a number of bytes (or bytes/s)."""
-    match = re.fullmatch(_NUMBER + r"([KMGT]?I?)B?(?:/S)?\s*", text, re.IGNORECASE)
-    if not match:
-        fail(f"--{flag}={text!r} is not an amount; write e.g. 80GB, 24GiB, 450e9")
-    return float(match.group(1)) * _UNITS[match.group(2).upper()]
-
-
 def parse_seconds(flag: str, text: str) -> float:
-    match = re.fullmatch(_NUMBER + r"(s|ms|us|ns)?\s*", text, re.IGNORECASE)
+    match = re.fullmatch(NUMBER + r"(s|ms|us|ns)?\s*", text, re.IGNORECASE)
     if not match:
         fail(f"--{flag}={text!r} is not a duration; write e.g. 5us, 0.01ms, 3e-6")
     return float(match.group(1)) * _TIME_UNITS[(match.group(2) or "").lower()]

@@ -206,7 +206,7 @@ def _reshape_tensor(path):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, pipelined_run):
+def test_careless_inputs_are_one_line_and_write_nothing(llama_dir):
     root = llama_dir
     cases = {
         "contradiction": (

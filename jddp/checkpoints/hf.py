@@ -86,25 +86,19 @@ def _tensors(model) -> list[hf_models.Tensor]:
     return _architecture(model).tensors(model)
 
 
-def _per_layer_shapes(params) -> dict[str, tuple]:
-    shapes = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    return layouts.per_layer_shapes(shapes) if layouts.is_stacked(shapes) else shapes
-
-
 def check(path: str, model, params) -> None:
     """A CheckpointError (one line, reading headers only) unless DIR holds every tensor of
     `model` in the shapes of `params` (arrays or shapes, per-layer or stacked)."""
     with hf_files.Reader(path, "init_from hf:") as reader:
-        reader.check(_tensors(model), _per_layer_shapes(params))
+        lazy_params(reader, model, params)
 
 
 def load(trainer, state, path: str):
     """`state` with its parameters read from the save_pretrained directory `path` (the
     optimizer state, step and RNG stay). `state` may be abstract (`trainer.abstract_state`)."""
-    model = trainer.task.model
     with hf_files.Reader(path, "Hugging Face checkpoint") as reader:
-        reader.check(_tensors(model), _per_layer_shapes(state.params))
-        lazy = arranged_like(state.params, lazy_params(reader, model, state.params), path)
+        lazy = lazy_params(reader, trainer.task.model, state.params)
+        lazy = arranged_like(state.params, lazy, path)
         return state.replace(params=jax.tree.map(_place, state.params, lazy))
 
 
@@ -121,30 +115,33 @@ def _place(like, lazy) -> jax.Array:
 
 def lazy_params(reader: hf_files.Reader, model, params):
     """A tree of `params`' structure (per-layer or stacked) whose leaves read their values from
-    `reader` when indexed."""
-    shapes = _per_layer_shapes(params)
+    `reader` when indexed; a CheckpointError first (headers only) if a tensor is missing or of
+    another shape."""
+    shapes = _shapes(params)
+    stacked = layouts.is_stacked(shapes)
+    per_layer = layouts.per_layer_shapes(shapes) if stacked else shapes
+    tensors = _tensors(model)
+    reader.check(tensors, per_layer)
     dtype = jax.tree.leaves(params)[0].dtype
-    flat = {t.path: reader.lazy(t, shapes[t.path], dtype) for t in _tensors(model)}
-    tree = nest_paths(flat)
-    stacked = layouts.is_stacked({path_str(p): () for p, _ in _leaves(params)})
+    tree = nest_paths({t.path: reader.lazy(t, per_layer[t.path], dtype) for t in tensors})
     return layouts.to_stacked(tree) if stacked else tree
 
 
-def _leaves(tree):
-    return jax.tree_util.tree_leaves_with_path(tree)
+def _shapes(tree) -> dict[str, tuple]:
+    return {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def hf_tensors(params, model) -> dict[str, np.ndarray]:
     """`params` (any layout; device or host arrays) as Hugging Face tensors by name."""
     per_layer = layouts.to_per_layer(jax.tree.map(np.asarray, params))
-    flat = {path_str(p): x for p, x in _leaves(per_layer)}
+    flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(per_layer)}
     tensors = _tensors(model)
     unmapped = sorted(flat.keys() - {t.path for t in tensors})
     if unmapped:
         raise CheckpointError(
             f"parameter {unmapped[0]!r} has no place in a Hugging Face {type(model).__name__}"
         )
-    return {t.name: t.to_hf(np.asarray(flat[t.path])) for t in tensors}
+    return {t.name: t.to_hf(flat[t.path]) for t in tensors}
 
 
 def check_output(out: str) -> None:
@@ -154,8 +151,10 @@ def check_output(out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"{out} is a file; pass a new directory (nothing was written)")
     parent = os.path.dirname(os.path.abspath(out))
-    if not os.access(parent, os.W_OK):
-        raise CheckpointError(f"{parent} is not writable; pass another output directory")
+    while not os.path.exists(parent):  # created by the export: the first that exists decides
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise CheckpointError(f"{parent} is not a writable directory; pass another OUT")
 
 
 def save(
@@ -190,7 +189,7 @@ def save(
         names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
         companions += [f for f in _existing(folder, *names) if f not in companions]
     as_dtype = jax.numpy.dtype(dtype)  # bfloat16 too (numpy's own dtypes lack it)
-    tensors = {k: v.astype(as_dtype) for k, v in hf_tensors(params, model).items()}
+    tensors = {k: v.astype(as_dtype, copy=False) for k, v in hf_tensors(params, model).items()}
     hf_files.write(out, config, tensors, max_shard_bytes, tuple(companions))
     return companions
 

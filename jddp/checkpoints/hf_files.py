@@ -17,6 +17,7 @@ import numpy as np
 
 from jddp.checkpoints.hf_models import QKV_BY_HEAD, TRANSPOSE, Tensor
 from jddp.errors import CheckpointError
+from jddp.observe.memory import format_bytes
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
@@ -208,8 +209,6 @@ def write(
     a copy of each `companions` file (a tokenizer's, a generation config). Written into a
     temporary directory beside `path`, renamed at the end: an interrupted export leaves no half
     directory."""
-    from safetensors.numpy import save_file
-
     shards, current, size = [], {}, 0
     for name, array in tensors.items():
         if current and size + array.nbytes > max_shard_bytes:
@@ -221,6 +220,26 @@ def write(
     partial = f"{path.rstrip(os.sep)}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
+    try:
+        _write_into(partial, config, shards, companions)
+    except BaseException as e:  # a full disk, an interrupt: no half directory is left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        needed = sum(a.nbytes for shard in shards for a in shard.values())
+        raise CheckpointError(
+            f"writing {path} failed ({reason}); it needs {format_bytes(needed)}: free space or "
+            "pass another OUT (nothing was written)"
+        ) from None
+    if os.path.isdir(path):  # empty (checked by the caller)
+        os.rmdir(path)
+    os.rename(partial, path)
+
+
+def _write_into(partial: str, config: dict, shards: list[dict], companions) -> None:
+    from safetensors.numpy import save_file
+
     names = (
         [WEIGHTS]
         if len(shards) == 1
@@ -230,7 +249,7 @@ def write(
         save_file(shard, os.path.join(partial, name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+            "metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
             "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
         with open(os.path.join(partial, INDEX), "w") as f:
@@ -240,6 +259,3 @@ def write(
         f.write("\n")
     for file in companions:
         shutil.copyfile(file, os.path.join(partial, os.path.basename(file)))
-    if os.path.isdir(path):  # empty (checked by the caller)
-        os.rmdir(path)
-    os.rename(partial, path)

@@ -11,12 +11,25 @@ from absl import flags
 from ml_collections import config_flags
 
 USAGE_EXIT_CODE = 2
+NUMBER = r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*"  # 450, 0.5, .5, 989e12, 3E-6
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
+_BYTE_UNITS |= {"GI": 2**30, "TI": 2**40}
 
 
 def fail(message: str) -> None:
     """Ends the program the way every user mistake ends: `error: ...`, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(USAGE_EXIT_CODE)
+
+
+def parse_amount(flag: str, text: str) -> float:
+    """'80GB', '24GiB', '450e9', '450GB/s' -> a number of bytes (or bytes/s): KB, MB, GB, TB
+    in 1000s (as transformers' max_shard_size), KiB ... TiB in 1024s. One line and exit 2 if
+    `text` is not one."""
+    match = re.fullmatch(NUMBER + r"([KMGT]?I?)B?(?:/S)?\s*", text, re.IGNORECASE)
+    if not match:
+        fail(f"--{flag}={text!r} is not an amount; write e.g. 80GB, 24GiB, 450e9")
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
 class ConfigFlag:

@@ -6,23 +6,12 @@ not empty) is one line and exit code 2, with nothing written."""
 
 import argparse
 import os
-import re
 
 from jddp.checkpoints.hf import EXPORT_DTYPES
 from jddp.errors import CheckpointError, ConfigError, JddpError
-from jddp.run.cli import fail
+from jddp.run.cli import fail, parse_amount
 
 FORMATS = ("hf",)
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB)?", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of "5GB", "500MB", "20KB" or "1000" (decimal units, as transformers counts)."""
-    match = _SIZE.fullmatch(text.strip())
-    if not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"--max_shard_size={text!r} is not a size; write e.g. 5GB or 500MB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def export_run(
@@ -100,12 +89,12 @@ def _usage_error(message: str):
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    shard_bytes = int(parse_amount("max_shard_size", args.max_shard_size))
+    if shard_bytes < 1:
+        fail(f"--max_shard_size={args.max_shard_size!r} must be at least 1 byte; write e.g. 5GB")
     try:
         source, copied = export_run(
-            args.workdir,
-            args.out,
-            max_shard_bytes=parse_size(args.max_shard_size),
-            dtype=args.dtype,
+            args.workdir, args.out, max_shard_bytes=shard_bytes, dtype=args.dtype
         )
     except (JddpError, OSError) as e:  # a mistake, or the file system's refusal: one line
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

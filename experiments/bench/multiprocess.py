@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -78,11 +79,12 @@ def torch_join() -> tuple[int, int]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    host, port = os.environ["JDDP_COORDINATOR_ADDRESS"].rsplit(":", 1)
+    # jddp-launch keeps the coordinator's port bound for jax (SO_REUSEPORT), which PyTorch's
+    # TCP store cannot share: rendezvous through a file named after that port instead.
+    port = os.environ["JDDP_COORDINATOR_ADDRESS"].rsplit(":", 1)[1]
     world = int(os.environ["JDDP_NUM_PROCESSES"])
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{host}:{int(port)}", rank=rank, world_size=world
-    )
+    store = os.path.join(tempfile.gettempdir(), f"jddp-bench-torch-{port}")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     return rank, world
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from jddp.errors import ConfigError
+from jddp.runtime import gloo_threads
 
 DEFAULT_HEARTBEAT_TIMEOUT_SEC = 30  # a dead peer ends the survivors within ~this long
 
@@ -96,6 +97,7 @@ def initialize(
         process_id=launch.process_id,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
     )
+    gloo_threads.start_backend_with_quiet_poller()
     logging.info(
         "process %d of %d (%s), %d of %d devices local",
         jax.process_index(),

@@ -5,6 +5,7 @@ placement (pmap replicas, mesh shardings) and its collectives (pmean, reduce-sca
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jddp.core import row_keys
+from jddp.core import row_keys, slices
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.state import TrainState
@@ -200,12 +201,19 @@ class Task:
         return values
 
     # ------------------------------------------------------------------------- gradients
-    def _micro_grads(self, params, model_state, batch, rng, params_fn, scale):
+    def _slice_totals(self, params, model_state, batch: Batch, rng):
+        """`Totals` of one slice's batch, and the updated mutable collections."""
+        outputs, model_state = self.forward(params, model_state, batch, train=True, rng=rng)
+        return Totals.of(self.weighted_values(outputs, batch)), model_state
+
+    def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, grid=()):
+        totals_fn = self._slice_totals
+        if grid:  # once per slice, averaged: the parameters' gradient is one sum over them
+            per_slice = slices.over_grid(totals_fn, len(grid), (None, None, 0, 0), grid)
+            totals_fn = lambda *args: slices.mean_over_grid(per_slice(*args), len(grid))  # noqa: E731
+
         def scaled_loss(params):
-            outputs, new_model_state = self.forward(
-                params_fn(params), model_state, batch, train=True, rng=rng
-            )
-            totals = Totals.of(self.weighted_values(outputs, batch))
+            totals, new_model_state = totals_fn(params_fn(params), model_state, batch, rng)
             loss = totals.sums["loss"]
             return (loss if scale is None else loss * scale), (totals, new_model_state)
 
@@ -213,7 +221,14 @@ class Task:
         return grads, totals, model_state
 
     def local_grads(
-        self, params, model_state, batch: Batch, rng: jax.Array, params_fn=None, loss_scale=None
+        self,
+        params,
+        model_state,
+        batch: Batch,
+        rng: jax.Array,
+        params_fn=None,
+        loss_scale=None,
+        grid: slices.Grid = (),
     ):
         """(gradient, `Totals`, mutable collections) of `batch`, over `grad_accum_steps`
         micro-batches: the gradient of the mean (weighted) loss, before `apply_gradients`
@@ -222,28 +237,42 @@ class Task:
         No collective of its own: a strategy averages the result across devices once per step.
         `params_fn` maps the state's parameters to the ones the model uses (ZeRO-3 gathers its
         shards there); gradients are taken with respect to `params`. `loss_scale` is the state's
-        (float16: the loss is multiplied by its scale).
+        (float16: the loss is multiplied by its scale). With a `grid` (jddp/core/slices.py),
+        `batch` is the global batch and `rng` the step's key, and the model runs once per slice
+        of the batch the grid's devices would hold, micro-batches split per slice as well.
         """
         params_fn = params_fn or (lambda params: params)
         scale = loss_scale["scale"] if self.loss_scaling else None
         steps = self.grad_accum_steps
-        size = self.batch_rows(batch)
-        rng = row_keys.as_row_key(rng, size)
+        lead = len(grid)  # leading dimensions of the batch that index slices
+        if grid:
+            size = self.batch_rows(batch) // math.prod(n for _, n in grid)
+            batch = slices.split_batch(batch, grid, self.batch_rows(batch))
+            rng = slices.slice_keys(rng, grid, size)
+        else:
+            size = self.batch_rows(batch)
+            rng = row_keys.as_row_key(rng, size)
         if steps == 1:
-            return self._micro_grads(params, model_state, batch, rng, params_fn, scale)
+            return self._micro_grads(params, model_state, batch, rng, params_fn, scale, grid)
         if size % steps:
             raise ShapeError(
                 f"a device's batch of {size} examples does not split into {steps} micro-batches; "
                 "make global_batch_size divisible by devices x grad_accum_steps"
             )
-        micro_batches = jax.tree.map(lambda x: x.reshape(steps, size // steps, *x.shape[1:]), batch)
+
+        def split(x):  # (*slices, size, ...) -> (steps, *slices, size / steps, ...)
+            parts = x.reshape(*x.shape[:lead], steps, size // steps, *x.shape[lead + 1 :])
+            return jnp.moveaxis(parts, lead, 0)
+
+        micro_batches = jax.tree.map(split, batch)
+        sub_key = slices.over_grid(row_keys.sub_batch_key, lead, (0, None, None))
 
         def accumulate(carry, inputs):
             grad_sum, totals_sum, model_state = carry
             index, micro_batch = inputs
-            micro_rng = row_keys.sub_batch_key(rng, index * (size // steps), size // steps)
+            micro_rng = sub_key(rng, index * (size // steps), size // steps)
             grads, totals, model_state = self._micro_grads(
-                params, model_state, micro_batch, micro_rng, params_fn, scale
+                params, model_state, micro_batch, micro_rng, params_fn, scale, grid
             )
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(grad_sum, grads), add(totals_sum, totals), model_state), None
@@ -251,7 +280,7 @@ class Task:
         zeros = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], micro_batches)
         shapes = jax.eval_shape(
-            lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale)[1]
+            lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale, grid)[1]
         )
         totals_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grad_sum, totals_sum, model_state), _ = jax.lax.scan(

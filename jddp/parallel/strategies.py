@@ -5,12 +5,14 @@ the mesh), then the strategy (`make_strategy`). What callers may use of a strate
 `Strategy` protocol in jddp/parallel/strategy.py.
 """
 
+import functools
 from collections.abc import Sequence
 
 import jax
 
 from jddp.core.task import Task
 from jddp.errors import ConfigError
+from jddp.parallel.auto import AutoStrategy
 from jddp.parallel.compression import GradComm
 from jddp.parallel.ddp import DDP
 from jddp.parallel.mesh import (
@@ -26,7 +28,7 @@ from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.strategy import Strategy
 from jddp.parallel.zero import STAGE_OF, ZeroStrategy, check_mesh_for, default_mesh_spec
 
-STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid
+STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid, auto
 
 __all__ = [
     "DDP_AXIS",
@@ -113,10 +115,10 @@ def make_strategy(
                 "zero1, zero2, zero3 or hybrid, or leave them empty"
             )
         return DDP(task, mesh, grad_comm)
-    return ZeroStrategy(
+    strategy = AutoStrategy if name == "auto" else functools.partial(ZeroStrategy, name=name)
+    return strategy(
         task,
         mesh,
-        name=name,
         rules=rules,
         min_shard_size=min_shard_size,
         pipeline=pipeline,

@@ -51,6 +51,7 @@ STAGE_OF = {
     "zero3": "zero3",
     "fsdp": "zero3",
     "hybrid": "zero3",
+    "auto": "zero3",  # zero3's layout, the compiler's collectives (jddp/parallel/auto.py)
 }
 
 

@@ -42,6 +42,8 @@ def make_trainer(strategy, num_devices, mesh=None, **kwargs):
         (("zero3", 8, None), ("ddp", 2, None)),
         (("zero1", 4, None), ("zero2", 8, None)),
         (("hybrid", 8, "data:2,fsdp:4"), ("zero3", 2, None)),
+        (("auto", 8, None), ("ddp", 2, None)),
+        (("zero2", 4, None), ("auto", 8, "data:2,fsdp:4")),
     ],
 )
 def test_restore_into_another_strategy_and_device_count(tmp_path, source, target):

@@ -88,6 +88,12 @@ GPT_LAYOUTS = {
     "zero3 fsdp:8": ("zero3", "fsdp:8", {}),
     "zero3 data:2,fsdp:2,tensor:2": ("zero3", "data:2,fsdp:2,tensor:2", {}),
     "sequence parallel fsdp:2,tensor:2": ("zero1", "fsdp:2,tensor:2", dict(sp=True)),
+    "auto fsdp:8, accumulation 2": ("auto", "fsdp:8", dict(grad_accum_steps=2)),
+    "auto data:2,fsdp:2,tensor:2, sequence parallel": (
+        "auto",
+        "data:2,fsdp:2,tensor:2",
+        dict(sp=True),
+    ),
     "1f1b data:2,stage:2, accumulation 2": (
         "zero1",
         "data:2,stage:2",

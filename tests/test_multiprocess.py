@@ -71,8 +71,10 @@ def launch(
     return process.returncode, output
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-@pytest.mark.parametrize("nproc,devices_per_proc", [(2, 2), (4, 1)])
+@pytest.mark.parametrize(
+    "strategy,nproc,devices_per_proc",
+    [(s, n, d) for s in ("ddp", "zero3") for n, d in ((2, 2), (4, 1))] + [("auto", 2, 2)],
+)
 def test_processes_train_what_one_process_and_one_device_train(
     tmp_path, strategy, nproc, devices_per_proc
 ):

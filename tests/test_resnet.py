@@ -37,7 +37,7 @@ def tiny_resnet18(**kwargs) -> ResNet:
     return ResNet(num_classes=10, depth=18, stem="cifar", width=4, **kwargs)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "auto"])
 def test_synchronized_batchnorm_equals_one_device_on_the_global_batch(strategy):
     batches = image_batches()
     optimizer = optax.sgd(0.05, momentum=0.9)

@@ -25,6 +25,8 @@ from tests.reference import (
 # (strategy, devices, mesh): every stage on 2, 4 and 8 devices, and hybrid meshes with replicas.
 CASES = [(s, n, None) for s in ("zero1", "zero2", "zero3", "hybrid") for n in (2, 4, 8)]
 CASES += [("hybrid", 4, "data:2,fsdp:2"), ("hybrid", 8, "data:2,fsdp:4")]
+# auto: zero3's layout, the compiler's collectives, on 1 to 8 devices and with replicas.
+CASES += [("auto", n, None) for n in (1, 2, 4, 8)] + [("auto", 8, "data:2,fsdp:4")]
 
 
 @pytest.mark.parametrize("strategy,num_devices,mesh", CASES)
@@ -37,8 +39,9 @@ def test_matches_single_device_reference(strategy, num_devices, mesh):
     assert max(train_and_compare(trainer, optimizer, batches)) > CLIP_NORM  # clipping bit
     layout, _ = trainer.strategy.layout()
     sharded = [spec for spec in jax.tree.leaves(layout.opt_state) if tuple(spec)]
-    assert sharded  # the optimizer state really was sharded (and parameters, from zero3 on)
-    assert bool(tuple(layout.params["Dense_0"]["kernel"])) == (strategy in ("zero3", "hybrid"))
+    assert bool(sharded) == (num_devices > 1)  # the optimizer state really was sharded
+    sharded_params = strategy in ("zero3", "hybrid", "auto") and num_devices > 1
+    assert bool(tuple(layout.params["Dense_0"]["kernel"])) == sharded_params
 
 
 def test_state_fetched_to_host_equals_ddps_and_init_is_the_same():
@@ -94,7 +97,7 @@ def even_trainer(strategy, **kwargs):
 
 @pytest.mark.parametrize(
     "strategy,bytes_per_param",
-    [("ddp", 12), ("zero1", 4 + 8 / 8), ("zero2", 4 + 8 / 8), ("zero3", 12 / 8)],
+    [("ddp", 12), ("zero1", 4 + 8 / 8), ("zero2", 4 + 8 / 8), ("zero3", 12 / 8), ("auto", 12 / 8)],
 )
 def test_persistent_bytes_per_device_follow_the_zero_formula(strategy, bytes_per_param):
     trainer = even_trainer(strategy)
@@ -159,6 +162,8 @@ def test_zero3_initializes_into_shards_without_a_whole_copy():
         ({"strategy": "ddp", "mesh": "fsdp:8"}, r"does not apply to ddp"),
         ({"strategy": "zero1", "rules": [("kernel", "model")]}, r"names mesh axis 'model'.*fsdp"),
         ({"strategy": "zero1", "rules": [("kernel", "x", "y")]}, r"not a \(regex, spec\) pair"),
+        ({"strategy": "auto", "mesh": "stage:2,fsdp:4"}, r"auto does not run pipelines"),
+        ({"strategy": "auto", "grad_comm_dtype": "bfloat16"}, r"does not apply to auto"),
     ],
 )
 def test_bad_mesh_or_rule_is_a_one_line_config_error(kwargs, message):

@@ -8,7 +8,9 @@ one row per example, and row `r` of it draws from counters (`first_row + r`, pos
 row). Every example therefore sees the same numbers on 1 device or 8, under any strategy, mesh,
 gradient accumulation or pipeline, which only move `first_row`; splits and `fold_in`s (Linen's
 `make_rng`, NNX `Rngs`) keep the rows. A draw of any other shape (a noise vector shared by the
-batch) is the same on every device, as on one.
+batch) is the same on every device, as on one. A key may also hold rows in blocks (`block`
+consecutive rows every `stride` rows: a micro-batch taking each device's next rows at once, as
+`auto` accumulates over the whole batch).
 
 The bits are threefry2x32's, as `jax.random`'s default; only the counters differ from its own.
 """
@@ -24,13 +26,18 @@ from jax.extend import random as jex_random
 _THREEFRY = jex_random.threefry_prng_impl
 
 
+# Key data: threefry's two words, then the rows it holds: first_row, rows, block, stride (block 0:
+# consecutive rows).
+ROWS_FIELDS = 4
+
+
 def _seed(seed):
-    return jnp.concatenate([_THREEFRY.seed(seed), jnp.zeros(2, jnp.uint32)])
+    return jnp.concatenate([_THREEFRY.seed(seed), jnp.zeros(ROWS_FIELDS, jnp.uint32)])
 
 
 def _split(key, shape):
     keys = _THREEFRY.split(key[:2], shape)
-    rows = jnp.broadcast_to(key[2:], (*shape, 2))
+    rows = jnp.broadcast_to(key[2:], (*shape, ROWS_FIELDS))
     return jnp.concatenate([keys, rows], axis=-1)
 
 
@@ -38,7 +45,7 @@ def _fold_in(key, data):
     return jnp.concatenate([_THREEFRY.fold_in(key[:2], data), key[2:]])
 
 
-def _counters(shape, first_row, rows):
+def _counters(shape, first_row, rows, block, stride):
     """(row counter, position counter) of every element of a draw of `shape`."""
     if not shape:
         zero = jnp.zeros((), jnp.uint32)
@@ -49,14 +56,17 @@ def _counters(shape, first_row, rows):
     leading = lax.broadcasted_iota(jnp.uint32, shape, 0)
     position = jnp.zeros(shape, jnp.uint32)
     for axis in range(1, len(shape)):
-        stride = np.uint32(math.prod(shape[axis + 1 :]))
-        position = position + lax.broadcasted_iota(jnp.uint32, shape, axis) * stride
+        step = np.uint32(math.prod(shape[axis + 1 :]))
+        position = position + lax.broadcasted_iota(jnp.uint32, shape, axis) * step
+    blocks = jnp.maximum(block, np.uint32(1))
+    in_blocks = leading // blocks * stride + leading % blocks
+    row = first_row + jnp.where(block == 0, leading, in_blocks)
     per_example = rows == np.uint32(shape[0])
-    return leading + jnp.where(per_example, first_row, np.uint32(0)), position
+    return jnp.where(per_example, row, leading), position
 
 
 def _random_bits(key, bit_width, shape):
-    row, position = _counters(tuple(shape), key[2], key[3])
+    row, position = _counters(tuple(shape), *key[2:])
     bits1, bits2 = jex_random.threefry2x32_p.bind(key[0], key[1], row, position)
     dtype = np.dtype(f"uint{bit_width}")
     if bit_width == 64:
@@ -66,7 +76,7 @@ def _random_bits(key, bit_width, shape):
 
 
 ROW_KEYS = jex_random.define_prng_impl(
-    key_shape=(4,),
+    key_shape=(2 + ROWS_FIELDS,),
     seed=_seed,
     split=_split,
     random_bits=_random_bits,
@@ -80,19 +90,25 @@ def batch_key(key: jax.Array, first_row, rows: int) -> jax.Array:
     """A row key for a model call that holds rows `first_row .. first_row + rows - 1` of the
     global batch, drawing as `key` (a default-implementation key: the step's) would for the whole
     batch."""
+    return blocked_key(key, first_row, rows, 0, 0)
+
+
+def blocked_key(key: jax.Array, first_row, rows: int, block: int, stride: int) -> jax.Array:
+    """A row key for `rows` rows of the global batch taken `block` at a time every `stride` rows
+    from `first_row` (row k of the call is global row first_row + k // block * stride +
+    k % block), drawing as `key` (the step's) would for the whole batch."""
     data = jax.random.key_data(key).astype(jnp.uint32)
-    rows_part = jnp.stack([jnp.asarray(first_row, jnp.uint32), jnp.uint32(rows)])
-    return jax.random.wrap_key_data(jnp.concatenate([data, rows_part]), impl=ROW_KEYS)
+    rows_part = [jnp.asarray(first_row, jnp.uint32), *map(jnp.uint32, (rows, block, stride))]
+    return jax.random.wrap_key_data(jnp.concatenate([data, jnp.stack(rows_part)]), impl=ROW_KEYS)
 
 
 def sub_batch_key(key: jax.Array, start, rows: int) -> jax.Array:
-    """`key` (a row key) for rows `start .. start + rows - 1` of the rows it holds: a micro-batch's
-    or a pipeline stage's part of a device's batch."""
+    """`key` (a row key of consecutive rows) for rows `start .. start + rows - 1` of the rows it
+    holds: a micro-batch's or a pipeline stage's part of a device's batch."""
     data = jax.random.key_data(key)
     first = data[2] + jnp.asarray(start, jnp.uint32)
-    return jax.random.wrap_key_data(
-        jnp.concatenate([data[:2], jnp.stack([first, jnp.uint32(rows)])]), impl=ROW_KEYS
-    )
+    rows_part = jnp.stack([first, jnp.uint32(rows), *data[4:]])
+    return jax.random.wrap_key_data(jnp.concatenate([data[:2], rows_part]), impl=ROW_KEYS)
 
 
 def as_row_key(key: jax.Array, rows: int) -> jax.Array:

@@ -1,63 +1,59 @@
-"""A global batch seen as the slices devices would hold, inside one program.
+"""A global batch in one program, computing what the devices that split it compute.
 
 The mesh strategies run the model once per device on that device's slice of the batch; `auto`
-runs one program over the whole batch and lets the compiler choose how data moves. To compute
-exactly what the per-device strategies compute, it runs the model once per slice too: under
-nested `jax.vmap`s named as the mesh's batch axes, so a layer's collective over them (BatchNorm's
-`pmean` of its statistics) and each example's random draws (jddp/core/row_keys.py) are the same,
-while parameters enter unbatched and their gradient is one sum the compiler may partition as it
-likes. A grid is `((axis name, size), ...)`: the batch axes in mesh order.
+runs one program over the whole batch and lets the compiler choose how data moves. Two things
+make that program compute what the per-device ones compute:
+- the batch axes' names are bound (`bind`), by `jax.vmap`s of size 1, so a layer's collective
+  over them (BatchNorm's `pmean` of its statistics) is the identity it is on one device: the
+  statistics are the whole batch's, which the per-device strategies' `pmean`s also give;
+- micro-batches take every slice's next rows at once (`micro_batches`), as gradient accumulation
+  on the devices does, with row keys that draw each example's own numbers
+  (jddp/core/row_keys.py).
 """
 
-import math
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jddp.core import row_keys
-from jddp.errors import ShapeError
-
-Grid = tuple[tuple[str, int], ...]
 
 
-def split_batch(batch, grid: Grid, rows: int):
-    """`batch` (rows first) as (*grid sizes, rows per slice, ...): slice d holds rows
-    d*R .. d*R + R - 1, as device d of the batch axes would."""
-    sizes = tuple(size for _, size in grid)
-    slices = math.prod(sizes)
-    if rows % slices:
-        raise ShapeError(
-            f"a batch of {rows} examples does not split over {slices} devices; "
-            f"use a multiple of {slices}"
+@dataclasses.dataclass(frozen=True)
+class Slices:
+    """The batch axes' names (`axes`) and how many slices they split a batch into (`count`)."""
+
+    axes: tuple[str, ...]
+    count: int
+
+    def bind(self, fn):
+        """`fn` with the batch axes' names bound, each to an axis of one slice."""
+        for name in reversed(self.axes):
+            fn = _size_one_axis(fn, name)
+        return fn
+
+    def micro_batches(self, batch, steps: int, rows: int):
+        """`batch` (`rows` rows first) as (steps, rows / steps, ...): micro-batch i holds rows
+        i*r .. i*r + r - 1 of every slice (r = rows / count / steps), slice by slice."""
+
+        def split(x):
+            parts = x.reshape(self.count, steps, rows // self.count // steps, *x.shape[1:])
+            return jnp.swapaxes(parts, 0, 1).reshape(steps, rows // steps, *x.shape[1:])
+
+        return jax.tree.map(split, batch)
+
+    def micro_key(self, step_key: jax.Array, index, steps: int, rows: int) -> jax.Array:
+        """The row key of micro-batch `index` of `micro_batches`."""
+        block = rows // self.count // steps
+        return row_keys.blocked_key(
+            step_key, index * block, rows // steps, block, rows // self.count
         )
-    return jax.tree.map(lambda x: x.reshape(*sizes, rows // slices, *x.shape[1:]), batch)
 
 
-def slice_keys(step_key: jax.Array, grid: Grid, rows_per_slice: int) -> jax.Array:
-    """Row keys of every slice (shaped as the grid): slice d's rows start at d * rows_per_slice."""
-    sizes = tuple(size for _, size in grid)
-    first_rows = jnp.arange(math.prod(sizes), dtype=jnp.uint32).reshape(sizes) * rows_per_slice
-    key = lambda first: row_keys.batch_key(step_key, first, rows_per_slice)  # noqa: E731
-    return over_grid(key, len(sizes))(first_rows)
+def _size_one_axis(fn, name: str):
+    def bound(*args):
+        return jax.tree.map(
+            lambda x: x[0], jax.vmap(fn, in_axes=None, axis_size=1, axis_name=name)(*args)
+        )
 
-
-def over_grid(fn, dims: int, in_axes=0, grid: Grid = ()):
-    """`fn` mapped over `dims` leading dimensions; with `grid`, the maps carry its axis names
-    (collectives over them reduce across slices) and shard those dimensions over the mesh axes
-    of the same names."""
-    for dim in reversed(range(dims)):
-        name = grid[dim][0] if grid else None
-        fn = jax.vmap(fn, in_axes=in_axes, axis_name=name, spmd_axis_name=name)
-    return fn
-
-
-def mean_over_grid(tree, dims: int):
-    """Each leaf's mean over its `dims` leading dimensions (floats), or its first entry (others:
-    step counters, the same in every slice)."""
-
-    def mean(x):
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            return x.mean(axis=tuple(range(dims)))
-        return x[(0,) * dims]
-
-    return jax.tree.map(mean, tree)
+    return bound

@@ -5,7 +5,6 @@ placement (pmap replicas, mesh shardings) and its collectives (pmean, reduce-sca
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jddp.core import row_keys, slices
+from jddp.core import row_keys
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
+from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 from jddp.errors import ConfigError, ShapeError, UsageError
@@ -206,11 +206,8 @@ class Task:
         outputs, model_state = self.forward(params, model_state, batch, train=True, rng=rng)
         return Totals.of(self.weighted_values(outputs, batch)), model_state
 
-    def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, grid=()):
-        totals_fn = self._slice_totals
-        if grid:  # once per slice, averaged: the parameters' gradient is one sum over them
-            per_slice = slices.over_grid(totals_fn, len(grid), (None, None, 0, 0), grid)
-            totals_fn = lambda *args: slices.mean_over_grid(per_slice(*args), len(grid))  # noqa: E731
+    def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, slices=None):
+        totals_fn = slices.bind(self._slice_totals) if slices else self._slice_totals
 
         def scaled_loss(params):
             totals, new_model_state = totals_fn(params_fn(params), model_state, batch, rng)
@@ -228,7 +225,7 @@ class Task:
         rng: jax.Array,
         params_fn=None,
         loss_scale=None,
-        grid: slices.Grid = (),
+        slices: Slices | None = None,
     ):
         """(gradient, `Totals`, mutable collections) of `batch`, over `grad_accum_steps`
         micro-batches: the gradient of the mean (weighted) loss, before `apply_gradients`
@@ -237,42 +234,40 @@ class Task:
         No collective of its own: a strategy averages the result across devices once per step.
         `params_fn` maps the state's parameters to the ones the model uses (ZeRO-3 gathers its
         shards there); gradients are taken with respect to `params`. `loss_scale` is the state's
-        (float16: the loss is multiplied by its scale). With a `grid` (jddp/core/slices.py),
-        `batch` is the global batch and `rng` the step's key, and the model runs once per slice
-        of the batch the grid's devices would hold, micro-batches split per slice as well.
+        (float16: the loss is multiplied by its scale). With `slices` (jddp/core/slices.py),
+        `batch` is a whole global batch that many devices would split, `rng` the step's key,
+        and the result theirs.
         """
         params_fn = params_fn or (lambda params: params)
         scale = loss_scale["scale"] if self.loss_scaling else None
         steps = self.grad_accum_steps
-        lead = len(grid)  # leading dimensions of the batch that index slices
-        if grid:
-            size = self.batch_rows(batch) // math.prod(n for _, n in grid)
-            batch = slices.split_batch(batch, grid, self.batch_rows(batch))
-            rng = slices.slice_keys(rng, grid, size)
-        else:
-            size = self.batch_rows(batch)
-            rng = row_keys.as_row_key(rng, size)
+        size = self.batch_rows(batch)
+        step_key, rng = rng, row_keys.as_row_key(rng, size)
         if steps == 1:
-            return self._micro_grads(params, model_state, batch, rng, params_fn, scale, grid)
-        if size % steps:
+            return self._micro_grads(params, model_state, batch, rng, params_fn, scale, slices)
+        parts = steps * (slices.count if slices else 1)
+        if size % parts:
             raise ShapeError(
-                f"a device's batch of {size} examples does not split into {steps} micro-batches; "
-                "make global_batch_size divisible by devices x grad_accum_steps"
+                f"a device's batch of {size // (parts // steps)} examples does not split into "
+                f"{steps} micro-batches; make global_batch_size divisible by devices x "
+                "grad_accum_steps"
             )
-
-        def split(x):  # (*slices, size, ...) -> (steps, *slices, size / steps, ...)
-            parts = x.reshape(*x.shape[:lead], steps, size // steps, *x.shape[lead + 1 :])
-            return jnp.moveaxis(parts, lead, 0)
-
-        micro_batches = jax.tree.map(split, batch)
-        sub_key = slices.over_grid(row_keys.sub_batch_key, lead, (0, None, None))
+        if slices:
+            micro_batches = slices.micro_batches(batch, steps, size)
+        else:
+            micro_batches = jax.tree.map(
+                lambda x: x.reshape(steps, size // steps, *x.shape[1:]), batch
+            )
 
         def accumulate(carry, inputs):
             grad_sum, totals_sum, model_state = carry
             index, micro_batch = inputs
-            micro_rng = sub_key(rng, index * (size // steps), size // steps)
+            if slices:
+                micro_rng = slices.micro_key(step_key, index, steps, size)
+            else:
+                micro_rng = row_keys.sub_batch_key(rng, index * (size // steps), size // steps)
             grads, totals, model_state = self._micro_grads(
-                params, model_state, micro_batch, micro_rng, params_fn, scale, grid
+                params, model_state, micro_batch, micro_rng, params_fn, scale, slices
             )
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(grad_sum, grads), add(totals_sum, totals), model_state), None
@@ -280,7 +275,7 @@ class Task:
         zeros = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], micro_batches)
         shapes = jax.eval_shape(
-            lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale, grid)[1]
+            lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale, slices)[1]
         )
         totals_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grad_sum, totals_sum, model_state), _ = jax.lax.scan(

@@ -82,6 +82,11 @@ class Block(nn.Module):
     mlp: Callable[..., nn.Module]
     norm: Callable[..., nn.Module]
     dropout_rate: float
+    # On a tensor mesh, the residual stream's layout (Decoder._stream_spec). Pinned at each
+    # sublayer, it keeps the partitioner of a whole-batch program (`auto`) from moving
+    # activations across the batch axes instead of gathering the weights (a GPT at 64 rows per
+    # device on fsdp:4,tensor:2: 612 MiB of collectives a step unpinned, 79 MiB pinned; zero3 82).
+    stream_spec: P | None = None
 
     @nn.compact
     def __call__(self, x, train: bool, key: jax.Array | None = None):
@@ -89,8 +94,15 @@ class Block(nn.Module):
             rng = None if key is None else jax.random.fold_in(key, index)
             return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
 
-        x = x + dropout(self.attention(name="attn")(self.norm(name="ln_1")(x)), 0)
+        x = self._pinned(x)
+        x = self._pinned(x + dropout(self.attention(name="attn")(self.norm(name="ln_1")(x)), 0))
         return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
+
+    def _pinned(self, x):
+        """`x` held as `stream_spec` says, where it says anything."""
+        if self.stream_spec is None:
+            return x
+        return lax.with_sharding_constraint(x, self.stream_spec)
 
 
 class Decoder(nn.Module):
@@ -190,7 +202,8 @@ class Decoder(nn.Module):
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
         attention, mlp, norm = self.block_parts(sequence_axis, tensor_size)
-        block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate)
+        stream = self._stream_spec(tensor_axis, sequence_axis)
+        block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate, stream)
         # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
         layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
         if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
@@ -211,7 +224,10 @@ class Decoder(nn.Module):
             )
             logits = head(x)
         if tensor_axis:  # no device holds whole logits: the loss is vocabulary-parallel
-            logits = lax.with_sharding_constraint(logits, P(None, None, tensor_axis))
+            # Rows and positions left to the partitioner: under `auto` they are split over the
+            # batch axes, which a None here would gather.
+            free = P.UNCONSTRAINED
+            logits = lax.with_sharding_constraint(logits, P(free, free, tensor_axis))
         return logits
 
     def _tensor_axis_in_mesh(self) -> str | None:
@@ -221,6 +237,15 @@ class Decoder(nn.Module):
             return None
         mesh = jax.sharding.get_abstract_mesh()
         return self.tensor_axis if self.tensor_axis in mesh.axis_names else None
+
+    @staticmethod
+    def _stream_spec(tensor_axis: str | None, sequence_axis: str | None) -> P | None:
+        """The residual stream's layout on a tensor mesh: rows over the batch axes the program
+        splits automatically (all of them under `auto`; none where a strategy splits the batch
+        by hand), the sequence over `tensor` under sequence parallelism."""
+        if not tensor_axis:
+            return None
+        return P(tensor_parallel.row_axes(tensor_axis) or None, sequence_axis, None)
 
     def _sequence_axis(self, tensor_axis: str | None, seq_len: int) -> str | None:
         """The tensor axis when the sequence is split over it (sequence parallelism)."""

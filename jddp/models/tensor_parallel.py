@@ -9,7 +9,9 @@ the reduce-scatter as an all-reduce plus a slice on CPU (twice the bytes, no mem
 these two matmuls run under a `shard_map` that is manual over `tensor`, where `all_gather` and
 `psum_scatter` are exactly the collectives that run and each is the other's transpose.
 
-Both functions take the context mesh (the strategy sets it with `jax.set_mesh`).
+Both functions take the context mesh (the strategy sets it with `jax.set_mesh`). Where the batch
+rows are split over mesh axes the compiler partitions (`auto`'s whole-batch program), the
+`shard_map`s are manual over those too, each device keeping its rows.
 """
 
 import jax
@@ -18,6 +20,31 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 SEQUENCE = 1  # activations are (batch, sequence, features)
+
+
+def row_axes(axis: str) -> tuple[str, ...]:
+    """The mesh axes besides `axis` that the compiler partitions here: those the batch rows are
+    split over in a whole-batch program (`auto`); none inside a strategy's per-device program,
+    which splits the batch by hand."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh.axis_names if a != axis and a not in mesh.manual_axes)
+
+
+def _manual(fn, axis: str, in_specs, out_specs):
+    """`fn` as a shard_map manual over `axis` and the row axes; each spec's first entry (None
+    in `in_specs` / `out_specs`) becomes the row axes for arrays whose first dimension is rows,
+    marked by a leading "rows"."""
+    rows = row_axes(axis)
+
+    def spec(entries):
+        return P(rows or None, *entries[1:]) if entries and entries[0] == "rows" else P(*entries)
+
+    return jax.shard_map(
+        fn,
+        in_specs=tuple(spec(e) for e in in_specs),
+        out_specs=spec(out_specs),
+        axis_names={axis, *rows},
+    )
 
 
 def embed_tokens(tokens: jax.Array, table: jax.Array, axis: str) -> jax.Array:
@@ -33,9 +60,7 @@ def embed_tokens(tokens: jax.Array, table: jax.Array, axis: str) -> jax.Array:
         x = jnp.take(table, jnp.where(mine, ids, 0), axis=0) * mine[..., None].astype(table.dtype)
         return lax.psum_scatter(x, axis, scatter_dimension=SEQUENCE, tiled=True)
 
-    return jax.shard_map(
-        local, in_specs=(P(), P(axis, None)), out_specs=P(None, axis, None), axis_names={axis}
-    )(tokens, table)
+    return _manual(local, axis, (("rows",), (axis, None)), ("rows", axis, None))(tokens, table)
 
 
 def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, axis: str):
@@ -47,12 +72,10 @@ def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, axi
         y = lax.all_gather(x, axis, axis=SEQUENCE, tiled=True) @ kernel
         return y + bias[0] if bias else y
 
-    return jax.shard_map(
-        local,
-        in_specs=(P(None, axis, None), P(None, axis), *([P(axis)] if bias is not None else [])),
-        out_specs=P(None, None, axis),
-        axis_names={axis},
-    )(x, kernel, *([bias] if bias is not None else []))
+    in_specs = (("rows", axis, None), (None, axis), *([(axis,)] if bias is not None else []))
+    return _manual(local, axis, in_specs, ("rows", None, axis))(
+        x, kernel, *([bias] if bias is not None else [])
+    )
 
 
 def row_parallel(h: jax.Array, kernel: jax.Array, axis: str) -> jax.Array:
@@ -62,9 +85,5 @@ def row_parallel(h: jax.Array, kernel: jax.Array, axis: str) -> jax.Array:
     def local(h, kernel):
         return lax.psum_scatter(h @ kernel, axis, scatter_dimension=SEQUENCE, tiled=True)
 
-    return jax.shard_map(
-        local,
-        in_specs=(P(None, None, axis), P(axis, None)),
-        out_specs=P(None, axis, None),
-        axis_names={axis},
-    )(h, kernel)
+    in_specs = (("rows", None, axis), (axis, None))
+    return _manual(local, axis, in_specs, ("rows", axis, None))(h, kernel)

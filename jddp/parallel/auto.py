@@ -8,14 +8,15 @@ activations, as in a hand-written sharded `jit` (MaxText's way). With few rows p
 moving activations is the cheaper choice, which zero3's fixed all-gather of every weight cannot
 make (experiments/bench/sharded_jit.py).
 
-The model still runs once per slice of the batch a device of the batch axes would hold
-(jddp/core/slices.py), so BatchNorm statistics, dropout and gradient accumulation are those of
-the other strategies, and the result that of one device.
+The program still computes what the per-device strategies compute (jddp/core/slices.py): the
+batch axes' names are bound, so BatchNorm's statistics are the whole batch's; micro-batches take
+each slice's next rows; every example draws its own dropout mask. The result is one device's.
 """
 
 import jax
 from jax.sharding import NamedSharding
 
+from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.task import Task
 from jddp.errors import ConfigError
@@ -60,7 +61,7 @@ class AutoStrategy(ZeroStrategy):
             pipeline=pipeline,
             grad_comm=grad_comm,
         )
-        self._grid = tuple((axis, mesh.size(axis)) for axis in self.batch_axes)
+        self._slices = Slices(self.batch_axes, mesh.batch_shards)
 
     def _train(self, state: TrainState, batch):
         grads, totals, model_state = self.task.local_grads(
@@ -69,7 +70,7 @@ class AutoStrategy(ZeroStrategy):
             batch,
             state.step_key(),
             loss_scale=state.loss_scale,
-            grid=self._grid,
+            slices=self._slices,
         )
         # Averaged gradients in zero3's layout: each device updates only the shard it holds.
         grad_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._grad_specs)

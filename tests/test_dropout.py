@@ -52,7 +52,8 @@ def reference(model, loss_of, params, optimizer, batches, **apply_kwargs):
 # ------------------------------------------------------------------------------- row keys
 def test_a_draw_for_the_batch_is_the_draws_for_its_slices():
     """Any distribution, dtype and trailing shape: the draw for 8 rows is the draws for 4 slices
-    of 2 (and 2 micro-batches of 4) put together; a draw not led by the rows is the same on every
+    of 2 (and 2 micro-batches of 4, consecutive or in blocks) put together; a draw not led by
+    the rows is the same on every
     slice; and the bits look random (a Bernoulli(0.9) rate, rows unlike each other)."""
     key = jax.random.fold_in(jax.random.key(7), 3)
     draws = {
@@ -69,6 +70,10 @@ def test_a_draw_for_the_batch_is_the_draws_for_its_slices():
         micro = [np.asarray(draw(row_keys.sub_batch_key(whole, 4 * i, 4), 4)) for i in range(2)]
         np.testing.assert_array_equal(np.concatenate(slices), full, err_msg=name)
         np.testing.assert_array_equal(np.concatenate(micro), full, err_msg=name)
+        # auto's micro-batches: rows 2i, 2i+1 of each of 2 slices of 4 (rows 0,1,4,5; 2,3,6,7)
+        for i in range(2):
+            blocked = np.asarray(draw(row_keys.blocked_key(key, 2 * i, 4, 2, 4), 4))
+            np.testing.assert_array_equal(blocked, full[[2 * i, 2 * i + 1, 2 * i + 4, 2 * i + 5]])
         if name != "bernoulli":  # 15 coin flips at 0.9 may repeat a row
             assert len({row.tobytes() for row in full}) == 8, name
     shared = [jax.random.uniform(row_keys.batch_key(key, 2 * i, 2), (5,)) for i in range(4)]

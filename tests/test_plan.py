@@ -37,7 +37,7 @@ def test_state_bytes_are_exact_for_every_strategy_and_mesh():
     assert [layout.name for layout in layouts] == ["ddp batch:8"] + [
         f"{stage} {mesh}"
         for mesh in ("fsdp:8", "data:2,fsdp:4", "data:4,fsdp:2")
-        for stage in ("zero1", "zero2", "zero3")
+        for stage in ("zero1", "zero2", "zero3", "auto")
     ]
     assert all("transformers only" in why for name, why in rejected.items() if "tensor" in name)
     full = 4 * PARAMS
@@ -48,6 +48,7 @@ def test_state_bytes_are_exact_for_every_strategy_and_mesh():
             "zero1": (full, full, 2 * sharded),
             "zero2": (full, sharded, 2 * sharded),
             "zero3": (sharded, sharded, 2 * sharded),
+            "auto": (sharded, sharded, 2 * sharded),  # zero3's layout
         }[layout.strategy]
         state = state_bytes(workload, layout)
         assert (state.params, state.grads) == (params, grads), layout.name

@@ -19,9 +19,13 @@ from jddp.runtime import launch
 from jddp.runtime import processes as runtime
 from tests.helpers import PORT_TAKEN, REPO, assert_one_line
 
+# Also counts the threads at the lowest priority: gloo's event-loop thread, put there by
+# `initialize` (jddp/runtime/gloo_threads.py), and nothing else (the harness runs at nice 0).
 PROBE = (
-    "from jddp.runtime import processes; launch = processes.initialize(); import jax; "
-    "print(launch.source, jax.process_index(), jax.process_count())"
+    "import os; from jddp.runtime import processes; launch = processes.initialize(); import jax; "
+    "lowest = sum(os.getpriority(os.PRIO_PROCESS, int(t)) == 19 "
+    "for t in os.listdir('/proc/self/task')); "
+    "print(launch.source, jax.process_index(), jax.process_count(), lowest)"
 )
 
 
@@ -137,7 +141,7 @@ def test_slurm_environment_starts_a_real_two_process_job():
             for rank in range(2)
         ]
 
-    assert run_pair(environs, 61440, 65536) == ["slurm 0 2", "slurm 1 2"]
+    assert run_pair(environs, 61440, 65536) == ["slurm 0 2 1", "slurm 1 2 1"]
 
 
 def test_open_mpi_environment_starts_a_real_two_process_job():
@@ -152,7 +156,7 @@ def test_open_mpi_environment_starts_a_real_two_process_job():
             for rank in range(2)
         ]
 
-    assert run_pair(environs, 61440, 65536) == ["openmpi 0 2", "openmpi 1 2"]
+    assert run_pair(environs, 61440, 65536) == ["openmpi 0 2 1", "openmpi 1 2 1"]
 
 
 def test_kubernetes_indexed_job_environment_starts_a_real_two_process_job():
@@ -166,7 +170,7 @@ def test_kubernetes_indexed_job_environment_starts_a_real_two_process_job():
             for rank in range(2)
         ]
 
-    assert run_pair(environs, 30000, 40000) == ["kubernetes 0 2", "kubernetes 1 2"]
+    assert run_pair(environs, 30000, 40000) == ["kubernetes 0 2 1", "kubernetes 1 2 1"]
 
 
 # ------------------------------------------------------------------------------- launcher

@@ -266,12 +266,17 @@ def byte_check() -> list[dict]:
 
     w = tiny_workload(heads=8)
     layouts, _ = layouts_for(w, 8, 8, stages=False)  # pipelines: tests/test_planner_comm.py
+    # auto on a tensor mesh adds reshards over parts of fsdp that no sub-mesh names (its bytes
+    # are not modelled: jddp/planner/auto.py); its other meshes are checked as XLA:CPU lowers them.
+    layouts = [lay for lay in layouts if not (lay.strategy == "auto" and lay.tensor > 1)]
     rows = []
     for layout in layouts:
         start = time.perf_counter()
         text, names, ids = compiled_text(layout, heads=8)
         hlo = bytes_by_axes(collective_ops(text), ids, names)
-        model = collective.bytes_by_axes(comm.step_collectives(w, layout))
+        model = collective.bytes_by_axes(
+            comm.step_collectives(w, layout, partitioner_reduce_scatter=False)
+        )
         rows.append(
             {
                 "layout": layout.name,

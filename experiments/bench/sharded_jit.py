@@ -21,7 +21,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding

@@ -6,6 +6,7 @@ workload.py   what is trained, as the planner sees it: parameter shapes, FLOPs, 
 collective.py a collective as counted: kind, axes, bytes, count, and the phase it runs in
 comm.py       the collectives each layout runs per step, per mesh axis (exact: tested against
               the compiled HLO)
+auto.py       what XLA's partitioner gathers or moves under `auto`, and its collectives
 network.py    what a collective costs on the links a mesh axis crosses (ring formulas,
               hierarchical across hosts)
 stages.py     the stage axis: micro-batches, bubble, sends per tick, the stage reduction (bytes

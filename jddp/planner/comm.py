@@ -1,8 +1,9 @@
 """The collectives one training step runs, per mesh axis: what each strategy communicates
-(jddp/parallel/zero.py, ddp.py) and what tensor parallelism adds (jddp/models/gpt.py), written
-out op by op. The byte totals per (axes, kind) equal those read from the compiled HLO
-(jddp/observe/hlo.py `bytes_by_axes`), exactly, on every mesh that compiles on 8 simulated devices
-(tests/test_planner_comm.py; all of them: experiments/bench/planner.py).
+(jddp/parallel/zero.py, ddp.py; what XLA picks for `auto`: jddp/planner/auto.py) and what tensor
+parallelism adds (jddp/models/gpt.py), written out op by op. The byte totals per (axes, kind)
+equal those read from the compiled HLO (jddp/observe/hlo.py `bytes_by_axes`), exactly, on every
+mesh that compiles on 8 simulated devices (tests/test_planner_comm.py; all of them:
+experiments/bench/planner.py; `auto`: tests/test_planner_auto.py).
 
 Bytes are per device, counted as the HLO counts them: the result of each op (an all-gather's
 whole array, a reduce-scatter's shard, an all-reduce's buffer, an all-to-all's array). Scalars
@@ -13,6 +14,7 @@ import dataclasses
 import functools
 import math
 
+from jddp.planner.auto import auto_collectives
 from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collective, merged
 from jddp.planner.layouts import Layout
 from jddp.planner.shards import param_shards
@@ -127,8 +129,15 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     return out
 
 
-def step_collectives(workload: Workload, layout: Layout) -> list[Collective]:
-    """Every collective of one training step of `workload` under `layout`."""
+def step_collectives(
+    workload: Workload, layout: Layout, partitioner_reduce_scatter: bool = True
+) -> list[Collective]:
+    """Every collective of one training step of `workload` under `layout`;
+    `partitioner_reduce_scatter=False`: as XLA:CPU lowers the sums `auto` leaves to the
+    compiler (jddp/planner/auto.py; the other strategies write theirs by hand)."""
+    if layout.strategy == "auto":
+        own = auto_collectives(workload, layout, partitioner_reduce_scatter)
+        return own + tensor_collectives(workload, layout)
     return (
         gradient_collectives(workload, layout)
         + tensor_collectives(workload, layout)

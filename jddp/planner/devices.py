@@ -55,6 +55,10 @@ class DeviceProfile:
     # jax.distributed has started (a 64 KB all-gather between one process's 2 devices: 3.7 ms
     # in a 2-process job, 0.18 ms in a 1-process one).
     every_group_crosses_hosts: bool = False
+    # The compiler turns a sum it partitions and then slices into a reduce-scatter (what
+    # `auto` leaves to it: jddp/planner/auto.py). XLA:CPU has no such pass: an all-reduce of
+    # the whole buffer and a slice (seen in its HLO), twice the bytes.
+    partitioner_reduce_scatter: bool = True
     # Seconds per collective op, whatever its group's size (network.Link.overhead; measured
     # profiles only: XLA:CPU's thread hand-offs).
     overhead_intra: float = 0.0
@@ -333,6 +337,7 @@ def load_cpu_profile(path: str | None = None) -> DeviceProfile:
         record["per_kind"] = tuple(tuple(k) for k in record.get("per_kind", ()))
         record["matmul_shape_rates"] = tuple(tuple(k) for k in record.get("matmul_shape_rates", ()))
         record.setdefault("every_group_crosses_hosts", True)  # XLA:CPU's, not a measurement
+        record["partitioner_reduce_scatter"] = False  # XLA:CPU's too, whatever was stored
         profile = DeviceProfile(**record)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(

@@ -10,11 +10,13 @@ import math
 
 AXES = ("stage", "data", "fsdp", "tensor")  # major to minor
 STAGES = ("zero1", "zero2", "zero3")
+# zero3's state layout: parameters split too (`auto` holds what zero3 holds)
+SPLIT_PARAMS = ("zero3", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A strategy (`ddp`, `zero1`, `zero2`, `zero3`) on a mesh of these sizes."""
+    """A strategy (`ddp`, `zero1`, `zero2`, `zero3`, `auto`) on a mesh of these sizes."""
 
     strategy: str
     data: int = 1
@@ -69,11 +71,15 @@ def factorizations(devices: int, tensor_limit: int, stages: bool = False) -> lis
 
 def candidates(devices: int, tensor_limit: int, stages: bool = False) -> list[Layout]:
     """ddp, then each ZeRO stage on each mesh where it differs (with fsdp 1 the stages are one
-    layout, listed as zero3); meshes of replicas only are ddp's."""
+    layout, listed as zero3), and `auto` where fsdp > 1 without stages (it runs no pipeline;
+    with fsdp 1 no weight is split for the compiler to choose about); meshes of replicas
+    only are ddp's."""
     layouts = [Layout("ddp", data=devices)]
     for mesh in factorizations(devices, tensor_limit, stages):
         if mesh["fsdp"] == 1 and mesh["tensor"] == 1 and mesh["stage"] == 1:
             continue
         for strategy in STAGES if mesh["fsdp"] > 1 else ("zero3",):
             layouts.append(Layout(strategy, **mesh))
+        if mesh["fsdp"] > 1 and mesh["stage"] == 1:
+            layouts.append(Layout("auto", **mesh))
     return layouts

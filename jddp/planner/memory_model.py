@@ -13,7 +13,8 @@ bytes per activation / 2; the float32 logits (and their gradient) added.
 import dataclasses
 import functools
 
-from jddp.planner.layouts import Layout
+from jddp.planner import auto
+from jddp.planner.layouts import SPLIT_PARAMS, Layout
 from jddp.planner.shards import all_shards, on_first_stage, optimizer_table, param_shards
 from jddp.planner.stages import microbatches
 from jddp.planner.workload import Workload
@@ -45,10 +46,11 @@ def _state_bytes(workload: Workload, layout: Layout) -> StateBytes:
     for p in shards:
         if on_first_stage(p, workload, layout.stage):
             whole_over_fsdp = p.nbytes // p.split(sizes, ("tensor",))
-            params += p.nbytes // p.split(sizes) if layout.strategy == "zero3" else whole_over_fsdp
+            split_params = layout.strategy in SPLIT_PARAMS
+            params += p.nbytes // p.split(sizes) if split_params else whole_over_fsdp
             grads += (
                 p.nbytes // p.split(sizes)
-                if layout.strategy in ("zero2", "zero3")
+                if layout.strategy in ("zero2", *SPLIT_PARAMS)
                 else whole_over_fsdp
             )
     optimizer = 0
@@ -65,6 +67,8 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
     t = workload.transformer
     if t is None:
         return None
+    if layout.strategy == "auto" and auto.feature_split(workload, layout):
+        layout = dataclasses.replace(layout, fsdp=1)  # the batch whole over fsdp
     m = microbatches(workload, layout) * workload.grad_accum_steps
     rows = workload.global_batch // (layout.batch_shards * m)
     sbh = t.seq_len * rows * t.width
@@ -92,10 +96,14 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
 def gathered_bytes(workload: Workload, layout: Layout) -> int:
     """zero3's gathered parameters (one tensor rank's part): jddp gathers the whole model at
     the start of the step and keeps it for the backward pass; a run that gathers layer by
-    layer (`workload.gathers_whole_model=False`) holds two layers' worth."""
-    if layout.strategy != "zero3" or layout.fsdp == 1:
+    layer (`workload.gathers_whole_model=False`) holds two layers' worth. Under `auto` the
+    parameters XLA gathers (jddp/planner/auto.py), assumed held as long."""
+    if layout.strategy not in SPLIT_PARAMS or layout.fsdp == 1:
         return 0
     shards, sizes = param_shards(workload, layout), layout.sizes
+    if layout.strategy == "auto":
+        picked = {c.path for c in auto.choices(workload, layout) if c.choice == auto.GATHER}
+        shards = [p for p in shards if p.path in picked]
     gathered = sum(p.nbytes // p.split(sizes, ("tensor",)) for p in shards)
     if workload.gathers_whole_model or workload.transformer is None:
         return gathered

@@ -39,11 +39,11 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
 
 def layouts_for(workload: Workload, devices: int, devices_per_host: int, stages: bool):
     """(layouts that can run, {layout name: why not} for those that cannot); tensor-parallel
-    meshes with and without sequence parallelism."""
+    meshes with and without sequence parallelism (`auto` without: not measured)."""
     valid, rejected = [], {}
     for layout in candidates(devices, devices_per_host, stages):
         variants = [layout]
-        if layout.tensor > 1:
+        if layout.tensor > 1 and layout.strategy != "auto":
             variants.append(dataclasses.replace(layout, sequence_parallel=True))
         for variant in variants:
             reason = why_not(workload, variant)

@@ -43,6 +43,7 @@ class ParamShard:
     spec: P
     axes: tuple[str, ...] = ()  # the mesh axes `spec` names
     block: int | None = None  # the transformer block it belongs to
+    shape: tuple[int, ...] = ()  # its whole shape
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +134,9 @@ def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int):
     table = _param_table(workload)
     specs = (P(),) * len(table) if ddp else _specs(workload, fsdp, tensor)
     return tuple(
-        ParamShard(path, math.prod(shape), itemsize, spec, spec_axes(spec), block_index(path))
+        ParamShard(
+            path, math.prod(shape), itemsize, spec, spec_axes(spec), block_index(path), shape
+        )
         for (path, shape, itemsize), spec in zip(table, specs, strict=True)
     )
 

@@ -8,9 +8,11 @@ compute     executed FLOPs per device (model FLOPs, plus the recomputed forward 
             narrow model's step slower per FLOP than a wide one's; the optimizer update as
             memory traffic / bandwidth
 overlap     each collective by when it runs (jddp/planner/collective.py phases):
-              forward   zero3's parameter gathers, hidden under the forward's compute
+              forward   zero3's parameter gathers (and those XLA picks under `auto`),
+                        hidden under the forward's compute
               backward  gradient reductions, hidden under the backward's compute
-              critical  tensor-parallel activations, stage sends: nothing hides them
+              critical  tensor-parallel activations, stage sends, the activations `auto`'s
+                        compiler moves instead of weights: nothing hides them
               update    zero1/2's gathers of updated parameters, after the step's compute
             a phase's exposed time is max(its time / layers, its time - the compute it can
             hide under): all but one layer's share can overlap. On devices without async
@@ -142,7 +144,8 @@ def predict(
     times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
     ops: dict[str, float] = {}  # phase -> collectives run in it
     pipelined = 0.0  # critical communication inside each micro-batch's work
-    for c in _combined(comm.step_collectives(workload, layout), profile):
+    collectives = comm.step_collectives(workload, layout, profile.partitioner_reduce_scatter)
+    for c in _combined(collectives, profile):
         intra, inter = profile.links(c.kind)
         seconds = c.count * collective_time(
             c.kind, c.nbytes, layout, c.axes, intra, inter, devices_per_host

@@ -6,7 +6,8 @@
     python -m experiments.calibrate              # (a checkout) measure this machine as --device=cpu
 
 For ddp and every data x fsdp x tensor x stage mesh the model admits (zero1/2/3 where they
-differ, tensor meshes with and without sequence parallelism), it prints the bytes one device
+differ, auto where there is no stage axis, tensor meshes with and without sequence parallelism),
+it prints the bytes one device
 holds (exact state from shapes and partition rules; activations analytic for transformers, or
 the compiled step's peak where it compiles here), the predicted step time split into compute,
 exposed communication per mesh axis and pipeline bubble, tokens/s and MFU, and whether it fits,

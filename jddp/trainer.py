@@ -60,12 +60,14 @@ class Trainer:
     dynamically (`loss_scaling`, see jddp/core/loss_scale.py).
 
     `strategy`: `ddp` (pmap over every device) or `zero1`, `zero2`, `zero3` (= `fsdp`),
-    `hybrid` (a `jax.sharding.Mesh` over every device: `mesh` like `"data:2,fsdp:2,tensor:2"`
-    or a `DeviceMesh` already built, partition `rules` as `(regex, spec)` pairs, tensors under
-    `min_shard_size` elements replicated); see `jddp/parallel/zero.py` and
-    `jddp/parallel/rules.py`. `device_mesh` is the mesh it runs on under every strategy (ddp's:
-    one `batch` axis over the devices). A mesh with a `stage` axis pipelines the model's
-    `jddp.parallel.pipeline.Pipelined` stack as `pipeline` (`PipelineOptions`) says. A layer
+    `hybrid`, `auto` (a `jax.sharding.Mesh` over every device: `mesh` like
+    `"data:2,fsdp:2,tensor:2"` or a `DeviceMesh` already built, partition `rules` as `(regex,
+    spec)` pairs, tensors under `min_shard_size` elements replicated); see
+    `jddp/parallel/zero.py`, `jddp/parallel/auto.py` (zero3's layout, the collectives XLA's
+    partitioner picks) and `jddp/parallel/rules.py`. `device_mesh` is the mesh it runs on under
+    every strategy (ddp's: one `batch` axis over the devices). A mesh with a `stage` axis
+    pipelines the model's `jddp.parallel.pipeline.Pipelined` stack as `pipeline`
+    (`PipelineOptions`) says. A layer
     reducing over the axis `"batch"` (a pmap-era `nn.BatchNorm(axis_name="batch")`) reduces
     over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",

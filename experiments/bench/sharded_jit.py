@@ -1,6 +1,6 @@
 """jddp's strategies against the sharded `jax.jit` a JAX user writes in thirty lines.
 
-    python -m experiments.bench.sharded_jit [--repeats 3] [--steps 5] [--rows 4,16,64,256,512]
+    python -m experiments.bench.sharded_jit [--repeats 3] [--steps 0] [--rows 4,16,64,256,512]
         [--models mlp,gpt] [--out bench_results]
 
 The hand-written step (`hand_written_step` below) is FSDP as the JAX documentation and MaxText
@@ -13,7 +13,8 @@ examples/s, the paired ratio to the hand-written jit (median over interleaved ro
 the compiled step's collectives move per device (ring terms), and the state bytes per device.
 
 Models: the MLP 784-1024-1024-10 (1.9M parameters) and a GPT of 2 layers, width 128, 4 heads,
-sequence 64, vocabulary 256 (0.5M parameters); Adam 1e-3, float32.
+sequence 32, vocabulary 256 (0.4M parameters); Adam 1e-3, float32. Each timed window runs the
+steps that take the hand-written jit about half a second (`--steps` fixes the count instead).
 """
 
 import argparse
@@ -46,7 +47,8 @@ STRATEGIES = {
     "zero3 fsdp:4,tensor:2": "fsdp:4,tensor:2",
     "auto fsdp:4,tensor:2": "fsdp:4,tensor:2",
 }
-GPT_DIMS = dict(vocab_size=256, num_layers=2, num_heads=4, embed_dim=128, max_seq_len=64)
+GPT_DIMS = dict(vocab_size=256, num_layers=2, num_heads=4, embed_dim=128, max_seq_len=32)
+WINDOW_SEC = 0.5  # each timed window runs as many steps as take about this long (at least 1)
 
 
 # --------------------------------------------------------------------------- models
@@ -103,7 +105,6 @@ def hand_written_step(model, loss_fn, input_key, batch):
         values, weights = per_example if isinstance(per_example, tuple) else (per_example, None)
         return values.sum() / weights.sum() if weights is not None else values.mean()
 
-    @jax.jit
     def step(state, batch):
         params, opt_state = state
         value, grads = jax.value_and_grad(loss)(params, batch)
@@ -165,6 +166,10 @@ def measure_cell(model_name: str, rows_per_device: int, repeats: int, steps: int
     model, loss_fn, input_key, batch = MODELS[model_name](rows)
     hand = list(hand_written_step(model, loss_fn, input_key, batch))
     compiled = hand[0].lower(hand[1], hand[2]).compile()
+    if not steps:  # as many as take the hand-written step about WINDOW_SEC (after compiling)
+        hand[1], _ = common.timed_steps(hand[0], hand[1], hand[2], 1)
+        hand[1], seconds = common.timed_steps(hand[0], hand[1], hand[2], 1)
+        steps = max(1, min(50, round(WINDOW_SEC / seconds)))
     hand_state = sum(
         shard.data.nbytes for x in jax.tree.leaves(hand[1]) for shard in x.addressable_shards[:1]
     )
@@ -186,6 +191,7 @@ def measure_cell(model_name: str, rows_per_device: int, repeats: int, steps: int
                 "model": model_name,
                 "rows_per_device": rows_per_device,
                 "variant": name,
+                "steps_per_window": steps,
                 "examples_per_sec": rows * steps / timings[name]["median_sec"],
                 "vs_hand_written": common.paired_ratio(timings, name, HAND),
                 "comm_MiB": cell["comm"] / 2**20,
@@ -233,7 +239,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    parser.add_argument("--steps", type=int, default=0, help="steps per window (0: ~0.5 s)")
     parser.add_argument("--rows", default="4,16,64,256,512", help="rows per device")
     parser.add_argument("--models", default="mlp,gpt")
     parser.add_argument("--out", default="bench_results")
@@ -247,6 +253,8 @@ def main():
         sizes = [0]
     if not all(size > 0 for size in sizes):
         common._fail(f"--rows {args.rows!r}: give positive integers, e.g. 4,32,512")
+    if args.repeats < 1 or args.steps < 0:
+        common._fail("--repeats must be at least 1 and --steps at least 0 (0: about 0.5 s)")
     common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
     rows = [

@@ -78,4 +78,4 @@ class AutoStrategy(ZeroStrategy):
         return self.task.apply_gradients(state, grads, model_state, totals)
 
     def _eval(self, state: TrainState, batch):
-        return self.task.eval_sums(state.params, state.model_state, batch)
+        return self._slices.bind(self.task.eval_sums)(state.params, state.model_state, batch)

@@ -68,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.profile_num_steps = 3
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
-    c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid
+    c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid | auto
     # Mesh strategies only. "ROLE:SIZE,..." over the roles data, fsdp, tensor, major to minor; one
     # size may be -1; "" = the strategy's default ("fsdp:-1"; hybrid: "data:<processes>,fsdp:-1").
     c.parallel.mesh = ""

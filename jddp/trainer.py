@@ -67,9 +67,8 @@ class Trainer:
     partitioner picks) and `jddp/parallel/rules.py`. `device_mesh` is the mesh it runs on under
     every strategy (ddp's: one `batch` axis over the devices). A mesh with a `stage` axis
     pipelines the model's `jddp.parallel.pipeline.Pipelined` stack as `pipeline`
-    (`PipelineOptions`) says. A layer
-    reducing over the axis `"batch"` (a pmap-era `nn.BatchNorm(axis_name="batch")`) reduces
-    over the whole global batch under every strategy.
+    (`PipelineOptions`) says. A layer reducing over the axis `"batch"` (a pmap-era
+    `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
     ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
     `jddp/parallel/compression.py`.

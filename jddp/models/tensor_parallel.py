@@ -31,9 +31,9 @@ def row_axes(axis: str) -> tuple[str, ...]:
 
 
 def _manual(fn, axis: str, in_specs, out_specs):
-    """`fn` as a shard_map manual over `axis` and the row axes; each spec's first entry (None
-    in `in_specs` / `out_specs`) becomes the row axes for arrays whose first dimension is rows,
-    marked by a leading "rows"."""
+    """`fn` as a shard_map manual over `axis` and the row axes. Specs are tuples of entries; a
+    leading "rows" marks an array whose first dimension is rows, split over the row axes (whole
+    where there are none)."""
     rows = row_axes(axis)
 
     def spec(entries):

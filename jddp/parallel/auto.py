@@ -20,47 +20,29 @@ from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.task import Task
 from jddp.errors import ConfigError
-from jddp.parallel.compression import GradComm
 from jddp.parallel.mesh import DeviceMesh
-from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.zero import ZeroStrategy
 
 
 class AutoStrategy(ZeroStrategy):
     """zero3's state on a mesh of `data`, `fsdp` and `tensor` axes; XLA picks the collectives."""
 
-    def __init__(
-        self,
-        task: Task,
-        mesh: DeviceMesh,
-        *,
-        rules=(),
-        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-        pipeline: PipelineOptions | None = None,
-        grad_comm: GradComm | None = None,
-    ):
+    def __init__(self, task: Task, mesh: DeviceMesh, **options):
+        """`options` as ZeroStrategy's: `rules`, `min_shard_size`, `pipeline`, `grad_comm`."""
         if mesh.stage_axis:
             raise ConfigError(
                 f"parallel.strategy=auto does not run pipelines (parallel.mesh "
                 f"{mesh.describe()!r} has a stage axis); use zero1, zero2 or zero3 with a stage "
                 "axis, or auto without one"
             )
+        grad_comm = options.get("grad_comm")
         if grad_comm is not None and grad_comm.dtype != "float32":
             raise ConfigError(
                 f"parallel.grad_comm_dtype={grad_comm.dtype} does not apply to auto (XLA chooses "
                 "its collectives, in the gradients' dtype); use zero2 or zero3 to reduce "
                 "gradients in bfloat16, or leave grad_comm_dtype=float32"
             )
-        super().__init__(
-            task,
-            mesh,
-            name="auto",
-            rules=rules,
-            min_shard_size=min_shard_size,
-            pipeline=pipeline,
-            grad_comm=grad_comm,
-        )
+        super().__init__(task, mesh, name="auto", **options)
         self._slices = Slices(self.batch_axes, mesh.batch_shards)
 
     def _train(self, state: TrainState, batch):

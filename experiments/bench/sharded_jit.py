@@ -34,6 +34,7 @@ from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.observe import hlo
 from jddp.parallel.rules import fit_preset
 from jddp.parallel.strategies import device_mesh_for
+from jddp.run.cli import fail
 
 DEVICES = 8
 HAND = "hand-written jit"
@@ -246,15 +247,12 @@ def main():
     args = parser.parse_args()
     models = args.models.split(",")
     if any(m not in MODELS for m in models):
-        common._fail(f"--models {args.models!r}: choose from {', '.join(MODELS)}")
-    try:
-        sizes = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        sizes = [0]
-    if not all(size > 0 for size in sizes):
-        common._fail(f"--rows {args.rows!r}: give positive integers, e.g. 4,32,512")
+        fail(f"--models {args.models!r}: choose from {', '.join(MODELS)}")
+    sizes = [int(r) for r in args.rows.split(",") if r.strip().isdigit()]
+    if len(sizes) != len(args.rows.split(",")) or not all(sizes):
+        fail(f"--rows {args.rows!r}: give positive integers, e.g. 4,32,512")
     if args.repeats < 1 or args.steps < 0:
-        common._fail("--repeats must be at least 1 and --steps at least 0 (0: about 0.5 s)")
+        fail("--repeats must be at least 1 and --steps at least 0 (0: about 0.5 s)")
     common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
     rows = [

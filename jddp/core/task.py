@@ -245,10 +245,10 @@ class Task:
         step_key, rng = rng, row_keys.as_row_key(rng, size)
         if steps == 1:
             return self._micro_grads(params, model_state, batch, rng, params_fn, scale, slices)
-        parts = steps * (slices.count if slices else 1)
-        if size % parts:
+        count = slices.count if slices else 1  # the devices' slices `batch` holds
+        if size % (count * steps):
             raise ShapeError(
-                f"a device's batch of {size // (parts // steps)} examples does not split into "
+                f"a device's batch of {size // count} examples does not split into "
                 f"{steps} micro-batches; make global_batch_size divisible by devices x "
                 "grad_accum_steps"
             )

@@ -213,6 +213,7 @@ class _Loop:
                     )
                 if step == start_step + 1:
                     record_extra |= self._first_step_report(state, batch)
+                watchdog.dispatching(step)  # a dispatch may wait in a collective itself
                 with profiler.step(step):
                     state, metrics = trainer.step(state, batch)
                 watchdog.dispatched(step, metrics["loss"])

@@ -7,7 +7,10 @@ Environment (all optional):
   file JDDP_TEST_HANG_MARKER;
 - JDDP_TEST_SLOW_FIRST_S: the first training call sleeps this long (a slow first step);
 - JDDP_TEST_SLOW_EVAL_S, JDDP_TEST_SLOW_SAVE_S: the first evaluation call, and every
-  checkpoint save, take this much longer.
+  checkpoint save, take this much longer;
+- JDDP_TEST_HANG_AFTER_LOG: the training loop of process JDDP_TEST_HANG_PROCESS sleeps for an
+  hour when it logs that step, after creating the marker file: a hang on the host, while the
+  other processes go on into the next step's collectives.
 """
 
 import functools
@@ -22,6 +25,7 @@ from absl import app
 from experiments import train
 from jddp import models
 from jddp.checkpoints import store as checkpoint
+from jddp.observe.progress import Progress
 
 ENV = os.environ
 _calls = itertools.count()
@@ -55,6 +59,19 @@ class SleepyMLP(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+def _sleepy_progress(update):
+    @functools.wraps(update)
+    def sleepy(self, step, *args, **kwargs):
+        hang_process = int(ENV.get("JDDP_TEST_HANG_PROCESS", 0))
+        if step == int(ENV.get("JDDP_TEST_HANG_AFTER_LOG", -1)):
+            if jax.process_index() == hang_process:
+                open(ENV["JDDP_TEST_HANG_MARKER"], "w").close()
+                time.sleep(3600)
+        return update(self, step, *args, **kwargs)
+
+    return sleepy
+
+
 def _slow_save(save):
     @functools.wraps(save)
     def slow(*args, **kwargs):
@@ -67,4 +84,5 @@ def _slow_save(save):
 if __name__ == "__main__":
     models.MODELS["sleepy_mlp"] = SleepyMLP
     checkpoint.Checkpoints.save = _slow_save(checkpoint.Checkpoints.save)
+    Progress.update = _sleepy_progress(Progress.update)
     app.run(train.main, flags_parser=train.CONFIG.parse)

@@ -190,8 +190,21 @@ def launch(capsys, *argv):
         (["--nproc=0", "--", "true"], ["--nproc must be at least 1, got 0"]),
         (["--nprocs=2", "--", "true"], ["--nproc", "required", "--help"]),
         (["--nproc=1", "--", "no-such-command-jddp"], ["cannot run 'no-such-command-jddp'"]),
+        (["--nproc=4:2", "--", "true"], ["--nproc=4:2", "MAX must be at least MIN"]),
+        (["--nproc=two", "--", "true"], ["--nproc must be N or MIN:MAX, got 'two'"]),
+        (["--nproc=2", "--max_restarts=-1", "--", "true"], ["--max_restarts", "least 0"]),
+        (["--nproc=2", "--slots_file=s", "--", "true"], ["--slots_file needs --nproc=MIN:MAX"]),
     ],
-    ids=["negative devices", "no processes", "misspelt flag", "no such command"],
+    ids=[
+        "negative devices",
+        "no processes",
+        "misspelt flag",
+        "no such command",
+        "range upside down",
+        "not a count",
+        "negative restarts",
+        "slots without a range",
+    ],
 )
 def test_launcher_mistakes_are_one_line(capsys, argv, words):
     code, lines = launch(capsys, *argv)

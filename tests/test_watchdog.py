@@ -79,18 +79,46 @@ def test_one_process_hang_is_reported_after_a_slow_first_step_eval_and_save(tmp_
     assert_stacks(workdir / "hang-0.txt", "in _host_hook", "in train_and_evaluate")
 
 
+def launched_hang(workdir, **env) -> str:
+    """The output of two processes under `jddp-launch` whose process 1 hangs as `env` says;
+    asserts that the launcher exits with the watchdog's code."""
+    launcher = launch_command(2, 1)
+    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
+    env = {**env, "JDDP_TEST_HANG_PROCESS": "1"}
+    code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
+    assert code == 3, output
+    return output
+
+
 def test_two_processes_both_report_when_one_hangs(tmp_path):
     """Process 1 sleeps in step 11; process 0 waits for it inside the gradient all-reduce.
     Both write their stacks and say so in one line; the launcher exits with their code."""
     workdir = tmp_path / "run"
-    env = {"JDDP_TEST_HANG_AT": "10", "JDDP_TEST_HANG_PROCESS": "1"}
-    launcher = launch_command(2, 1)
-    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
-    code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
-    assert code == 3, output
+    output = launched_hang(workdir, JDDP_TEST_HANG_AT="10")
     for process in (0, 1):
         line = error_line(output, f"[{process}] ")
         assert "no training step finished" in line and "after step 10" in line, line
         assert str(workdir / f"hang-{process}.txt") in line, line
     assert_stacks(workdir / "hang-1.txt", "in _host_hook")  # the sleeper
     assert_stacks(workdir / "hang-0.txt", "in train_and_evaluate")  # stuck in the collective
+    # Both are in step 11, one inside it, one in its collective: the launcher says so, last.
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("error: hang: every process stopped after step 10: one is stuck"), last
+    assert str(workdir / "hang-0.txt") in last and str(workdir / "hang-1.txt") in last, last
+
+
+def test_the_launcher_names_the_process_that_fell_behind_and_no_traceback_reaches_the_user(
+    tmp_path,
+):
+    """Process 1's loop sleeps when it logs step 5; process 0 goes on into step 6's all-reduce
+    and waits there. The launcher's last line names process 1 and its stacks."""
+    workdir = tmp_path / "run"
+    output = launched_hang(workdir, JDDP_TEST_HANG_AFTER_LOG="5")
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: hang: process 1 of 2 had not reached train step 6, which the others had "
+        f"(stacks: {workdir / 'hang-1.txt'})"
+    ), last
+    assert "run the same command to resume" in last, last
+    assert_stacks(workdir / "hang-1.txt", "in sleepy")
+    assert "Traceback" not in output, output

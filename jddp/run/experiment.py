@@ -20,7 +20,7 @@ from jddp.checkpoints import store as checkpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
 from jddp.run import config as config_lib
-from jddp.run import factory, optim, resume
+from jddp.run import elastic, factory, optim, resume
 from jddp.run.model_fit import check_model_fits
 from jddp.runtime import processes as runtime
 from jddp.runtime import workdir as workdir_lib
@@ -97,8 +97,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     check_checkpoint_data(config, dataset)
     schedule = optim.learning_rate_schedule(config)
     trainer = factory.build_trainer(config, dataset, schedule)
+    saved_meta = _newest_checkpoint_meta(workdir, config)
+    accum = elastic.accumulation(
+        config.global_batch_size,
+        trainer.batch_shards * trainer.microbatches,
+        config.grad_accum_steps,
+        saved_meta,
+    )
+    if accum.steps != config.grad_accum_steps:  # fewer devices than the run began with
+        trainer = factory.build_trainer(config, dataset, schedule, grad_accum_steps=accum.steps)
     objective = factory.objective(dataset)
-    check_divisible(config.global_batch_size, trainer.batch_shards, config.grad_accum_steps)
+    check_divisible(config.global_batch_size, trainer.batch_shards, accum.steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
     check_eval_batch_size(eval_batch_size, trainer.batch_shards)
 
@@ -151,6 +160,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             config_written.append(True)
         final_eval.update({k[5:]: v for k, v in record.items() if k.startswith("eval_")})
 
+    notes = {"config_changes": start.config_changes} if start.config_changes else {}
+    notes |= elastic.note(
+        saved_meta, accum, config.grad_accum_steps, jax.device_count(), jax.process_count()
+    )
+
     # --------------------------------------------------------------- the loop (jddp.fit)
     with workdir_lib.hold_workdir(workdir):
         logging.info("workdir: %s", os.path.abspath(workdir))
@@ -176,9 +190,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 peak_flops_per_device=config.peak_flops_per_device,
                 device_prefetch=data_options.device_prefetch,
                 profile_steps=(config.profile_start_step, config.profile_num_steps),
-                checkpoint_meta={"config": json.loads(config.to_json_best_effort())},
+                checkpoint_meta={
+                    "config": json.loads(config.to_json_best_effort()),
+                    elastic.MICRO_BATCH: accum.micro_batch,
+                },
                 check_checkpoint=check_config,
-                notes={"config_changes": start.config_changes} if start.config_changes else {},
+                notes=notes,
             )
         finally:
             batches.close()
@@ -204,6 +221,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             with open(os.path.join(workdir, "summary.json"), "w") as f:
                 json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
         return summary
+
+
+def _newest_checkpoint_meta(workdir: str, config) -> dict | None:
+    """The metadata of the checkpoint this run resumes, if any (read-only)."""
+    if config.checkpoint_every <= 0:
+        return None
+    found = checkpoint.peek_latest(os.path.join(workdir, "checkpoints"))
+    return found[0] if found else None
 
 
 class _ThisConfigsOrder:

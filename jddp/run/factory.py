@@ -99,10 +99,17 @@ def partition_rules(config, device_mesh: DeviceMesh, model) -> tuple:
 
 
 def build_trainer(
-    config, dataset: data.DatasetSpec, schedule=None, *, strategy=None, mesh=None
+    config,
+    dataset: data.DatasetSpec,
+    schedule=None,
+    *,
+    strategy=None,
+    mesh=None,
+    grad_accum_steps=None,
 ) -> Trainer:
-    """The Trainer a config describes for `dataset`'s task; `strategy` and `mesh` override
-    `parallel.*`; `schedule` defaults to the config's learning-rate schedule."""
+    """The Trainer a config describes for `dataset`'s task; `strategy`, `mesh` and
+    `grad_accum_steps` override the config's; `schedule` defaults to the config's
+    learning-rate schedule."""
     strategy = strategy or config.parallel.strategy
     if mesh is None and strategy == config.parallel.strategy:
         mesh = config.parallel.mesh or None
@@ -122,7 +129,7 @@ def build_trainer(
         rules=partition_rules(config, device_mesh, model),
         min_shard_size=config.parallel.min_shard_size,
         pipeline=PipelineOptions(**config.parallel.pipeline),
-        grad_accum_steps=config.grad_accum_steps,
+        grad_accum_steps=grad_accum_steps or config.grad_accum_steps,
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",

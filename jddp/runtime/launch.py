@@ -11,23 +11,30 @@ with that directory. Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on 
 `JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize` reads;
 `--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives each
 its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is.
-Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child. When a
-child fails, the others are stopped and the launcher exits with the failed child's code; if the
-child said why in an `error: ...` line, that line is the launcher's last. The launcher's own
-mistakes (a bad flag, a command that does not exist) are one `error:` line and exit code 2.
+Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child.
+
+When a child fails, the others are stopped at once (their last words, such as a collective's
+"connection reset" traceback, are dropped: jddp/runtime/job.py) and the launcher's last line
+names the failed process (for a hang: the process that fell behind, and its stack file) and what
+happens next. With `--max_restarts=N` it then starts every process again on a fresh port, and
+training resumes from the newest checkpoint; exit code 2 (a user mistake: the child's own
+`error:` line is then the last) is never restarted. With `--nproc=MIN:MAX` and `--slots_file`,
+a start runs as many processes as the file allows (at least MIN), and a job running on fewer
+than MAX is stopped (SIGTERM: it saves) and started again on more when the file allows more;
+the train process keeps the global batch and the example order (jddp/run/elastic.py). The
+launcher's own mistakes (a bad flag, a command that does not exist) are one `error:` line and
+exit code 2.
 """
 
 import argparse
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
-GRACE_SEC = 10  # after SIGTERM, before SIGKILL, when stopping the survivors of a failure
+from jddp.runtime import failures, job
 
 
 def free_port() -> int:
@@ -85,7 +92,9 @@ def child_command(command: list[str]) -> list[str]:
     return command
 
 
-def child_env(rank: int, args, port: int) -> dict[str, str]:
+def child_env(rank: int, args, port: int, nproc: int | None = None) -> dict[str, str]:
+    """The environment of process `rank` of `nproc` (default: --nproc's)."""
+    nproc = args.nproc if nproc is None else nproc
     env = dict(os.environ)
     own_bin = _own_bin_dir()
     if own_bin:  # what the child itself starts by name comes from this environment too
@@ -94,7 +103,7 @@ def child_env(rank: int, args, port: int) -> dict[str, str]:
             env["PATH"] = own_bin + (os.pathsep + path if path else "")
     env.update(
         JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-        JDDP_NUM_PROCESSES=str(args.nproc),
+        JDDP_NUM_PROCESSES=str(nproc),
         JDDP_PROCESS_ID=str(rank),
         PYTHONUNBUFFERED="1",
     )
@@ -105,118 +114,141 @@ def child_env(rank: int, args, port: int) -> dict[str, str]:
         env["XLA_FLAGS"] = " ".join(flags)
     if args.gpus_per_proc:
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        ids = (
-            visible.split(",")
-            if visible
-            else [str(i) for i in range(args.nproc * args.gpus_per_proc)]
-        )
+        ids = visible.split(",") if visible else [str(i) for i in range(nproc * args.gpus_per_proc)]
         mine = ids[rank * args.gpus_per_proc : (rank + 1) * args.gpus_per_proc]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     return env
 
 
-USAGE_EXIT_CODE = 2
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_EXIT_CODE)
+    sys.exit(failures.USAGE_EXIT_CODE)
 
 
-def _relay(rank: int, stream, lock: threading.Lock, last_errors: dict) -> None:
-    """Copies a child's output lines, prefixed with its rank; remembers its last `error:` line."""
-    for line in iter(stream.readline, ""):
-        if line.startswith("error: "):
-            last_errors[rank] = line.rstrip("\n")
-        with lock:
-            sys.stdout.write(f"[{rank}] {line}")
-            sys.stdout.flush()
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+def _say(message: str) -> None:
+    print(f"[launcher] {message}", file=sys.stderr, flush=True)
 
 
 def run(args) -> int:
+    """Starts the job, and starts it again after failures (up to --max_restarts) and when more
+    slots come back (--nproc=MIN:MAX); returns the launcher's exit code."""
+    command = child_command(args.command)
+    slots = Slots(args.slots_file, args.min_nproc, args.max_nproc)
+    restarts, nproc, signalled = 0, None, threading.Event()
+    while True:
+        nproc = slots.wait_for(args.slots_timeout_s, previous=nproc)
+        if nproc is None:
+            return _give_up(
+                f"fewer than {args.min_nproc} processes may run ({slots.describe()}) for "
+                f"{args.slots_timeout_s:g} s; raise the count in {args.slots_file} or lower "
+                "--nproc's minimum, then run the same command to resume"
+            )
+        outcome = _start(args, command, nproc, slots, signalled)
+        if outcome.failed is None:
+            if outcome.stopped and not signalled.is_set():  # stopped to grow
+                _say(f"more slots are free ({slots.describe()}): starting again with them")
+                continue
+            codes = [c for c in outcome.codes.values() if c != 0]
+            return failures.exit_code(codes[0]) if codes else 0
+        what = failures.what_failed(outcome, nproc)
+        code = failures.exit_code(outcome.codes[outcome.failed])
+        if not failures.restartable(outcome):
+            _say(f"{what}; stopped the others")
+            if outcome.failed in outcome.errors:  # the process said why, and how to fix it
+                print(outcome.errors[outcome.failed], file=sys.stderr, flush=True)
+            return code
+        if signalled.is_set():
+            return _give_up(f"{what}; stopped the others", code)
+        if restarts >= args.max_restarts:
+            after = f" after {restarts} restarts" if restarts else ""
+            again = "" if args.max_restarts else ", or pass --max_restarts=N to restart by itself"
+            return _give_up(
+                f"{what}{after}; stopped the others; run the same command to resume from the "
+                f"newest checkpoint{again}",
+                code,
+            )
+        restarts += 1
+        _say(
+            f"{what}; stopped the others; restart {restarts} of {args.max_restarts}: starting "
+            "the job again, it resumes from the newest checkpoint"
+        )
+
+
+def _give_up(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _start(args, command, nproc: int, slots: "Slots", signalled) -> job.Outcome:
+    """One start of `nproc` processes, on a coordinator port of its own; `signalled` is set
+    when the launcher gets SIGINT or SIGTERM (forwarded to the processes; no restart after)."""
     port, holder = reserve_port()
     try:
-        return _run(args, port)
+        return job.run_processes(
+            command,
+            nproc,
+            lambda rank: child_env(rank, args, port, nproc),
+            stop_when=lambda: nproc < slots.available(),
+            on_signal=signalled.set,
+        )
+    except OSError as e:  # the command does not exist or cannot be run
+        _fail(f"cannot run {args.command[0]!r}: {e.strerror}; check the command after --")
     finally:
         if holder is not None:
             holder.close()
 
 
-def _run(args, port: int) -> int:
-    lock = threading.Lock()
-    children, relays, last_errors = [], [], {}
+class Slots:
+    """How many processes may run now: --nproc's maximum, or fewer when --slots_file says so
+    (a file holding one number, written by whatever knows which machines are healthy; a
+    missing file means the maximum)."""
 
-    # Installed before the first child starts: a signal during start-up reaches the children
-    # started so far (they run in their own sessions, so nothing else would stop them).
-    def forward(signum, _frame):
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+    def __init__(self, path: str | None, least: int, most: int):
+        self.path, self.least, self.most = path, least, most
+        self._warned = False
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for rank in range(args.nproc):
+    def available(self) -> int:
+        if not self.path:
+            return self.most
         try:
-            child = subprocess.Popen(
-                child_command(args.command),
-                env=child_env(rank, args, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        except OSError as e:  # the command does not exist or cannot be run
-            _stop(children)
-            _fail(f"cannot run {args.command[0]!r}: {e.strerror}; check the command after --")
-        relay = threading.Thread(
-            target=_relay, args=(rank, child.stdout, lock, last_errors), daemon=True
+            with open(self.path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return self.most
+        except OSError as e:
+            return self._unreadable(e.strerror)
+        try:
+            return max(0, min(self.most, int(text)))
+        except ValueError:
+            return self._unreadable(f"{text[:40]!r} is not a number")
+
+    def _unreadable(self, why: str) -> int:
+        if not self._warned:
+            _say(f"cannot read --slots_file {self.path} ({why}); taking {self.most} slots")
+            self._warned = True
+        return self.most
+
+    def describe(self) -> str:
+        return f"{self.available()} of {self.most} slots" + (
+            f" in {self.path}" if self.path else ""
         )
-        relay.start()
-        children.append(child)
-        relays.append(relay)
 
-    try:
+    def wait_for(self, timeout_s: float, previous: int | None) -> int | None:
+        """The number of processes to start (at least the minimum), waiting up to `timeout_s`
+        for enough slots; None when they did not come."""
+        deadline, said = time.monotonic() + timeout_s, False
         while True:
-            codes = [child.poll() for child in children]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                print(
-                    f"[launcher] process {rank} of {args.nproc} failed ({_describe(code)}); "
-                    "stopping the others",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                _stop(children)
-                relays[rank].join(timeout=GRACE_SEC)  # its last lines are read
-                if rank in last_errors:
-                    print(last_errors[rank], file=sys.stderr, flush=True)
-                return code if code > 0 else 128 - code
-            if all(code == 0 for code in codes):
-                return 0
-            time.sleep(0.1)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _stop(children) -> None:
-    """SIGTERM, then SIGKILL after GRACE_SEC: a survivor may be stuck in a collective."""
-    for child in children:
-        if child.poll() is None:
-            child.terminate()
-    deadline = time.monotonic() + GRACE_SEC
-    for child in children:
-        try:
-            child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            count = self.available()
+            if count >= self.least:
+                if previous is not None and count != previous:
+                    _say(f"{count} of {self.most} processes this time (were {previous})")
+                return count
+            if not said:
+                _say(f"waiting for {self.least} slots ({self.describe()})")
+                said = True
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(1.0)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -228,7 +260,31 @@ def main(argv=None) -> int:
     parser = _Parser(
         prog="jddp-launch", description="Start N processes of one JAX job on this machine."
     )
-    parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--nproc",
+        required=True,
+        help="processes to start: N, or MIN:MAX to run on fewer (down to MIN) while --slots_file "
+        "says fewer may run, and on more again when they may",
+    )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="start the job again this many times after a process fails (not after exit code "
+        "2, a user mistake); it resumes from the newest checkpoint",
+    )
+    parser.add_argument(
+        "--slots_file",
+        default=None,
+        help="with --nproc=MIN:MAX: a file holding how many processes may run now (missing: "
+        "MAX); read before each start, and every second while fewer than MAX run",
+    )
+    parser.add_argument(
+        "--slots_timeout_s",
+        type=float,
+        default=600.0,
+        help="how long to wait for MIN slots before giving up",
+    )
     parser.add_argument(
         "--devices_per_proc",
         type=int,
@@ -249,11 +305,30 @@ def main(argv=None) -> int:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the command to run after --, e.g. -- jddp-train --config=...")
-    for name in ("nproc", "devices_per_proc", "gpus_per_proc"):
-        lowest = 1 if name == "nproc" else 0
-        if getattr(args, name) < lowest:
-            parser.error(f"--{name} must be at least {lowest}, got {getattr(args, name)}")
+    args.min_nproc, args.max_nproc = _nproc_range(parser, args.nproc)
+    args.nproc = args.max_nproc
+    for name in ("devices_per_proc", "gpus_per_proc", "max_restarts", "slots_timeout_s"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be at least 0, got {getattr(args, name)}")
+    if args.slots_file and args.min_nproc == args.max_nproc:
+        parser.error(f"--slots_file needs --nproc=MIN:MAX, got --nproc={args.nproc}")
     return run(args)
+
+
+def _nproc_range(parser, text: str) -> tuple[int, int]:
+    """(MIN, MAX) of --nproc=N or --nproc=MIN:MAX."""
+    try:
+        bounds = [int(part) for part in text.split(":")]
+    except ValueError:
+        bounds = []
+    if len(bounds) not in (1, 2):
+        parser.error(f"--nproc must be N or MIN:MAX, got {text!r}")
+    least, most = bounds[0], bounds[-1]
+    if least < 1:
+        parser.error(f"--nproc must be at least 1, got {least}")
+    if most < least:
+        parser.error(f"--nproc={text}: MAX must be at least MIN")
+    return least, most
 
 
 if __name__ == "__main__":

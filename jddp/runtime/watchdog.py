@@ -50,6 +50,11 @@ class HangWatchdog:
         """A running watchdog, or one that does nothing when `timeout_s` is 0."""
         return cls(timeout_s, workdir) if timeout_s > 0 else _Off()
 
+    def dispatching(self, step: int) -> None:
+        """Step `step` is being dispatched (on CPU a dispatch can block in a collective)."""
+        with self._lock:
+            self._last_dispatched = f"train step {step}"
+
     def dispatched(self, step: int, output: jax.Array) -> None:
         """Step `step` was dispatched; it has finished when `output` is ready."""
         with self._lock:
@@ -112,6 +117,9 @@ class HangWatchdog:
 
 class _Off:
     """The watchdog of `hang_timeout_s=0`: every call does nothing."""
+
+    def dispatching(self, step) -> None:
+        pass
 
     def dispatched(self, step, output) -> None:
         pass

@@ -29,6 +29,7 @@ from jddp.loop import fit
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.run.config import default_config
+from jddp.runtime.rollback import RollbackPolicy
 from jddp.trainer import PlacedBatch, Trainer
 from jddp.version import __version__ as __version__
 
@@ -41,6 +42,7 @@ __all__ = [
     "DynamicLossScale",
     "JddpError",
     "PlacedBatch",
+    "RollbackPolicy",
     "ShapeError",
     "Task",
     "TrainState",

@@ -32,12 +32,14 @@ from jddp.observe.progress import Progress
 from jddp.observe.throughput import Throughput
 from jddp.runtime import processes
 from jddp.runtime.preemption import PreemptionWatch
+from jddp.runtime.rollback import RollbackPolicy, Rollbacks
 from jddp.runtime.watchdog import HangWatchdog
 from jddp.runtime.workdir import check_workdir, hold_workdir
 from jddp.trainer import Trainer
 from jddp.version import __version__
 
 Batch = Mapping[str, np.ndarray]
+SKIPPED = "skipped_batches"  # checkpoint metadata: the [first, last] batches rollbacks skipped
 Hook = Callable[[int, TrainState, dict], None]
 
 
@@ -66,6 +68,7 @@ def fit(
     checkpoint_meta: Mapping | None = None,
     check_checkpoint: Callable[[dict, dict], None] | None = None,
     notes: Mapping | None = None,
+    rollback: RollbackPolicy | None = None,
 ) -> TrainState:
     """Trains `trainer` on `train_batches` up to step `num_steps` in `workdir`; returns the
     final state (on SIGTERM: the state it saved, whose `step` is below `num_steps`).
@@ -78,6 +81,8 @@ def fit(
     start_time = time.perf_counter()
     # ---------------------------------------------------- checks (nothing written yet)
     _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep)
+    if rollback is not None and checkpoint_every == 0:
+        raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
     eval_pass = _eval_pass(eval_batches)
     store.check_checkpoints_dir(
         os.path.join(workdir, "checkpoints"), checkpointing=checkpoint_every > 0
@@ -107,15 +112,17 @@ def fit(
                 max_to_keep=max_to_keep,
             )
         try:
-            start_step, state, data_state = _restore_or_start(
+            start_step, state, saved = _restore_or_start(
                 trainer, checkpoints, sample_batch, seed, state, check_checkpoint
             )
+            rollbacks = Rollbacks(rollback, saved.get(SKIPPED)) if rollback else None
             if start_step > num_steps:
                 raise ConfigError(
                     f"the checkpoints in {checkpoints.directory} reach step {start_step}, past "
                     f"num_steps={num_steps}; raise num_steps or pass another workdir"
                 )
-            _position(batches, start_step, data_state)
+            skipped = rollbacks.skipped_batches if rollbacks else 0
+            _position(batches, start_step + skipped, saved.get("data"))
         except BaseException:
             if checkpoints is not None:
                 checkpoints.close()
@@ -160,6 +167,8 @@ def fit(
             profile_steps=profile_steps,
             meta=dict(checkpoint_meta or {}),
             first_record=dict(notes or {}),
+            rollbacks=rollbacks,
+            check_checkpoint=check_checkpoint,
         )
         return loop.run(state, placed)
 
@@ -190,6 +199,8 @@ class _Loop:
     profile_steps: tuple[int, int]
     meta: dict
     first_record: dict
+    rollbacks: Rollbacks | None  # nan_policy=rollback's decisions, or None
+    check_checkpoint: Callable[[dict, dict], None] | None
     throughput: Throughput | None = None  # set up at the first step
 
     def run(self, state: TrainState, placed) -> TrainState:
@@ -201,10 +212,13 @@ class _Loop:
         start, count = self.profile_steps
         profiler = StepProfiler(os.path.join(self.workdir, "profile"), start, count)
         watchdog = HangWatchdog.start(self.hang_timeout_s, self.workdir)
-        stopped_at = None
+        stopped_at, step, steps_run = None, start_step, 0
         last_log_step, last_log_time = start_step, time.perf_counter()
         try:
-            for step in range(start_step + 1, num_steps + 1):
+            if self.rollbacks and not checkpoints.steps():  # a checkpoint to go back to
+                state = self._save(state, 0, placed.get_state())
+            while step < num_steps:
+                step, steps_run = step + 1, steps_run + 1
                 batch = next(placed, None)
                 if batch is None:
                     raise DataError(
@@ -221,6 +235,14 @@ class _Loop:
                 if step == start_step + 1:  # compilation: time the steady state from here
                     metrics["loss"].block_until_ready()
                     last_log_time = time.perf_counter()
+                if self.rollbacks is not None:
+                    undone = self._roll_back_if_bad(state, metrics, step, watchdog)
+                    if undone is not None:
+                        state, step, note = undone
+                        writer.rewind(step)
+                        record_extra |= {"rollback": note}
+                        last_log_step, last_log_time = step, time.perf_counter()
+                        continue
                 is_last = step == num_steps
                 evaluate = self.eval_pass is not None and (
                     is_last or (self.eval_every > 0 and step % self.eval_every == 0)
@@ -247,7 +269,7 @@ class _Loop:
                     for hook in self.hooks:
                         hook(step, state, record)
                     last_log_step, last_log_time = step, time.perf_counter()
-                preempted = preemption.reached(step)
+                preempted = preemption.reached(steps_run)  # a number that only grows
                 if checkpoints is not None:
                     checkpoints.check()  # a save that failed to write stops the run here
                     if checkpoints.due(step) or preempted or is_last:
@@ -299,9 +321,35 @@ class _Loop:
         )  # fmt: skip
         return _memory_report(trainer, state, batch)
 
+    def _roll_back_if_bad(self, state, metrics, step: int, watchdog):
+        """(the newest checkpoint's state, its step, the metrics note) when step `step` must be
+        undone (nan_policy=rollback); None when it stands."""
+        loss, nonfinite = jax.device_get((metrics["loss"], state.nonfinite_steps))
+        reason = self.rollbacks.bad(float(loss), bool(nonfinite))
+        if reason is None:
+            return None
+        checkpoints = self.checkpoints
+        with watchdog.paused(f"rollback at step {step}"):
+            checkpoints.wait()  # a save in flight is a checkpoint to go back to
+            to_step, restored, _ = checkpoints.restore_latest(
+                self.trainer.abstract_state(self.sample_batch),
+                self.check_checkpoint,
+                store.restore_layout,
+                fix="or pass a new workdir to train afresh",
+            )
+        note = self.rollbacks.rolled_back(step, to_step, reason)
+        logging.warning(
+            "rollback: %s at step %d; restored the checkpoint at step %d and skipped batches "
+            "%d-%d",
+            reason, step, to_step, *note["skipped_batches"],
+        )  # fmt: skip
+        return restored, to_step, note
+
     def _save(self, state, step: int, data_state) -> TrainState:
         state = self.trainer.consolidate(state)  # continue from what is saved
         meta = checkpoint_meta(self.trainer, step, data_state) | self.meta
+        if self.rollbacks is not None:  # a resume skips them too
+            meta[SKIPPED] = self.rollbacks.skipped
         self.checkpoints.save(step, self.trainer.global_state(state), meta, force=True)
         return state
 
@@ -339,16 +387,16 @@ def checkpoint_meta(trainer, step: int, data_state) -> dict:
 
 # ------------------------------------------------------------------------------ the start
 def _restore_or_start(trainer, checkpoints, sample_batch, seed, given, check):
-    """(start step, state, saved data state or None)."""
+    """(start step, state, the restored checkpoint's metadata or {})."""
     if checkpoints is not None and checkpoints.steps():
         abstract = trainer.abstract_state(sample_batch)
         step, state, meta = checkpoints.restore_latest(
             abstract, check, store.restore_layout, fix="or pass a new workdir to train afresh"
         )
-        return step, state, meta.get("data")
+        return step, state, meta
     if given is None:
-        return 0, trainer.init(seed, sample_batch), None
-    return 0, given() if callable(given) else given, None
+        return 0, trainer.init(seed, sample_batch), {}
+    return 0, given() if callable(given) else given, {}
 
 
 def _peek(batches):

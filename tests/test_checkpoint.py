@@ -135,6 +135,16 @@ class InjectNaN:
         self.iterator.close()
 
 
+class SkipBatch(InjectNaN):
+    """A grain iterator without its batch number `at` (0-based)."""
+
+    def __next__(self):
+        if self.index == self.at:
+            next(self.iterator)
+        self.index += 1
+        return next(self.iterator)
+
+
 @pytest.fixture
 def nan_at_step_16(monkeypatch):
     real = data.train_batches
@@ -158,6 +168,27 @@ def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, nan_at_step_16
     assert [r["nonfinite_steps"] for r in records] == [0, 0, 0, 1, 1, 1]
     assert all(np.isfinite(r["loss"]) for r in records if r["step"] != 20 - 4)
     assert summary["eval_accuracy"] > 0.85
+
+
+def test_nan_policy_rollback_trains_as_if_the_batch_was_never_there(tmp_path, monkeypatch):
+    """The NaN batch 16 comes right after the checkpoint at 15: the rolled-back run equals,
+    bit for bit, a run whose data never held that batch (in its place, the one after it)."""
+    real = data.train_batches
+    config = longer_config(nan_policy="rollback", checkpoint_every=5)
+    monkeypatch.setattr(data, "train_batches", lambda *a, **k: InjectNaN(real(*a, **k), at=15))
+    train_and_evaluate(config, str(tmp_path / "rolled_back"))
+    monkeypatch.setattr(data, "train_batches", lambda *a, **k: SkipBatch(real(*a, **k), at=15))
+    train_and_evaluate(config, str(tmp_path / "never_there"))
+    rolled_back, never_there = (read_records(tmp_path / n) for n in ("rolled_back", "never_there"))
+    assert rolled_back == never_there
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        load_params(str(tmp_path / "rolled_back")),
+        load_params(str(tmp_path / "never_there")),
+    )
+    records = [json.loads(x) for x in (tmp_path / "rolled_back" / "metrics.jsonl").open()]
+    (note,) = [r["rollback"] for r in records if "rollback" in r]
+    assert (note["from_step"], note["to_step"], note["skipped_batches"]) == (16, 15, [16, 16])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])

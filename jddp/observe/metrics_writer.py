@@ -23,11 +23,21 @@ class MetricsWriter:
         if not enabled:
             return
         self.path = os.path.join(workdir, "metrics.jsonl")
-        _drop_records_after(self.path, start_step)
+        self._tensorboard_dir = os.path.join(workdir, "tensorboard")
+        self._open(start_step)
+
+    def _open(self, step: int) -> None:
+        _drop_records_after(self.path, step)
         self._file = open(self.path, "a")
-        self._tensorboard = SummaryWriter(
-            os.path.join(workdir, "tensorboard"), purge_step=start_step + 1
-        )
+        self._tensorboard = SummaryWriter(self._tensorboard_dir, purge_step=step + 1)
+
+    def rewind(self, step: int) -> None:
+        """Drops the records after `step` from both, as a restart at `step` does (a rollback)."""
+        if not self.enabled:
+            return
+        self._file.close()
+        self._tensorboard.close()
+        self._open(step)
 
     def write(self, step: int, metrics: dict) -> None:
         """One record: numbers (ints stay ints), and JSON-able notes such as `config_changes`,

@@ -55,7 +55,12 @@ def default_config() -> ml_collections.ConfigDict:
     # Checkpoints (WORKDIR/checkpoints): every N steps and at the end; 0 = none at all.
     c.checkpoint_every = 500
     c.max_to_keep = 3
-    c.nan_policy = "halt"  # halt: stop, keep the last good checkpoint | skip: drop that update
+    # halt: stop, keep the last good checkpoint | skip: drop that update | rollback: restore the
+    # newest checkpoint and skip the batches since it (jddp/runtime/rollback.py)
+    c.nan_policy = "halt"
+    c.spike_factor = 0.0  # rollback: also on a loss this many times its recent median (0: off)
+    c.spike_window = 32  # ... the median of this many recent losses
+    c.max_rollbacks = 3  # ... stop after this many rollbacks in a row to one checkpoint
     # Seconds without a finished training step (after the first) before every process writes
     # its threads' stacks to WORKDIR/hang-<process>.txt and the job exits; 0 = off.
     c.hang_timeout_s = 0.0
@@ -104,6 +109,8 @@ _POSITIVE_INTS = (
     "grad_accum_steps",
     "log_every",
     "eval_every",
+    "spike_window",
+    "max_rollbacks",
 )
 _NON_NEGATIVE = (
     "eval_batch_size",
@@ -123,7 +130,7 @@ _RANGES = {
     "adam_b2": (0.0, 1.0, False),
     "momentum": (0.0, 1.0, False),
 }
-NAN_POLICIES = ("halt", "skip")
+NAN_POLICIES = ("halt", "skip", "rollback")
 _MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
 
 _DATA_MINIMUMS = {
@@ -182,6 +189,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.nan_policy not in NAN_POLICIES:
         raise ConfigError(
             f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {config.nan_policy!r}"
+        )
+    if config.nan_policy == "rollback" and config.checkpoint_every <= 0:
+        raise ConfigError(
+            "nan_policy=rollback restores checkpoints: set --config.checkpoint_every above 0"
+        )
+    if not (config.spike_factor == 0 or config.spike_factor > 1):
+        raise ConfigError(
+            f"spike_factor must be 0 (off) or above 1, got {config.spike_factor!r}; set "
+            "--config.spike_factor"
         )
     if config.max_to_keep < 1:
         raise ConfigError(f"max_to_keep must be >= 1, got {config.max_to_keep}")

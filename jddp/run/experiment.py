@@ -24,6 +24,7 @@ from jddp.run import elastic, factory, optim, resume
 from jddp.run.model_fit import check_model_fits
 from jddp.runtime import processes as runtime
 from jddp.runtime import workdir as workdir_lib
+from jddp.runtime.rollback import RollbackPolicy
 
 
 def check_workdir(workdir: str, *, resumable: bool) -> None:
@@ -196,6 +197,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 },
                 check_checkpoint=check_config,
                 notes=notes,
+                rollback=_rollback_policy(config),
             )
         finally:
             batches.close()
@@ -221,6 +223,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             with open(os.path.join(workdir, "summary.json"), "w") as f:
                 json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
         return summary
+
+
+def _rollback_policy(config) -> RollbackPolicy | None:
+    if config.nan_policy != "rollback":
+        return None
+    return RollbackPolicy(config.spike_factor, config.spike_window, config.max_rollbacks)
 
 
 def _newest_checkpoint_meta(workdir: str, config) -> dict | None:

@@ -4,8 +4,9 @@
 
 `fit` owns its workdir: `metrics.jsonl` and TensorBoard files, the progress line, evaluation,
 checkpoints with exact resume (the same call again continues bit for bit), a save on SIGTERM and
-on Ctrl-C, the hang watchdog, the throughput / MFU / memory report, and a lock that keeps a
-second run out. See docs/loop.md.
+on Ctrl-C, the hang watchdog, the throughput / MFU / memory report, where the wall time went
+(goodput, over every start of the workdir), and a lock that keeps a second run out. See
+docs/loop.md.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
 from jddp.data.prefetch import prefetch_to_device
 from jddp.errors import ConfigError, DataError, TrainingHalted
-from jddp.observe import device_peak, flops
+from jddp.observe import device_peak, flops, goodput
 from jddp.observe.memory import format_bytes
 from jddp.observe.metrics_writer import MetricsWriter
 from jddp.observe.profiling import StepProfiler
@@ -69,6 +70,7 @@ def fit(
     check_checkpoint: Callable[[dict, dict], None] | None = None,
     notes: Mapping | None = None,
     rollback: RollbackPolicy | None = None,
+    started_at: float | None = None,
 ) -> TrainState:
     """Trains `trainer` on `train_batches` up to step `num_steps` in `workdir`; returns the
     final state (on SIGTERM: the state it saved, whose `step` is below `num_steps`).
@@ -79,6 +81,8 @@ def fit(
     argument is described in docs/loop.md.
     """
     start_time = time.perf_counter()
+    # Where the time goes (jddp/observe/goodput.py), kept by process 0 in workdir/goodput.json.
+    ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None, started_at=started_at)
     # ---------------------------------------------------- checks (nothing written yet)
     _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep)
     if rollback is not None and checkpoint_every == 0:
@@ -113,7 +117,7 @@ def fit(
             )
         try:
             start_step, state, saved = _restore_or_start(
-                trainer, checkpoints, sample_batch, seed, state, check_checkpoint
+                trainer, checkpoints, sample_batch, seed, state, check_checkpoint, ledger
             )
             rollbacks = Rollbacks(rollback, saved.get(SKIPPED)) if rollback else None
             if start_step > num_steps:
@@ -145,6 +149,7 @@ def fit(
             return trainer.place_batch(batch)
 
         placed = prefetch_to_device(batches, place, device_prefetch)
+        ledger.begin(start_step)
         loop = _Loop(
             trainer=trainer,
             workdir=workdir,
@@ -169,6 +174,7 @@ def fit(
             first_record=dict(notes or {}),
             rollbacks=rollbacks,
             check_checkpoint=check_checkpoint,
+            ledger=ledger,
         )
         return loop.run(state, placed)
 
@@ -201,11 +207,15 @@ class _Loop:
     first_record: dict
     rollbacks: Rollbacks | None  # nan_policy=rollback's decisions, or None
     check_checkpoint: Callable[[dict, dict], None] | None
+    ledger: goodput.Ledger  # the stopwatch: every second of the start is in one category
     throughput: Throughput | None = None  # set up at the first step
 
     def run(self, state: TrainState, placed) -> TrainState:
         trainer, start_step, num_steps = self.trainer, self.start_step, self.num_steps
         checkpoints, record_extra = self.checkpoints, self.first_record
+        ledger = self.ledger
+        ledger.switch("other")  # the loop begins: its own work, unless a category says more
+        ledger.flush()
         writer = MetricsWriter(self.workdir, start_step=start_step, enabled=self.is_writer)
         progress = Progress(num_steps, first_step=start_step, enabled=self.is_writer)
         preemption = PreemptionWatch()
@@ -216,15 +226,20 @@ class _Loop:
         last_log_step, last_log_time = start_step, time.perf_counter()
         try:
             if self.rollbacks and not checkpoints.steps():  # a checkpoint to go back to
-                state = self._save(state, 0, placed.get_state())
+                with ledger.timing("save"):
+                    state = self._save(state, 0, placed.get_state())
+                ledger.checkpoint_saved(0)
             while step < num_steps:
                 step, steps_run = step + 1, steps_run + 1
-                batch = next(placed, None)
+                with ledger.timing("data"):
+                    batch = next(placed, None)
                 if batch is None:
                     raise DataError(
                         f"train_batches ran out before step {step}; num_steps={num_steps} "
                         "needs one batch per step: repeat the data, or lower num_steps"
                     )
+                # The step, up to what waits for its results: the first one compiles.
+                ledger.switch("compile" if step == start_step + 1 else "steps")
                 if step == start_step + 1:
                     record_extra |= self._first_step_report(state, batch)
                 watchdog.dispatching(step)  # a dispatch may wait in a collective itself
@@ -238,11 +253,15 @@ class _Loop:
                 if self.rollbacks is not None:
                     undone = self._roll_back_if_bad(state, metrics, step, watchdog)
                     if undone is not None:
+                        ledger.step_done(step)
                         state, step, note = undone
+                        ledger.rewind(step)  # the steps since the checkpoint were lost
+                        ledger.switch("other")
                         writer.rewind(step)
                         record_extra |= {"rollback": note}
                         last_log_step, last_log_time = step, time.perf_counter()
                         continue
+                ledger.step_done(step)
                 is_last = step == num_steps
                 evaluate = self.eval_pass is not None and (
                     is_last or (self.eval_every > 0 and step % self.eval_every == 0)
@@ -250,6 +269,7 @@ class _Loop:
                 if step % self.log_every == 0 or evaluate or is_last:
                     record = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     record["nonfinite_steps"] = self._nonfinite_steps(state, step)
+                    ledger.switch("other")
                     if self.learning_rate is not None:  # the rate this step applied
                         record["learning_rate"] = float(self.learning_rate(step - 1))
                     # The first step's rates include compiling; later ones are since the last.
@@ -258,27 +278,36 @@ class _Loop:
                         step - last_log_step, time.perf_counter() - since
                     )
                     if evaluate:
-                        with watchdog.paused(f"evaluation at step {step}"):
+                        with watchdog.paused(f"evaluation at step {step}"), ledger.timing("eval"):
                             results = evaluate_metrics(
                                 trainer, state, self.eval_pass(), self.eval_extras
                             )
                         record |= {f"eval_{k}": v for k, v in results.items() if k != "count"}
+                    record["goodput"] = ledger.fraction()  # over every start of the workdir
+                    if is_last:
+                        record["goodput_seconds"] = ledger.seconds()
+                    ledger.flush()
                     writer.write(step, record | record_extra)
                     record_extra = {}
                     progress.update(step, record["loss"], record)
                     for hook in self.hooks:
                         hook(step, state, record)
                     last_log_step, last_log_time = step, time.perf_counter()
+                ledger.switch("other")  # after an unlogged step: it was only dispatched
                 preempted = preemption.reached(steps_run)  # a number that only grows
                 if checkpoints is not None:
                     checkpoints.check()  # a save that failed to write stops the run here
                     if checkpoints.due(step) or preempted or is_last:
-                        self._nonfinite_steps(state, step)  # never save a state holding NaN
+                        with ledger.timing("steps"):  # it waits for the step to finish
+                            self._nonfinite_steps(state, step)  # never save a state holding NaN
                         with watchdog.paused(f"checkpoint save at step {step}"):
-                            state = self._save(state, step, placed.get_state())
+                            with ledger.timing("save"):
+                                state = self._save(state, step, placed.get_state())
+                        ledger.checkpoint_saved(step)
                 if preempted:
                     stopped_at = step
                     break
+                ledger.tick(step)
         finally:
             watchdog.close()
             profiler.stop()
@@ -286,8 +315,12 @@ class _Loop:
             progress.close()
             writer.close()
             if checkpoints is not None:
-                checkpoints.wait()  # a started save is a good one: let it commit
+                with ledger.timing("save"):
+                    checkpoints.wait()  # a started save is a good one: let it commit
                 checkpoints.close()
+            spent = ledger.end()
+        if self.is_writer:
+            logging.info("%s", goodput.summary_line(spent))
         if stopped_at is not None:
             saved = "saved a checkpoint" if checkpoints is not None else "saved nothing"
             where = f"at step {stopped_at}"
@@ -330,13 +363,15 @@ class _Loop:
             return None
         checkpoints = self.checkpoints
         with watchdog.paused(f"rollback at step {step}"):
-            checkpoints.wait()  # a save in flight is a checkpoint to go back to
-            to_step, restored, _ = checkpoints.restore_latest(
-                self.trainer.abstract_state(self.sample_batch),
-                self.check_checkpoint,
-                store.restore_layout,
-                fix="or pass a new workdir to train afresh",
-            )
+            with self.ledger.timing("save"):
+                checkpoints.wait()  # a save in flight is a checkpoint to go back to
+            with self.ledger.timing("restore"):
+                to_step, restored, _ = checkpoints.restore_latest(
+                    self.trainer.abstract_state(self.sample_batch),
+                    self.check_checkpoint,
+                    store.restore_layout,
+                    fix="or pass a new workdir to train afresh",
+                )
         note = self.rollbacks.rolled_back(step, to_step, reason)
         logging.warning(
             "rollback: %s at step %d; restored the checkpoint at step %d and skipped batches "
@@ -386,13 +421,14 @@ def checkpoint_meta(trainer, step: int, data_state) -> dict:
 
 
 # ------------------------------------------------------------------------------ the start
-def _restore_or_start(trainer, checkpoints, sample_batch, seed, given, check):
+def _restore_or_start(trainer, checkpoints, sample_batch, seed, given, check, ledger):
     """(start step, state, the restored checkpoint's metadata or {})."""
     if checkpoints is not None and checkpoints.steps():
         abstract = trainer.abstract_state(sample_batch)
-        step, state, meta = checkpoints.restore_latest(
-            abstract, check, store.restore_layout, fix="or pass a new workdir to train afresh"
-        )
+        with ledger.timing("restore"):
+            step, state, meta = checkpoints.restore_latest(
+                abstract, check, store.restore_layout, fix="or pass a new workdir to train afresh"
+            )
         return step, state, meta
     if given is None:
         return 0, trainer.init(seed, sample_batch), {}

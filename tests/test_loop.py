@@ -28,6 +28,8 @@ TIMING_KEYS = {
     "state_bytes_per_device",
     "peak_bytes_per_device",
     "comm_bytes_per_step",
+    "goodput",  # where the wall time went: differs between runs like the speeds
+    "goodput_seconds",
 }
 
 

@@ -19,6 +19,7 @@ from jddp.checkpoints import hf
 from jddp.checkpoints import store as checkpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
+from jddp.observe import goodput
 from jddp.run import config as config_lib
 from jddp.run import elastic, factory, optim, resume
 from jddp.run.model_fit import check_model_fits
@@ -86,9 +87,13 @@ def check_eval_batch_size(eval_batch_size: int, slices: int) -> None:
         )
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, *, started_at: float | None = None
+) -> dict:
     """Trains `config` into `workdir`, resuming its newest checkpoint if it has one; returns the
-    final eval metrics and the wall time (or `preempted` and the step it saved)."""
+    final eval metrics, the wall time and (process 0) the run's goodput (or `preempted` and the
+    step it saved). `started_at`: the `time.time()` the program started, where goodput's
+    `startup` begins (default: when `jddp.fit` begins)."""
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
@@ -198,6 +203,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 check_checkpoint=check_config,
                 notes=notes,
                 rollback=_rollback_policy(config),
+                started_at=started_at,
             )
         finally:
             batches.close()
@@ -220,6 +226,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         summary = {f"eval_{k}": v for k, v in final_eval.items() if k != "count"}
         summary["wall_time_sec"] = time.perf_counter() - start_time
         if jax.process_index() == 0:
+            summary["goodput"] = goodput.summary_of(workdir)  # every start of the workdir
             with open(os.path.join(workdir, "summary.json"), "w") as f:
                 json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
         return summary

@@ -47,7 +47,17 @@ _HEARTBEAT = flags.DEFINE_integer(
     30,
     "A process silent this long is declared lost and the job stops (multi-process only).",
 )
-_OWN_FLAGS = (_WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _HEARTBEAT)
+_PREEMPTED_EXIT_CODE = flags.DEFINE_integer(
+    "preempted_exit_code",
+    0,
+    "Exit code of every process after a SIGTERM save (0: success). A scheduler that would take "
+    "0 for the job's end, such as a Kubernetes Job, is told this way to start it again.",
+    lower_bound=0,
+    upper_bound=255,
+)
+_OWN_FLAGS = (
+    _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _HEARTBEAT, _PREEMPTED_EXIT_CODE,
+)  # fmt: skip
 
 # Without --config: the packaged defaults (`python -m experiments.train` sets its own).
 CONFIG = ConfigFlag(PACKAGED_CONFIG)
@@ -73,6 +83,7 @@ def main(argv: list[str]) -> None:
     import jax
 
     from jddp.errors import JddpError
+    from jddp.observe import goodput
     from jddp.run.experiment import train_and_evaluate
     from jddp.runtime import processes as runtime
     from jddp.runtime import supervise
@@ -93,7 +104,8 @@ def main(argv: list[str]) -> None:
         runtime.initialize(**processes, heartbeat_timeout_seconds=_HEARTBEAT.value)
         if jax.process_index() > 0:  # one voice in the log: process 0's
             logging.set_verbosity(logging.WARNING)
-        summary = train_and_evaluate(CONFIG.value, workdir)
+        # Goodput counts this process's whole life: its start, imports included.
+        summary = train_and_evaluate(CONFIG.value, workdir, started_at=goodput.process_start_time())
     except JddpError as e:
         fail(str(e))
     except KeyboardInterrupt as e:  # Ctrl-C: jddp.fit saved at the end of the step, if it ran
@@ -103,15 +115,18 @@ def main(argv: list[str]) -> None:
     except jax.errors.JaxRuntimeError as e:
         supervise.await_lost_peer_verdict(e, _HEARTBEAT.value)
         raise
+    if summary.get("preempted"):
+        if jax.process_index() == 0:
+            print(
+                f"preempted: checkpoint saved at step {summary['step']}; run the same command "
+                f"to resume; workdir {os.path.abspath(workdir)}"
+            )
+        sys.exit(_PREEMPTED_EXIT_CODE.value)
     if jax.process_index() > 0:
         return
-    if summary.get("preempted"):
-        print(
-            f"preempted: checkpoint saved at step {summary['step']}; run the same command to "
-            f"resume; workdir {os.path.abspath(workdir)}"
-        )
-        return
     perplexity = summary.get("eval_perplexity")  # language models
+    if summary.get("goodput"):
+        print(goodput.summary_line(summary["goodput"]))
     print(
         f"done: eval accuracy {summary['eval_accuracy']:.4f}, "
         f"eval loss {summary['eval_loss']:.4f}, "

@@ -312,7 +312,11 @@ def main(argv=None) -> int:
             parser.error(f"--{name} must be at least 0, got {getattr(args, name)}")
     if args.slots_file and args.min_nproc == args.max_nproc:
         parser.error(f"--slots_file needs --nproc=MIN:MAX, got --nproc={args.nproc}")
-    return run(args)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C between starts (while none of the job's processes runs)
+        print("interrupted: no process of the job was running", file=sys.stderr, flush=True)
+        return 130
 
 
 def _nproc_range(parser, text: str) -> tuple[int, int]:

@@ -1,8 +1,9 @@
-"""The hang watchdog on real training processes (tests/hang_worker.py hangs one on purpose in a
-host callback for an hour): every process writes its threads' stacks, prints one line and exits,
-also a process that hangs only because its peer does; a slow first step, a slow evaluation and
-slow checkpoint saves raise no alarm. No assertion is timed: the hang outlasts the test, so an
-exit with the watchdog's code and line is the watchdog's doing, however busy the machine."""
+"""The hang watchdog on real training processes (tests/hang_worker.py hangs one on purpose, in a
+host callback or in its loop, for an hour), and what jddp-launch says about a hang: every process
+writes its threads' stacks, prints one line and exits, also a process that hangs only because its
+peer does; a slow first step, a slow evaluation and slow checkpoint saves raise no alarm. No
+assertion is timed: the hang outlasts the test, so an exit with the watchdog's code and line is
+the watchdog's doing, however busy the machine."""
 
 import os
 import signal
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from jddp.runtime import failures
+from jddp.runtime.job import Outcome
 from tests.helpers import REPO, error_line, launch_command
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
@@ -79,46 +82,45 @@ def test_one_process_hang_is_reported_after_a_slow_first_step_eval_and_save(tmp_
     assert_stacks(workdir / "hang-0.txt", "in _host_hook", "in train_and_evaluate")
 
 
-def launched_hang(workdir, **env) -> str:
-    """The output of two processes under `jddp-launch` whose process 1 hangs as `env` says;
-    asserts that the launcher exits with the watchdog's code."""
-    launcher = launch_command(2, 1)
-    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
-    env = {**env, "JDDP_TEST_HANG_PROCESS": "1"}
-    code, output = run_until_hang_and_exit(start(launcher, workdir, env, *flags), workdir)
-    assert code == 3, output
-    return output
-
-
-def test_two_processes_both_report_when_one_hangs(tmp_path):
-    """Process 1 sleeps in step 11; process 0 waits for it inside the gradient all-reduce.
-    Both write their stacks and say so in one line; the launcher exits with their code."""
-    workdir = tmp_path / "run"
-    output = launched_hang(workdir, JDDP_TEST_HANG_AT="10")
-    for process in (0, 1):
-        line = error_line(output, f"[{process}] ")
-        assert "no training step finished" in line and "after step 10" in line, line
-        assert str(workdir / f"hang-{process}.txt") in line, line
-    assert_stacks(workdir / "hang-1.txt", "in _host_hook")  # the sleeper
-    assert_stacks(workdir / "hang-0.txt", "in train_and_evaluate")  # stuck in the collective
-    # Both are in step 11, one inside it, one in its collective: the launcher says so, last.
-    last = output.strip().splitlines()[-1]
-    assert last.startswith("error: hang: every process stopped after step 10: one is stuck"), last
-    assert str(workdir / "hang-0.txt") in last and str(workdir / "hang-1.txt") in last, last
-
-
-def test_the_launcher_names_the_process_that_fell_behind_and_no_traceback_reaches_the_user(
-    tmp_path,
-):
+def test_two_processes_both_report_and_the_launcher_names_the_one_behind(tmp_path):
     """Process 1's loop sleeps when it logs step 5; process 0 goes on into step 6's all-reduce
-    and waits there. The launcher's last line names process 1 and its stacks."""
+    and waits there. Both watchdogs write their stacks (also the one that only waits for its
+    peer); the launcher exits with their code, its last line naming process 1 and its stacks,
+    and no traceback reaches the user."""
     workdir = tmp_path / "run"
-    output = launched_hang(workdir, JDDP_TEST_HANG_AFTER_LOG="5")
+    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
+    env = {"JDDP_TEST_HANG_AFTER_LOG": "5", "JDDP_TEST_HANG_PROCESS": "1"}
+    process = start(launch_command(2, 1), workdir, env, *flags)
+    code, output = run_until_hang_and_exit(process, workdir)
+    assert code == 3, output
     last = output.strip().splitlines()[-1]
     assert last.startswith(
         "error: hang: process 1 of 2 had not reached train step 6, which the others had "
         f"(stacks: {workdir / 'hang-1.txt'})"
     ), last
     assert "run the same command to resume" in last, last
-    assert_stacks(workdir / "hang-1.txt", "in sleepy")
+    assert_stacks(workdir / "hang-1.txt", "in sleepy")  # the sleeper
+    assert_stacks(workdir / "hang-0.txt", "in train_and_evaluate")  # stuck in the collective
     assert "Traceback" not in output, output
+
+
+def hang_line(finished: int, dispatched: int, rank: int) -> str:
+    return (
+        f"error: no training step finished for 4 s after step {finished} (hang_timeout_s=3); "
+        f"last dispatched: train step {dispatched}; every thread's stack is in /w/hang-{rank}.txt"
+    )
+
+
+def test_the_launcher_says_when_no_process_is_behind_and_names_one_that_never_reported():
+    """Hangs inside a step (a device, a host callback: every process in the same step) cannot be
+    pinned on one process; a process whose watchdog never ran is named as such."""
+    same_step = Outcome({0: 3, 1: 3}, 0, {0: hang_line(10, 11, 0), 1: hang_line(10, 11, 1)}, False)
+    assert failures.what_failed(same_step, 2) == (
+        "hang: every process stopped after step 10: one is stuck inside the next step (on its "
+        "devices or in a host callback) while the others wait for it in a collective (stacks: "
+        "/w/hang-0.txt, /w/hang-1.txt)"
+    )
+    silent = Outcome({0: 3, 1: -9, 2: 3}, 0, {0: hang_line(7, 8, 0), 2: hang_line(7, 8, 2)}, False)
+    assert failures.what_failed(silent, 3).startswith(
+        "hang: process 1 of 3 never reported (stuck without its watchdog getting to run)"
+    )

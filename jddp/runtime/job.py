@@ -145,8 +145,9 @@ def run_processes(
             ).start()
         failed, failed_at = _wait(children, exits, stopping, stop_when)
         if failed is not None:
-            # A survivor notices the loss a moment after the waiter thread does.
-            output.mute_all_but(failed, since=failed_at - 0.05)
+            # A survivor may notice the loss (a reset connection) before the waiter thread gets
+            # to run on a busy machine: its lines still held back are dropped too.
+            output.mute_all_but(failed, since=failed_at - HOLD_S)
             settle = HANG_SETTLE_S if children[failed].returncode == HANG_EXIT_CODE else SETTLE_S
             _wait_all(children, settle)
             _kill(children)

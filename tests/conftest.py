@@ -58,6 +58,7 @@ def shared_digits_prepared():
 # the other worker idle while it finishes.
 LONGEST_FIRST = (
     "test_fashion_mnist.py",
+    "test_restarts.py",
     "test_multiprocess.py",
     "test_pipeline.py",
     "test_hf_checkpoints.py",
@@ -69,6 +70,7 @@ LONGEST_FIRST = (
     "test_sequence_parallel.py",
     "test_experiment.py",
     "test_resume_kill.py",
+    "test_watchdog.py",
     "test_docs.py",
     "test_host_memory.py",
     "test_tensor_parallel_runs.py",
@@ -76,6 +78,8 @@ LONGEST_FIRST = (
     "test_cli_errors.py",
     "test_checkpoint.py",
     "test_compression.py",
+    "test_goodput.py",
+    "test_rollback.py",
 )
 
 

@@ -198,3 +198,19 @@ def test_too_few_slots_for_too_long_is_one_line(tmp_path, capsys):
         f"error: fewer than 1 processes may run (0 of 2 slots in {slots}) for 0 s; raise the "
         f"count in {slots} or lower --nproc's minimum, then run the same command to resume"
     )
+
+
+def test_after_its_restarts_the_launcher_gives_up_in_one_line_with_the_failures_code(capsys):
+    import jddp.runtime.launch
+
+    failing = [sys.executable, "-c", "import sys; print('trying', flush=True); sys.exit(5)"]
+    assert jddp.runtime.launch.main(["--nproc=1", "--max_restarts=1", "--", *failing]) == 5
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["[0] trying", "[0] trying"]  # started twice
+    said = captured.err.strip().splitlines()
+    assert said[0].startswith("[launcher] process 0 of 1 failed (exit code 5); stopped the")
+    assert "restart 1 of 1" in said[0], said
+    assert said[-1] == (
+        "error: process 0 of 1 failed (exit code 5) after 1 restart; stopped the others; run "
+        "the same command to resume from the newest checkpoint"
+    )

@@ -21,6 +21,7 @@ from collections.abc import Callable
 HOLD_S = 0.5  # a line is printed this long after it was read, unless its process was muted
 SETTLE_S = 0.5  # after a failure, how long the others may take to end on their own
 HANG_SETTLE_S = 15.0  # ... after a hang: every process's watchdog reports, within seconds
+STOP_GRACE_S = 30.0  # while stopping: after one process failed, before the rest are killed
 HANG_EXIT_CODE = 3  # jddp/runtime/watchdog.py
 
 
@@ -106,10 +107,10 @@ def run_processes(
     on_signal: Callable[[], None] = lambda: None,
 ) -> Outcome:
     """Runs `command` as `nproc` processes (rank r with the environment `env_for(r)`) until all
-        end. The first that fails stops the others (SIGKILL, once they had SETTLE_S to end by
-        themselves). `stop_when()`, asked about once a second, asks them to stop (SIGTERM: they save
-        a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process (and
-    `on_signal()` is called)."""
+    end. The first that fails stops the others (SIGKILL, once they had SETTLE_S to end by
+    themselves). `stop_when()`, asked about once a second, asks them to stop (SIGTERM: they save
+    a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process, and
+    `on_signal()` is called."""
     output, children, relays, exits = _Output(), [], [], queue.Queue()
     stopping = threading.Event()
 
@@ -164,12 +165,16 @@ def run_processes(
 
 
 def _wait(children, exits, stopping, stop_when) -> tuple[int | None, float]:
-    """Waits until every child ended ((None, 0)) or one failed ((its rank, when it ended))."""
-    ended, next_ask = 0, time.monotonic() + 1.0
+    """Waits until every child ended ((None, 0)) or one failed ((its rank, when it ended)).
+    While they stop (asked to), one that fails leaves the others STOP_GRACE_S to end: they may
+    wait for it in a collective."""
+    ended, next_ask, kill_at = 0, time.monotonic() + 1.0, float("inf")
     while ended < len(children):
         try:
             rank, code, when = exits.get(timeout=0.1)
         except queue.Empty:
+            if time.monotonic() >= kill_at:
+                _kill(children)
             if time.monotonic() >= next_ask:
                 next_ask = time.monotonic() + 1.0
                 if not stopping.is_set() and stop_when():
@@ -181,6 +186,8 @@ def _wait(children, exits, stopping, stop_when) -> tuple[int | None, float]:
         ended += 1
         if code != 0 and not stopping.is_set():
             return rank, when
+        if code != 0:
+            kill_at = min(kill_at, time.monotonic() + STOP_GRACE_S)
     return None, 0.0
 
 

@@ -160,7 +160,7 @@ def run(args) -> int:
         if signalled.is_set():
             return _give_up(f"{what}; stopped the others", code)
         if restarts >= args.max_restarts:
-            after = f" after {restarts} restarts" if restarts else ""
+            after = f" after {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
             again = "" if args.max_restarts else ", or pass --max_restarts=N to restart by itself"
             return _give_up(
                 f"{what}{after}; stopped the others; run the same command to resume from the "

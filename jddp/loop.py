@@ -238,16 +238,18 @@ class _Loop:
                         f"train_batches ran out before step {step}; num_steps={num_steps} "
                         "needs one batch per step: repeat the data, or lower num_steps"
                     )
-                # The step, up to what waits for its results: the first one compiles.
-                ledger.switch("compile" if step == start_step + 1 else "steps")
-                if step == start_step + 1:
+                # The step, up to what waits for its results: this start's first one compiles
+                # (counted in steps run: a rollback may bring `step` back to the start's).
+                first = steps_run == 1
+                ledger.switch("compile" if first else "steps")
+                if first:
                     record_extra |= self._first_step_report(state, batch)
                 watchdog.dispatching(step)  # a dispatch may wait in a collective itself
                 with profiler.step(step):
                     state, metrics = trainer.step(state, batch)
                 watchdog.dispatched(step, metrics["loss"])
                 profiler.after(step, metrics["loss"])
-                if step == start_step + 1:  # compilation: time the steady state from here
+                if first:  # compilation: time the steady state from here
                     metrics["loss"].block_until_ready()
                     last_log_time = time.perf_counter()
                 if self.rollbacks is not None:
@@ -273,7 +275,7 @@ class _Loop:
                     if self.learning_rate is not None:  # the rate this step applied
                         record["learning_rate"] = float(self.learning_rate(step - 1))
                     # The first step's rates include compiling; later ones are since the last.
-                    since = last_log_time if step > start_step + 1 else self.start_time
+                    since = self.start_time if first else last_log_time
                     record |= self.throughput.rates(
                         step - last_log_step, time.perf_counter() - since
                     )

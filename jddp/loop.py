@@ -547,6 +547,18 @@ def _memory_report(trainer, state, batch) -> dict:
             pipeline.schedule.microbatches,
             100 * memory["pipeline_bubble"],
         )
+    context = getattr(trainer.strategy, "context_axis", None)
+    if context:
+        size = trainer.strategy.device_mesh.size(context)
+        attention = getattr(trainer.task.model, "context_attention", "own")
+        memory["context"] = {"size": size, "attention": attention}
+        logging.info(
+            "context parallelism: every sequence cut into %d chunks, 2 per device over "
+            "context:%d; %s attention",
+            2 * size,
+            size,
+            attention,
+        )
     return memory
 
 

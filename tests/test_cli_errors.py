@@ -73,6 +73,21 @@ MISTAKES = [
         ["powersgd", "ddp only", "zero3"],
     ),
     (["--config.hang_timeout_s=-1"], ["hang_timeout_s", ">= 0"]),
+    (
+        ["--config.parallel.strategy=zero3", "--config.parallel.mesh=fsdp:2,context:4"],
+        ["parallel.mesh has a context axis", "model MLP has no context-parallel attention"],
+    ),
+    (
+        [
+            "--config=experiments/configs/shakespeare_gpt_tiny.py",
+            "--config.dataset=text_file",
+            "--config.data.text_file={tmp}/corpus.txt",
+            "--config.data.seq_len=12",
+            "--config.parallel.strategy=zero3",
+            "--config.parallel.mesh=fsdp:2,context:4",
+        ],
+        ["2 x context = 8 equal chunks", "12 tokens", "multiple of 8, e.g. 8 or 16"],
+    ),
     # Once refused only by trainer.init, after the workdir and its checkpoints folder existed.
     (["--config.seed=-1"], ["seed must be an integer from 0", "got -1", "--config.seed"]),
 ]

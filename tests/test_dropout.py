@@ -1,8 +1,8 @@
 """Dropout is the same run on every layout: an example's random numbers depend on the seed, the
 step and its row of the global batch only (jddp/core/row_keys.py), so training with dropout on 2,
-4 or 8 devices, under ddp, ZeRO-3, a tensor mesh, sequence parallelism, a pipeline or gradient
-accumulation, equals one device — and one device equals a plain optax loop that draws each step's
-masks from the row key of its whole batch."""
+4 or 8 devices, under ddp, ZeRO-3, a tensor mesh, sequence or context parallelism, a pipeline or
+gradient accumulation, equals one device — and one device equals a plain optax loop that draws
+each step's masks from the row key of its whole batch."""
 
 import flax.linen as nn
 import jax
@@ -98,6 +98,12 @@ GPT_LAYOUTS = {
         "auto",
         "data:2,fsdp:2,tensor:2",
         dict(sp=True),
+    ),
+    "context zero3 fsdp:2,context:4 (ring)": ("zero3", "fsdp:2,context:4", {}),
+    "context in a pipeline, stage:2,context:2,tensor:2 (all-gather)": (
+        "zero2",
+        "stage:2,context:2,tensor:2",
+        dict(context_attention="all_gather"),
     ),
     "1f1b data:2,stage:2, accumulation 2": (
         "zero1",

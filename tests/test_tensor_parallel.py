@@ -235,7 +235,7 @@ def fake_mesh(axes: dict[str, int], devices_per_process: int) -> DeviceMesh:
 @pytest.mark.parametrize("axes,crosses", [(("fsdp", "tensor"), False), (("tensor", "fsdp"), True)])
 def test_a_tensor_axis_across_processes_is_detected(axes, crosses):
     """2 processes x 2 devices: tensor as the minor axis stays inside each process."""
-    assert fake_mesh(dict.fromkeys(axes, 2), 2).tensor_crosses_processes() == crosses
+    assert fake_mesh(dict.fromkeys(axes, 2), 2).crosses_processes("tensor") == crosses
 
 
 @pytest.mark.parametrize(

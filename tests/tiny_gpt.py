@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 import jddp
+from jddp.core.task import jit_init
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.parallel.rules import fit_preset
@@ -32,13 +33,13 @@ def adamw():
     )
 
 
-def token_batches(seed=0, steps=STEPS, size=BATCH):
+def token_batches(seed=0, steps=STEPS, size=BATCH, seq=SEQ):
     rng = np.random.default_rng(seed)
     # Targets follow the inputs (a shifted copy with noise), so the model has something to learn.
     out = []
     for _ in range(steps):
-        inputs = rng.integers(0, VOCAB, (size, SEQ)).astype(np.int32)
-        targets = np.where(rng.random((size, SEQ)) < 0.7, (inputs + 1) % VOCAB, inputs)
+        inputs = rng.integers(0, VOCAB, (size, seq)).astype(np.int32)
+        targets = np.where(rng.random((size, seq)) < 0.7, (inputs + 1) % VOCAB, inputs)
         out.append({"inputs": inputs, "targets": targets.astype(np.int32)})
     return out
 
@@ -71,13 +72,18 @@ def gpt_trainer(
     layers=LAYERS,
     scan=False,
     dropout=0.0,
+    seq=SEQ,
+    context_attention="ring",
     **kwargs,
 ):
-    """A Trainer of the tiny GPT (with `dropout`) on `mesh` (Megatron's rules; a stage axis stacks
-    the layers), or under ddp on every device (or `devices=`)."""
+    """A Trainer of the tiny GPT (with `dropout`, for sequences of `seq` tokens) on `mesh`
+    (Megatron's rules; a stage axis stacks the layers; a context axis splits sequences, whose
+    attention is `context_attention`), or under ddp on every device (or `devices=`)."""
     if strategy == "ddp":
         layout = {}
-        model = tiny_gpt(positions, tie, layers, scan_layers=scan, dropout_rate=dropout)
+        model = tiny_gpt(
+            positions, tie, layers, scan_layers=scan, dropout_rate=dropout, max_seq_len=seq
+        )
     else:
         device_mesh = device_mesh_for(strategy, mesh, mesh_devices(mesh))
         layout = {
@@ -93,6 +99,9 @@ def gpt_trainer(
             sequence_parallel=sp,
             scan_layers=scan or device_mesh.stage_axis is not None,
             dropout_rate=dropout,
+            max_seq_len=seq,
+            context_axis=device_mesh.context_axis,
+            context_attention=context_attention,
         )
     return jddp.Trainer(
         model,
@@ -106,16 +115,17 @@ def gpt_trainer(
     )
 
 
-def plain_init(positions="learned", tie=True, layers=LAYERS, stacked=False):
+def plain_init(positions="learned", tie=True, layers=LAYERS, stacked=False, seq=SEQ):
     """The tiny GPT's parameters from a plain Flax `init` of the unrolled model on one device for
     seed 0, with the parameter key `Trainer.init(seed=0)` uses (the first of
     `jax.random.split(key(0), 3)`); `stacked`: its `block_i` stacked into `blocks` (jddp's promise:
     stacking is a layout, the same parameters)."""
     params_key, dropout_key, _ = jax.random.split(jax.random.key(0), 3)
-    model = tiny_gpt(positions, tie, layers)
-    inputs = np.zeros((1, SEQ), np.int32)
-    # Compiled, as Trainer.init is: eager ops round some draws differently (1 ulp).
-    variables = jax.jit(model.init)({"params": params_key, "dropout": dropout_key}, inputs)
+    model = tiny_gpt(positions, tie, layers, max_seq_len=seq)
+    inputs = np.zeros((1, seq), np.int32)
+    # Compiled with the options Trainer.init uses: eager ops, or other options, round some draws
+    # differently (1 ulp).
+    variables = jit_init(model.init, {"params": params_key, "dropout": dropout_key}, inputs)
     params = jax.device_get(variables["params"])
     if stacked:
         blocks = [params.pop(f"block_{i}") for i in range(layers)]
@@ -141,16 +151,17 @@ def reference_from(positions, tie, initial, layers=LAYERS, batches=None):
     scan, per-layer ones one by one."""
     stacked = "blocks" in initial
     batches = batches or token_batches()
+    seq = batches[0]["inputs"].shape[1]
     key = (positions, tie, layers, stacked, _digest(batches))
     if key not in _REFERENCES:
-        model = tiny_gpt(positions, tie, layers, scan_layers=stacked)
+        model = tiny_gpt(positions, tie, layers, scan_layers=stacked, max_seq_len=seq)
 
         def loss_fn(params, model_state, batch):
             logits = model.apply({"params": params}, batch["inputs"])
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
             return ce.mean(), model_state
 
-        plain = plain_init(positions, tie, layers, stacked)
+        plain = plain_init(positions, tie, layers, stacked, seq)
         _REFERENCES[key] = (plain, plain_training(loss_fn, plain, {}, adamw(), batches, True))
     plain, result = _REFERENCES[key]
     jax.tree.map(np.testing.assert_array_equal, initial, plain)  # sharded init = plain init

@@ -10,7 +10,10 @@ gradient accumulation or pipeline, which only move `first_row`; splits and `fold
 `make_rng`, NNX `Rngs`) keep the rows. A draw of any other shape (a noise vector shared by the
 batch) is the same on every device, as on one. A key may also hold rows in blocks (`block`
 consecutive rows every `stride` rows: a micro-batch taking each device's next rows at once, as
-`auto` accumulates over the whole batch).
+`auto` accumulates over the whole batch), and only some positions of each sequence: under context
+parallelism a rank holds chunks `rank` and 2 x `size` - 1 - `rank` of 2 x `size` chunks of
+`chunk` tokens (jddp/parallel/context.py), and a per-example draw whose second dimension is those
+2 x `chunk` tokens draws what the whole sequence's draw holds at their true positions.
 
 The bits are threefry2x32's, as `jax.random`'s default; only the counters differ from its own.
 """
@@ -27,8 +30,8 @@ _THREEFRY = jex_random.threefry_prng_impl
 
 
 # Key data: threefry's two words, then the rows it holds: first_row, rows, block, stride (block 0:
-# consecutive rows).
-ROWS_FIELDS = 4
+# consecutive rows), then the sequence chunks: chunk, rank, size (chunk 0: whole sequences).
+ROWS_FIELDS = 7
 
 
 def _seed(seed):
@@ -45,7 +48,7 @@ def _fold_in(key, data):
     return jnp.concatenate([_THREEFRY.fold_in(key[:2], data), key[2:]])
 
 
-def _counters(shape, first_row, rows, block, stride):
+def _counters(shape, first_row, rows, block, stride, chunk, rank, size):
     """(row counter, position counter) of every element of a draw of `shape`."""
     if not shape:
         zero = jnp.zeros((), jnp.uint32)
@@ -57,12 +60,23 @@ def _counters(shape, first_row, rows, block, stride):
     position = jnp.zeros(shape, jnp.uint32)
     for axis in range(1, len(shape)):
         step = np.uint32(math.prod(shape[axis + 1 :]))
-        position = position + lax.broadcasted_iota(jnp.uint32, shape, axis) * step
+        index = lax.broadcasted_iota(jnp.uint32, shape, axis)
+        if axis == 1:
+            split = chunk * 2 == shape[1]
+            index = jnp.where(split, _true_position(index, chunk, rank, size), index)
+        position = position + index * step
     blocks = jnp.maximum(block, np.uint32(1))
     in_blocks = leading // blocks * stride + leading % blocks
     row = first_row + jnp.where(block == 0, leading, in_blocks)
     per_example = rows == np.uint32(shape[0])
     return jnp.where(per_example, row, leading), position
+
+
+def _true_position(index, chunk, rank, size):
+    """Token `index` of a context rank's two chunks at its position in the whole sequence."""
+    chunk = jnp.maximum(chunk, np.uint32(1))
+    back = (2 * size - 1 - rank) * chunk + index - chunk
+    return jnp.where(index < chunk, rank * chunk + index, back)
 
 
 def _random_bits(key, bit_width, shape):
@@ -99,6 +113,7 @@ def blocked_key(key: jax.Array, first_row, rows: int, block: int, stride: int) -
     k % block), drawing as `key` (the step's) would for the whole batch."""
     data = jax.random.key_data(key).astype(jnp.uint32)
     rows_part = [jnp.asarray(first_row, jnp.uint32), *map(jnp.uint32, (rows, block, stride))]
+    rows_part += [jnp.zeros((), jnp.uint32)] * 3  # whole sequences
     return jax.random.wrap_key_data(jnp.concatenate([data, jnp.stack(rows_part)]), impl=ROW_KEYS)
 
 
@@ -109,6 +124,14 @@ def sub_batch_key(key: jax.Array, start, rows: int) -> jax.Array:
     first = data[2] + jnp.asarray(start, jnp.uint32)
     rows_part = jnp.stack([first, jnp.uint32(rows), *data[4:]])
     return jax.random.wrap_key_data(jnp.concatenate([data[:2], rows_part]), impl=ROW_KEYS)
+
+
+def sequence_chunks_key(key: jax.Array, chunk: int, rank, size: int) -> jax.Array:
+    """`key` (a row key) for a call that holds, of each sequence, chunks `rank` and
+    2 x `size` - 1 - `rank` of `chunk` tokens (context parallelism's balanced layout)."""
+    data = jax.random.key_data(key)
+    chunks = jnp.stack([jnp.uint32(chunk), jnp.asarray(rank, jnp.uint32), jnp.uint32(size)])
+    return jax.random.wrap_key_data(jnp.concatenate([data[:6], chunks]), impl=ROW_KEYS)
 
 
 def as_row_key(key: jax.Array, rows: int) -> jax.Array:

@@ -16,6 +16,7 @@ from jddp.models.mlp import MLP
 from jddp.models.resnet import ResNet
 from jddp.models.user_models import check_outputs, is_import_path
 from jddp.models.user_models import create as create_user_model
+from jddp.parallel import context
 
 MODELS: dict[str, type[nn.Module]] = {
     "mlp": MLP,
@@ -41,7 +42,15 @@ def tensor_rules(name: str, model: nn.Module, tensor: int) -> tuple:
 
 
 # Fields jddp sets from the mesh, never from model_args.
-_MESH_FIELDS = {"parent", "name", "batch_axis_name", "tensor_axis", "sequence_parallel"}
+_MESH_FIELDS = {
+    "parent",
+    "name",
+    "batch_axis_name",
+    "tensor_axis",
+    "sequence_parallel",
+    "context_axis",
+    "context_attention",
+}
 
 
 def create_model(
@@ -53,6 +62,8 @@ def create_model(
     tensor_axis: str | None = None,
     tensor_size: int = 1,
     sequence_parallel: bool = False,
+    context_axis: str | None = None,
+    context_attention: str = "ring",
     pipelined: bool = False,
     seed: int = 0,
     **model_args,
@@ -61,19 +72,23 @@ def create_model(
 
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
-    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`) and `sequence_parallel` to GPT
-    and Llama; `pipelined` (a mesh with a stage axis) stacks their layers (`scan_layers`). An
+    BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`), `sequence_parallel`,
+    `context_axis` and `context_attention` (ring | all_gather) to GPT and Llama; `pipelined` (a
+    mesh with a stage axis) stacks their layers (`scan_layers`). An
     own model ("package.module:Name") gets the same fields where it declares them, its outputs as
     `num_outputs`, and an NNX one `rngs=nnx.Rngs(seed)`.
     """
     _check_sequence_parallel(sequence_parallel, tensor_axis)
+    context.check_implementation(context_attention)
     mesh_fields = {
         "batch_axis_name": batch_axis_name,
         "tensor_axis": tensor_axis,
         "sequence_parallel": sequence_parallel,
+        "context_axis": context_axis,
+        "context_attention": context_attention,
     }
     if is_import_path(name):
-        return create_user_model(
+        model = create_user_model(
             name,
             num_outputs,
             seed=seed,
@@ -81,6 +96,9 @@ def create_model(
             pipelined=pipelined,
             model_args=model_args,
         )
+        if context_axis:
+            context.check_model(model, context_axis)
+        return model
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -104,6 +122,8 @@ def create_model(
             f"parallel.sequence_parallel applies to the gpt and llama models, not {name!r}; "
             "set it to false"
         )
+    if context_axis and "context_axis" not in all_fields:
+        context.check_model(cls, context_axis)  # one line naming what to do
     model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
     if pipelined and "scan_layers" in all_fields:
         model_args["scan_layers"] = True

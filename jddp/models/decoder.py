@@ -9,6 +9,7 @@ block and which norm it uses (`block_parts`); the rest is here.
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import tensor_parallel
+from jddp.parallel import context as context_parallel
 from jddp.parallel.pipeline.layers import Pipelined
 
 ATTENTION_IMPLS = (None, "xla", "cudnn")
@@ -64,13 +66,48 @@ class Linear(nn.Module):
         return y if bias is None else y + bias
 
 
-def causal_attention(q, k, v, positions, rope_base: float | None, impl: str | None):
+def token_positions(seq_len: int, context: tuple[str, str] | None) -> jax.Array:
+    """The true positions of a call's `seq_len` tokens: 0 .. seq_len - 1, or under context
+    parallelism (`context` = (axis, attention)) those of the rank's two chunks."""
+    if context is None:
+        return jnp.arange(seq_len)
+    return context_parallel.positions(seq_len, context[0])
+
+
+def causal_attention(
+    q, k, v, rope_base: float | None, impl: str | None, context=None, kv_split: bool = True
+):
     """Causal softmax attention of q (batch, seq, heads, head_dim) over k, v (batch, seq,
     kv_heads, head_dim); query head n reads key/value head n // (heads / kv_heads). Rotary
-    positions when `rope_base` is set."""
+    positions when `rope_base` is set. Under context parallelism (`context` = (axis,
+    attention)) the sequence is the rank's two chunks and attention sees every rank's keys
+    (jddp/parallel/context.py); `kv_split`: whether keys and values are split over a tensor
+    axis as the queries are (else every tensor rank holds all of them)."""
+    positions = token_positions(q.shape[1], context)
     if rope_base is not None:
         q, k = rotary(q, positions, rope_base), rotary(k, positions, rope_base)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if context is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    axis, how = context
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+    if not tensor:
+        return context_parallel.attention(q, k, v, axis, how)
+    # Heads split over tensor, which the compiler partitions: the ring runs on each tensor
+    # rank's heads under a shard_map manual over it too, so its messages stay that rank's own.
+    heads = P(None, None, tuple(tensor), None)
+
+    def local(q, k, v):
+        if not kv_split:  # every rank holds all key/value heads: pick its query heads' ones
+            group = q.shape[2] * math.prod(mesh.shape[a] for a in tensor) // k.shape[2]
+            first = lax.axis_index(tuple(tensor)) * q.shape[2]
+            k, v = (jnp.take(x, (first + jnp.arange(q.shape[2])) // group, axis=2) for x in (k, v))
+        return context_parallel.attention(q, k, v, axis, how)
+
+    kv = heads if kv_split else P()
+    return jax.shard_map(
+        local, in_specs=(heads, kv, kv), out_specs=heads, axis_names=set(tensor), check_vma=False
+    )(q, k, v)
 
 
 class Block(nn.Module):
@@ -119,6 +156,9 @@ class Decoder(nn.Module):
 
     `tensor_axis` (set by jddp from the mesh) keeps the logits split over the vocabulary there;
     `sequence_parallel` also splits the residual stream along the sequence over it.
+    `context_axis` (set by jddp from the mesh): under a strategy's step each call holds its
+    context rank's two chunks of every sequence, and attention (`context_attention`: ring or
+    all_gather) sees the whole sequence (jddp/parallel/context.py).
     """
 
     vocab_size: int
@@ -137,6 +177,8 @@ class Decoder(nn.Module):
     scan_layers: bool = False
     tensor_axis: str | None = None
     sequence_parallel: bool = False
+    context_axis: str | None = None
+    context_attention: str = "ring"
 
     head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
     gated_mlp = False  # SwiGLU's three MLP matrices instead of two
@@ -155,9 +197,11 @@ class Decoder(nn.Module):
         """The MLP's width (`mlp_dim`, or the model's default for 0)."""
         raise NotImplementedError
 
-    def block_parts(self, sequence_axis: str | None, tensor_size: int) -> tuple[Callable, ...]:
+    def block_parts(
+        self, sequence_axis: str | None, tensor_size: int, context: tuple[str, str] | None
+    ) -> tuple[Callable, ...]:
         """(attention, mlp, norm) module constructors of one block (each takes `name`); the
-        norm is the final one's too."""
+        norm is the final one's too. `context`: (axis, attention) under context parallelism."""
         raise NotImplementedError
 
     @property
@@ -174,9 +218,11 @@ class Decoder(nn.Module):
                 f"{tokens.shape}; feed the dataset's 'inputs' (input_key='inputs')"
             )
         seq_len = tokens.shape[1]
-        if seq_len > self.max_seq_len:
+        context = self._context_in_mesh()
+        whole = seq_len * (jax.sharding.get_abstract_mesh().shape[context[0]] if context else 1)
+        if whole > self.max_seq_len:
             raise ShapeError(
-                f"sequences of {seq_len} tokens are longer than max_seq_len={self.max_seq_len}; "
+                f"sequences of {whole} tokens are longer than max_seq_len={self.max_seq_len}; "
                 "raise model_args.max_seq_len or shorten data.seq_len"
             )
         embed = nn.Embed(
@@ -198,10 +244,10 @@ class Decoder(nn.Module):
                 nn.initializers.normal(INIT_STD),
                 (self.max_seq_len, self.embed_dim),
             )
-            x = x + table[:seq_len].astype(x.dtype)
+            x = x + table[token_positions(seq_len, context)].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
-        attention, mlp, norm = self.block_parts(sequence_axis, tensor_size)
+        attention, mlp, norm = self.block_parts(sequence_axis, tensor_size, context)
         stream = self._stream_spec(tensor_axis, sequence_axis)
         block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate, stream)
         # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
@@ -237,6 +283,16 @@ class Decoder(nn.Module):
             return None
         mesh = jax.sharding.get_abstract_mesh()
         return self.tensor_axis if self.tensor_axis in mesh.axis_names else None
+
+    def _context_in_mesh(self) -> tuple[str, str] | None:
+        """(axis, attention) when this call holds a context rank's part of each sequence: the
+        model has a `context_axis` and runs in a program manual over it (a strategy's step)."""
+        if self.context_axis is None or self.is_initializing():
+            return None
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.context_axis not in mesh.manual_axes:
+            return None
+        return self.context_axis, self.context_attention
 
     @staticmethod
     def _stream_spec(tensor_axis: str | None, sequence_axis: str | None) -> P | None:

@@ -17,7 +17,6 @@ partitioner adds the two all-reduces per block forward (and two backward). With
 import functools
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from jddp.errors import ConfigError
 from jddp.models.decoder import (
@@ -55,6 +54,7 @@ class CausalSelfAttention(nn.Module):
     residual_init_std: float
     attention_impl: str | None
     sequence_axis: str | None = None  # tensor axis, when the sequence is split over it
+    context: tuple[str, str] | None = None  # (axis, attention) under context parallelism
 
     @nn.compact
     def __call__(self, x):
@@ -64,8 +64,7 @@ class CausalSelfAttention(nn.Module):
         qkv = Linear(3 * width, init, "column", self.sequence_axis, name="qkv")(x)
         qkv = qkv.reshape(batch, seq_len, self.num_heads, 3, head_dim)
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-        positions = jnp.arange(seq_len)
-        y = causal_attention(q, k, v, positions, self.rope_base, self.attention_impl)
+        y = causal_attention(q, k, v, self.rope_base, self.attention_impl, self.context)
         out_init = nn.initializers.normal(self.residual_init_std)
         out = Linear(width, out_init, "row", self.sequence_axis, name="out")
         return out(y.reshape(batch, seq_len, width))
@@ -94,11 +93,17 @@ class GPT(Decoder):
         _check_dimensions(self)
         super().__post_init__()
 
-    def block_parts(self, sequence_axis, tensor_size):
+    def block_parts(self, sequence_axis, tensor_size, context):
         rope_base = self.rope_base if self.positions == "rotary" else None
         std = self.residual_init_std
         attention = functools.partial(
-            CausalSelfAttention, self.num_heads, rope_base, std, self.attention_impl, sequence_axis
+            CausalSelfAttention,
+            self.num_heads,
+            rope_base,
+            std,
+            self.attention_impl,
+            sequence_axis,
+            context,
         )
         mlp = functools.partial(MLP, self.hidden_dim, std, sequence_axis)
         return attention, mlp, functools.partial(nn.LayerNorm, epsilon=self.norm_eps)

@@ -17,7 +17,6 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jddp.errors import ConfigError
 from jddp.models.decoder import INIT_STD, Decoder, Linear, causal_attention, check_common
@@ -50,6 +49,7 @@ class GroupedQueryAttention(nn.Module):
     attention_impl: str | None
     sequence_axis: str | None = None  # tensor axis, when the sequence is split over it
     kv_split: bool = True  # key/value heads split over tensor (else every rank has all)
+    context: tuple[str, str] | None = None  # (axis, attention) under context parallelism
 
     @nn.compact
     def __call__(self, x):
@@ -66,7 +66,7 @@ class GroupedQueryAttention(nn.Module):
         k = project("k", self.num_kv_heads, kv_split)
         v = project("v", self.num_kv_heads, kv_split)
         y = causal_attention(
-            q, k, v, jnp.arange(seq_len), self.rope_base, self.attention_impl
+            q, k, v, self.rope_base, self.attention_impl, self.context, self.kv_split
         ).reshape(batch, seq_len, self.num_heads * self.head_dim)
         out_init = nn.initializers.normal(self.residual_init_std)
         return Linear(width, out_init, "row", axis, bias, name="out")(y)
@@ -123,7 +123,7 @@ class Llama(Decoder):
     def hidden_dim(self) -> int:
         return self.mlp_dim or -(-8 * self.embed_dim // 3 // 256) * 256
 
-    def block_parts(self, sequence_axis, tensor_size):
+    def block_parts(self, sequence_axis, tensor_size, context):
         std = self.residual_init_std
         attention = functools.partial(
             GroupedQueryAttention,
@@ -136,6 +136,7 @@ class Llama(Decoder):
             self.attention_impl,
             sequence_axis,
             self.kv_heads % tensor_size == 0,
+            context,
         )
         mlp = functools.partial(SwiGLU, self.hidden_dim, self.mlp_bias, std, sequence_axis)
         return attention, mlp, functools.partial(nn.RMSNorm, epsilon=self.norm_eps)

@@ -35,6 +35,12 @@ class AutoStrategy(ZeroStrategy):
                 f"{mesh.describe()!r} has a stage axis); use zero1, zero2 or zero3 with a stage "
                 "axis, or auto without one"
             )
+        if mesh.context_axis:
+            raise ConfigError(
+                f"parallel.strategy=auto does not run context parallelism (parallel.mesh "
+                f"{mesh.describe()!r} has a context axis); use zero1, zero2 or zero3 with a "
+                "context axis, or auto without one"
+            )
         grad_comm = options.get("grad_comm")
         if grad_comm is not None and grad_comm.dtype != "float32":
             raise ConfigError(

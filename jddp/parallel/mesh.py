@@ -9,6 +9,9 @@ multiply to the device count. The role names are the interface:
     tensor  every rank sees the same rows; weight matrices are split by the partition rules
             (Megatron's column / row split) and activations reduced across it
     stage   pipeline stages: each holds a consecutive group of the model's stacked layers
+    context every sequence is split along its length over it (context parallelism,
+            jddp/parallel/context.py); parameters and optimizer state are not: replicas, as
+            over data, gradients averaged
 
 ddp's mesh is not written: it is one `batch` axis over every device (`ddp_mesh`), the axis its
 pmap maps over. The mesh is built once per run, before the model, from the strategy's name and
@@ -26,7 +29,7 @@ from jax.sharding import Mesh
 
 from jddp.errors import ConfigError
 
-ROLES = ("data", "fsdp", "tensor", "stage")
+ROLES = ("data", "fsdp", "tensor", "stage", "context")
 BATCH_ROLES = ("data", "fsdp")  # axes the batch is split over
 # ddp's one axis: its pmap axis name, and the name a synchronized BatchNorm reduces over (Flax's
 # convention). Not a role users write: ddp's mesh is always this one axis.
@@ -51,7 +54,8 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str
         if name not in ROLES:
             raise ConfigError(
                 f"parallel.mesh {spec!r} names an unknown axis {name!r}; the axes are roles: "
-                "data (replicas), fsdp (ZeRO sharding), tensor (tensor parallelism), stage"
+                "data (replicas), fsdp (ZeRO sharding), tensor (tensor parallelism), stage "
+                "(pipeline), context (sequences split along their length)"
             )
     if len(set(names)) != len(names):
         raise ConfigError(f"parallel.mesh {spec!r} names an axis twice")
@@ -85,8 +89,9 @@ class DeviceMesh:
     """A `jax.sharding.Mesh` and what its axes are for; what a strategy and a model share.
 
     `batch_axes`: the axes the batch is split over (data, fsdp; ddp's `batch`), in mesh order;
-    `fsdp_axis`, `tensor_axis`, `stage_axis`: the axis of that role, or None. Axes of size 1
-    are kept: a mesh written `data:1,fsdp:1,tensor:1` runs the general path on one device."""
+    `fsdp_axis`, `tensor_axis`, `stage_axis`, `context_axis`: the axis of that role, or None.
+    Axes of size 1 are kept: a mesh written `data:1,fsdp:1,tensor:1` runs the general path on
+    one device."""
 
     mesh: Mesh
 
@@ -114,6 +119,10 @@ class DeviceMesh:
         return "stage" if "stage" in self.mesh.shape else None
 
     @property
+    def context_axis(self) -> str | None:
+        return "context" if "context" in self.mesh.shape else None
+
+    @property
     def batch_shards(self) -> int:
         """Into how many slices every global batch is split."""
         return math.prod(self.size(a) for a in self.batch_axes)
@@ -125,8 +134,8 @@ class DeviceMesh:
         """(part, parts): every global batch is cut into `parts` equal consecutive blocks of
         rows, and the devices of process `process_index` (default: this one) hold the slices
         of block `part`, so that block is the rows the process reads. Processes that differ
-        only along tensor or stage (pipeline stages on different hosts) hold the same slices
-        and read the same rows; with the batch axes across processes, parts = processes."""
+        only along tensor, stage or context (pipeline stages on different hosts) hold the same
+        slices and read the same rows; with the batch axes across processes, parts = processes."""
         process = jax.process_index() if process_index is None else process_index
         batch_dims = [self.axis_names.index(a) for a in self.batch_axes]
         batch_shape = [self.mesh.devices.shape[d] for d in batch_dims]
@@ -153,12 +162,13 @@ class DeviceMesh:
                 )
         return held[0] // count, self.batch_shards // count
 
-    def tensor_crosses_processes(self) -> bool:
-        """Whether some group of devices along the tensor axis spans several processes (its
-        per-layer activation reductions would then cross the network)."""
-        if self.tensor_axis is None:
+    def crosses_processes(self, role: str) -> bool:
+        """Whether some group of devices along the `role` axis spans several processes (tensor's
+        per-layer activation reductions, context's key/value ring, would then cross the
+        network)."""
+        if role not in self.mesh.shape:
             return False
-        devices = np.moveaxis(self.mesh.devices, self.axis_names.index("tensor"), -1)
+        devices = np.moveaxis(self.mesh.devices, self.axis_names.index(role), -1)
         groups = devices.reshape(-1, devices.shape[-1])
         return any(len({d.process_index for d in group}) > 1 for group in groups)
 
@@ -169,16 +179,32 @@ def ddp_mesh(devices: Sequence[jax.Device]) -> DeviceMesh:
 
 
 def build_mesh(
-    spec: str, devices: Sequence[jax.Device], *, allow_cross_host_tensor: bool = False
+    spec: str,
+    devices: Sequence[jax.Device],
+    *,
+    allow_cross_host_tensor: bool = False,
+    allow_cross_host_context: bool = False,
 ) -> DeviceMesh:
     """The mesh `spec` describes over `devices` (in their order, the last axis fastest)."""
     axes = parse_mesh_spec(spec, len(devices))
     shape = tuple(size for _, size in axes)
     mesh = DeviceMesh(Mesh(np.asarray(devices).reshape(shape), tuple(name for name, _ in axes)))
-    if mesh.tensor_crosses_processes() and not allow_cross_host_tensor:
+    check_within_processes(mesh, allow_cross_host_tensor, allow_cross_host_context)
+    return mesh
+
+
+def check_within_processes(mesh: DeviceMesh, allow_tensor: bool, allow_context: bool) -> None:
+    """A ConfigError for a tensor or context axis across processes that is not allowed."""
+    spec = mesh.describe()
+    if mesh.crosses_processes("context") and not allow_context:
+        raise ConfigError(
+            f"parallel.mesh {spec!r} puts the context axis across processes (its ring passes "
+            "keys and values every layer); place context after the axes that span processes, "
+            "at most the devices of one process, or set parallel.allow_cross_host_context=true"
+        )
+    if mesh.crosses_processes("tensor") and not allow_tensor:
         raise ConfigError(
             f"parallel.mesh {spec!r} puts the tensor axis across processes (tensor parallelism "
             "reduces activations every layer); make tensor the last axis and at most the devices "
             "of one process, or set parallel.allow_cross_host_tensor=true"
         )
-    return mesh

@@ -53,11 +53,12 @@ def device_mesh_for(
     devices: Sequence[jax.Device] | None = None,
     *,
     allow_cross_host_tensor: bool = False,
+    allow_cross_host_context: bool = False,
 ) -> DeviceMesh:
     """The mesh strategy `name` runs on (`mesh` like "data:2,fsdp:2,tensor:2", or the strategy's
     default), over `devices` (default: every device of every process); for ddp, one `batch`
     axis over the devices, which its pmap maps over. A tensor axis across processes is refused
-    unless `allow_cross_host_tensor`."""
+    unless `allow_cross_host_tensor`, a context axis unless `allow_cross_host_context`."""
     _check_name(name)
     devices = devices or jax.devices()
     if name == "ddp":
@@ -68,7 +69,10 @@ def device_mesh_for(
             )
         return ddp_mesh(devices)
     device_mesh = build_mesh(
-        mesh or default_mesh_spec(name), devices, allow_cross_host_tensor=allow_cross_host_tensor
+        mesh or default_mesh_spec(name),
+        devices,
+        allow_cross_host_tensor=allow_cross_host_tensor,
+        allow_cross_host_context=allow_cross_host_context,
     )
     check_mesh_for(name, device_mesh)
     return device_mesh

@@ -16,8 +16,12 @@ whole gradient and each device updates only what it holds.
     zero3   sharded     reduce-scattered  sharded    all-gather params, reduce-scatter grads
 
 Over `data` gradients (or their shards) are all-reduced; over `tensor` each parameter is split
-as its rule says, under every stage. `fsdp` is another name for `zero3`; `hybrid` is zero3 whose
-default mesh replicates across hosts (`data:<processes>,fsdp:-1`).
+as its rule says, under every stage. Over `context` the state is replicated as over `data`: the
+per-device program is manual over it too, each context rank takes its two chunks of every
+sequence (jddp/parallel/context.py), and gradients and metrics are averaged over it.
+
+`fsdp` is another name for `zero3`; `hybrid` is zero3 whose default mesh replicates across hosts
+(`data:<processes>,fsdp:-1`).
 """
 
 import jax
@@ -30,6 +34,7 @@ from jddp.core.state import TrainState
 from jddp.core.task import Task, check_rows_divide, init_compiler_options, init_key
 from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
+from jddp.parallel import context
 from jddp.parallel.collectives import fused_pmean, gather
 from jddp.parallel.compression import GradComm
 from jddp.parallel.mesh import DeviceMesh
@@ -63,10 +68,10 @@ def default_mesh_spec(name: str) -> str:
 def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
     """A ConfigError for a mesh on which `name` would shard nothing (a `data` axis alone only
     replicates: that is ddp's layout)."""
-    if mesh.fsdp_axis is None and mesh.tensor_axis is None and mesh.stage_axis is None:
+    if not (mesh.fsdp_axis or mesh.tensor_axis or mesh.stage_axis or mesh.context_axis):
         raise ConfigError(
-            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor or stage axis, so {name} would "
-            "shard nothing (data only replicates); write 'fsdp:-1', or "
+            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor, stage or context axis, so "
+            f"{name} would shard nothing (data only replicates); write 'fsdp:-1', or "
             "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
         )
 
@@ -97,8 +102,12 @@ class ZeroStrategy:
         self.grad_comm = grad_comm or GradComm()
         self.min_shard_size = min_shard_size
         self.pipeline_options = pipeline or PipelineOptions()
-        # Axes the per-device program splits by hand: the batch axes, and the pipeline stages.
+        # Axes the per-device program splits by hand: the batch axes, the pipeline stages, the
+        # sequence's chunks; gradients and metrics are averaged over the batch axes and context.
         self.manual_axes = self.batch_axes + (("stage",) if mesh.stage_axis else ())
+        self.context_axis = mesh.context_axis
+        self.manual_axes += (self.context_axis,) if self.context_axis else ()
+        self.mean_axes = self.batch_axes + ((self.context_axis,) if self.context_axis else ())
         self.pipeline = None  # the engine, when the mesh has a stage axis (set by prepare)
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
@@ -119,6 +128,8 @@ class ZeroStrategy:
                     "statistics); remove the stage axis from parallel.mesh"
                 )
             self.pipeline = self.pipeline_options.engine(self.task, self.device_mesh)
+        if self.context_axis:
+            context.check_model(self.task.model, self.context_axis)
         full = param_specs(
             abstract_state.params,
             self.rules,
@@ -233,19 +244,34 @@ class ZeroStrategy:
             # zero3 got the reduce-scatter from AD of the gather (the pipeline gathers first)
             if not self.shard_params or self.pipeline:
                 grad = self.grad_comm.scatter_sum(grad, spec)
-            rest = tuple(a for a in self.batch_axes if a not in spec_axes(spec))
+            rest = tuple(a for a in self.mean_axes if a not in spec_axes(spec))
             summed = self.grad_comm.psum(grad, rest) if rest else grad
-            return summed / self.device_mesh.batch_shards
+            return summed / self._contributions
 
         on_shards = self._on_tensor_shards(reduce)
         return jax.tree.map(on_shards, grads, self._fsdp_grads, self._tensor_specs)
 
+    @property
+    def _contributions(self) -> int:
+        """How many per-device gradients make one step's: a batch slice's, a sequence chunk's."""
+        return self.device_mesh.batch_shards * self.device_mesh.size("context")
+
     def _pmean(self, tree):
-        return fused_pmean(tree, self.batch_axes) if self.batch_axes else tree
+        return fused_pmean(tree, self.mean_axes) if self.mean_axes else tree
+
+    def _own_tokens(self, batch):
+        """`batch` as this device holds it: under context parallelism its rank's chunks."""
+        if not self.context_axis:
+            return batch
+        length = batch[self.task.inputs.entries[0]].shape[1]
+        return context.split_batch(batch, length, self.context_axis)
 
     def _per_device_grads(self, params, model_state, step_key, batch, loss_scale):
         index = lax.axis_index(self.batch_axes) if self.batch_axes else 0
         rng = self.task.slice_key(step_key, index, batch)  # the same on every stage, tensor rank
+        if self.context_axis:  # dropout masks drawn as for the whole sequence
+            rng = context.chunks_key(rng, batch[self.task.inputs.entries[0]], self.context_axis)
+            batch = self._own_tokens(batch)
         if self.pipeline:  # parameters gathered once per step, not per micro-batch
             params = self._gather_params(params) if self.shard_params else params
             grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)
@@ -269,8 +295,10 @@ class ZeroStrategy:
         def per_device(params, model_state, batch):
             if self.shard_params or self.pipeline:  # eval runs the whole model on every stage
                 params = self._gather_params(params, over_stages=True)
-            sums = self.task.eval_sums(params, model_state, batch)
-            return lax.psum(sums, self.batch_axes) if self.batch_axes else sums
+            sums = self.task.eval_sums(params, model_state, self._own_tokens(batch))
+            sums = lax.psum(sums, self.batch_axes) if self.batch_axes else sums
+            # every context rank counts the same examples, each over its share of the tokens
+            return lax.pmean(sums, self.context_axis) if self.context_axis else sums
 
         return self._per_device(
             per_device,

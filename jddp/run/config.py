@@ -74,8 +74,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Parallelism.
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "ddp"  # ddp | zero1 | zero2 | zero3 (= fsdp) | hybrid | auto
-    # Mesh strategies only. "ROLE:SIZE,..." over the roles data, fsdp, tensor, major to minor; one
-    # size may be -1; "" = the strategy's default ("fsdp:-1"; hybrid: "data:<processes>,fsdp:-1").
+    # Mesh strategies only. "ROLE:SIZE,..." over the roles data, fsdp, tensor, stage, context,
+    # major to minor; one size may be -1; "" = the strategy's default ("fsdp:-1"; hybrid:
+    # "data:<processes>,fsdp:-1").
     c.parallel.mesh = ""
     # ((regex over the parameter path, spec), ...), first match wins; then (".*", "fsdp"). Empty
     # on a mesh with a tensor axis: the model's tensor-parallel preset (GPT: Megatron's layout).
@@ -83,6 +84,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.min_shard_size = DEFAULT_MIN_SHARD_SIZE  # elements; smaller stay replicated
     c.parallel.sequence_parallel = False  # GPT: split activations along the sequence over tensor
     c.parallel.allow_cross_host_tensor = False  # a tensor axis spanning processes is refused
+    # A mesh with a context axis: how attention sees the whole sequence, ring | all_gather.
+    c.parallel.context_attention = "ring"
+    c.parallel.allow_cross_host_context = False  # a context axis spanning processes is refused
     # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats.
     c.parallel.pipeline = ml_collections.ConfigDict()
     c.parallel.pipeline.microbatches = PipelineOptions.microbatches

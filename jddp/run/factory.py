@@ -15,7 +15,7 @@ from jddp import data, models
 from jddp.checkpoints import hf
 from jddp.checkpoints import store as checkpoint
 from jddp.core.task import compute_dtype_of
-from jddp.parallel import strategies
+from jddp.parallel import context, strategies
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import fit_preset
@@ -78,6 +78,8 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
         tensor_axis=device_mesh.tensor_axis,
         tensor_size=device_mesh.size("tensor"),
         sequence_parallel=config.parallel.sequence_parallel,
+        context_axis=device_mesh.context_axis,
+        context_attention=config.parallel.context_attention,
         pipelined=bool(device_mesh.stage_axis),
         seed=config.seed,  # an own NNX model initializes its parameters from it
         **config.model_args,
@@ -114,8 +116,13 @@ def build_trainer(
     if mesh is None and strategy == config.parallel.strategy:
         mesh = config.parallel.mesh or None
     device_mesh = strategies.device_mesh_for(
-        strategy, mesh, allow_cross_host_tensor=config.parallel.allow_cross_host_tensor
+        strategy,
+        mesh,
+        allow_cross_host_tensor=config.parallel.allow_cross_host_tensor,
+        allow_cross_host_context=config.parallel.allow_cross_host_context,
     )
+    if device_mesh.context_axis and dataset.kind == data.LANGUAGE_MODEL:
+        context.check_length(config.data.seq_len, device_mesh.size("context"))
     schedule = schedule or optim.learning_rate_schedule(config)
     task_objective = objective(dataset)
     model = create_model(config, dataset, device_mesh)

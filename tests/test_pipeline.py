@@ -26,12 +26,12 @@ from tests.tiny_gpt import check_against_reference, gpt_trainer, run, token_batc
 LAYERS, BATCH = 4, 32  # 4 layers split into 2 or 4 stages; 32 rows: 16 micro-batches x 2 steps
 
 
-def pipeline_trainer(mesh, schedule, microbatches, strategy="zero1", **kwargs):
+def pipeline_trainer(mesh, schedule, microbatches, strategy="zero1", repeats=1, **kwargs):
     return gpt_trainer(
         strategy,
         mesh,
-        layers=LAYERS,
-        pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule),
+        layers=kwargs.pop("layers", LAYERS),
+        pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule, repeats=repeats),
         grad_accum_steps=2,
         **kwargs,
     )
@@ -64,6 +64,62 @@ def test_pipeline_matches_one_device(mesh, schedule, microbatches, strategy):
     assert ("fsdp" in str(kernel.sharding.spec)) == (strategy == "zero3"), kernel.sharding
 
 
+# Interleaved (repeats V > 1): stage s holds the layer groups s, s + S, ...; 4 layers make 2 x 2
+# groups of one layer (the backward in one tick), 8 layers 2 x 2 groups of two (in two ticks)
+# or 4 x 2 of one.
+INTERLEAVED = [
+    ("stage:2", "1f1b", 2, 4, 4, "zero1"),
+    ("stage:2", "gpipe", 2, 4, 4, "zero1"),
+    ("stage:2", "1f1b", 2, 8, 4, "zero1"),
+    ("stage:4", "1f1b", 2, 8, 4, "zero1"),
+    ("stage:2", "1f1b", 4, 8, 4, "zero1"),
+    ("data:2,stage:2", "1f1b", 2, 4, 4, "zero1"),
+    ("stage:2,fsdp:2", "gpipe", 2, 8, 4, "zero3"),
+]
+
+
+@pytest.mark.parametrize("mesh,schedule,repeats,layers,microbatches,strategy", INTERLEAVED)
+def test_interleaved_pipeline_matches_one_device(
+    mesh, schedule, repeats, layers, microbatches, strategy
+):
+    """Interleaved schedules, 20 steps as above: every loss, the parameters (each stage holding
+    its consecutive layers, in layer order) and the optimizer state equal the single-device
+    loop's."""
+    trainer = pipeline_trainer(mesh, schedule, microbatches, strategy, repeats, layers=layers)
+    # seed 1: seed 0's 8-layer run has one Adam second moment (1e-10) that any stage split,
+    # repeats 1 as well, sums 1.2e-5 apart from one device; seed 1's stays within 1e-5.
+    batches = token_batches(seed=1 if layers == 8 else 0, size=BATCH)
+    state = check_against_reference(trainer, batches, layers=layers)
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
+    stages = trainer.strategy.pipeline.schedule.stages
+    assert {s.data.shape[0] for s in kernel.addressable_shards} == {layers // stages}
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["2 layers per group", "1 layer per group"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_interleaved_timetables_idle_as_the_bubble_formula_says(name, split):
+    """With V layer groups per stage, each micro-batch's forward and backward runs once per
+    group on every stage, the bubble is (S - 1) / (V M + S - 1) (1F1B with one-layer groups:
+    at least that), and 1F1B keeps at most Megatron-LM's (V - 1) S + 2 (S - 1) + 1 micro-batch
+    groups' activations, GPipe all V M."""
+    for stages, microbatches in ((2, 2), (2, 8), (3, 6), (4, 4), (4, 16), (8, 32)):
+        for repeats in (2, 3, 4):
+            schedule = make_schedule(name, stages, microbatches, split, repeats)
+            for op in (FORWARD, BACKWARD_HIGH):
+                for chunk in range(repeats):
+                    on_chunk = (schedule.op == op) & (schedule.chunk == chunk)
+                    assert (on_chunk.sum(axis=0) == microbatches).all()
+            formula = (stages - 1) / (repeats * microbatches + stages - 1)
+            bubble = schedule.bubble(layers_per_chunk=2 if split else 1)
+            if split or name == "gpipe":
+                assert bubble == pytest.approx(formula), (stages, microbatches, repeats)
+            else:
+                assert bubble >= formula
+            in_flight = (repeats - 1) * stages + 2 * (stages - 1) + 1
+            stash = min(in_flight, repeats * microbatches) if name == "1f1b" else None
+            assert schedule.stash_slots == (stash or repeats * microbatches)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["2 layers per stage", "1 layer per stage"])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_timetables_idle_as_the_bubble_formula_says_and_1f1b_holds_s_minus_s(name, split):
@@ -76,7 +132,7 @@ def test_timetables_idle_as_the_bubble_formula_says_and_1f1b_holds_s_minus_s(nam
         for op in (FORWARD, BACKWARD_HIGH):
             assert ((schedule.op == op).sum(axis=0) == microbatches).all()
         formula = bubble_fraction(stages, microbatches)
-        bubble = schedule.bubble(layers_per_stage=2 if split else 1)
+        bubble = schedule.bubble(layers_per_chunk=2 if split else 1)
         if split or name == "gpipe":
             assert bubble == pytest.approx(formula)
         else:
@@ -171,7 +227,15 @@ def small_gpt_trainer(mesh, **options):
         (lambda: small_gpt_trainer("stage:4", microbatches=2), "fewer than the 4 stages"),
         (lambda: small_gpt_trainer("stage:2", microbatches=3), "batch slices x micro-batches"),
         (lambda: PipelineOptions(schedule="zigzag"), "unknown parallel.pipeline.schedule"),
-        (lambda: PipelineOptions(repeats=2), "repeats=2: interleaved"),
+        (lambda: PipelineOptions(repeats=0), "repeats=0 must be an integer >= 1"),
+        (
+            lambda: small_gpt_trainer("stage:2", layers=6, repeats=2, microbatches=4),
+            "6 layers do not split into stage=2 x repeats=2",
+        ),
+        (
+            lambda: small_gpt_trainer("stage:2", repeats=2, microbatches=3),
+            "not a multiple of the 2 stages",
+        ),
         (
             lambda: jddp.Trainer(
                 SmallNet(), per_example_ce, optax.sgd(0.1), strategy="zero1", mesh="stage:2,fsdp:4"

@@ -23,8 +23,9 @@ from tests.tiny_gpt_config import gpt_config
 LAYERS, BATCH = 4, 32
 
 
-def trainer_for(strategy, mesh):
-    pipeline = PipelineOptions(microbatches=4) if mesh and "stage" in mesh else None
+def trainer_for(strategy, mesh, repeats=1):
+    staged = mesh and "stage" in mesh
+    pipeline = PipelineOptions(microbatches=4, repeats=repeats) if staged else None
     return gpt_trainer(strategy, mesh, layers=LAYERS, pipeline=pipeline)
 
 
@@ -33,6 +34,10 @@ def trainer_for(strategy, mesh):
     [
         (("zero1", "stage:2,fsdp:2"), ("ddp", None)),
         (("zero3", "fsdp:8"), ("zero2", "stage:4,fsdp:2")),
+        # interleaved (2 groups of one layer per stage) to unrolled without stages, and to
+        # repeats=1 on other stages
+        (("zero1", "stage:2,fsdp:2", 2), ("ddp", None)),
+        (("zero1", "stage:2", 2), ("zero2", "stage:4,fsdp:2")),
     ],
 )
 def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path, source, target):

@@ -2,7 +2,7 @@
 the bubble each implies, and what scan_layers saves in compile time.
 
     python -m experiments.bench.pipeline [--repeats 3] [--steps 2] [--out bench_results]
-        [--parts simulated,cores,compile]
+        [--parts simulated,cores,interleaved,compile]
 
 - `simulated`: a GPT of 8 layers x 256 on 8 simulated devices, stage:4,data:2 under each
   schedule and M in {4, 8, 16}, against the model on data:2,fsdp:4 (no stage axis; blocks
@@ -16,6 +16,10 @@ the bubble each implies, and what scan_layers saves in compile time.
   ddp with the blocks one by one, and the same model without a stage axis, its blocks as one
   scan as the stages run them (`vs_formula` is the slowdown against this one over the
   formula's; their difference is what XLA:CPU's loop costs, not the pipeline).
+- `interleaved`: the same 2 devices, a GPT of 8 layers (2 per layer group: the backward in two
+  ticks), stage:2 with repeats 1 and 2 (1F1B, M in {2, 4, 8}; GPipe's circular form at M = 4)
+  against the same model without a stage axis, its blocks as one scan: the slowdown held
+  against the interleaved bubble formula's (V M + S - 1) / (V M).
 - `compile`: gpt_124m's train step compiled on one device with its 12 blocks one by one and as
   one scan (scan_layers).
 Writes bench_results/pipeline.json and bench_results/pipeline.png (step time and peak memory
@@ -32,11 +36,19 @@ import time
 from jddp.run.cli import fail
 
 CORES_FLAGS = "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
-PARTS = ("simulated", "cores", "compile")
+PARTS = ("simulated", "cores", "interleaved", "compile")
 
 
 def gpt_trainer(
-    layers, width, mesh, strategy, schedule=None, microbatches=0, devices=None, scan=False
+    layers,
+    width,
+    mesh,
+    strategy,
+    schedule=None,
+    microbatches=0,
+    devices=None,
+    scan=False,
+    repeats=1,
 ):
     import jax
     import optax
@@ -48,7 +60,7 @@ def gpt_trainer(
 
     objective = OBJECTIVES["language_model"]
     staged = mesh is not None and "stage" in mesh
-    pipeline = PipelineOptions(microbatches, schedule) if staged else None
+    pipeline = PipelineOptions(microbatches, schedule, repeats) if staged else None
     model = GPT(
         512,
         num_layers=layers,
@@ -104,11 +116,12 @@ def pipeline_rows(variants, rows, timings, baseline, same_model, steps):
             row["measured_slowdown"] = common.paired_ratio(timings, baseline, name)
         pipeline = trainer.strategy.pipeline
         if pipeline:
-            bubble = pipeline.schedule.bubble(pipeline.layers_per_stage)
+            bubble = pipeline.schedule.bubble(pipeline.layers_per_chunk)
             vs_same = common.paired_ratio(timings, same_model, name)
             row |= {
                 "schedule": pipeline.schedule.name,
                 "M": pipeline.schedule.microbatches,
+                "repeats": pipeline.schedule.repeats,
                 "bubble": bubble,
                 "predicted_slowdown": 1 / (1 - bubble),
                 "slowdown_vs_same_model": vs_same,
@@ -161,6 +174,25 @@ def cores(repeats, steps):
     return pipeline_rows(
         variants, rows, timings, "ddp on 2 devices", "ddp, blocks as one scan", steps
     )
+
+
+def interleaved(repeats, steps):
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    assert jax.device_count() == 2
+    same_model = "ddp, 8 blocks as one scan"
+    variants = {same_model: gpt_trainer(8, 256, None, "ddp", scan=True)}
+    for v, schedule, m in [(1, "1f1b", 4), (2, "1f1b", 2), (2, "1f1b", 4), (2, "1f1b", 8)]:
+        variants[f"{schedule} v={v} M={m}"] = gpt_trainer(
+            8, 256, "stage:2", "zero1", schedule, m, repeats=v
+        )
+    variants["gpipe v=2 M=4"] = gpt_trainer(8, 256, "stage:2", "zero1", "gpipe", 4, repeats=2)
+    rows, timings = measure(variants, batch, repeats, steps)
+    return pipeline_rows(variants, rows, timings, same_model, same_model, steps)
 
 
 def compile_times():
@@ -249,7 +281,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="steps per timed window")
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--child", choices=["cores"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["cores", "interleaved"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     parts = args.parts.split(",")
     unknown = [part for part in parts if part not in PARTS]
@@ -257,21 +289,24 @@ def main():
         fail(f"--parts names {','.join(unknown)}; choose from {','.join(PARTS)}")
     if args.repeats < 1 or args.steps < 1:
         fail(f"--repeats {args.repeats} --steps {args.steps}: both must be at least 1")
-    if args.child == "cores":  # a process of its own: 2 devices, one core each
-        print(json.dumps(cores(args.repeats, args.steps)))
+    if args.child:  # a process of its own: 2 devices, one core each
+        part = {"cores": cores, "interleaved": interleaved}[args.child]
+        print(json.dumps(part(args.repeats, args.steps)))
         return
     from experiments.bench import common
 
     common.check_output_folder(args.out)
 
     result = {}
-    if "cores" in parts:
+    for part in ("cores", "interleaved"):
+        if part not in parts:
+            continue
         child = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "experiments.bench.pipeline",
-                "--child=cores",
+                f"--child={part}",
                 f"--repeats={args.repeats}",
                 f"--steps={args.steps}",
             ],
@@ -280,7 +315,7 @@ def main():
             text=True,
             check=True,
         )
-        result["cores"] = json.loads(child.stdout.strip().splitlines()[-1])
+        result[part] = json.loads(child.stdout.strip().splitlines()[-1])
     if "simulated" in parts:
         result["simulated"] = simulated(args.repeats, args.steps)
     if "compile" in parts:

@@ -7,14 +7,17 @@ run (`Workload.lockstep_pipeline=False`), as Megatron-LM runs it (each stage at 
   the first stage, the most loaded, is planned for.
 - A step runs M micro-batches per accumulation step through the pipeline. The idle share of a
   stage's time, the bubble, is jddp/parallel/pipeline/schedule.py `bubble_fraction`:
-  (S - 1) / (v M + S - 1), v the model chunks per device (Megatron's interleaved schedule;
-  jddp runs v = 1). GPipe and 1F1B have the same bubble.
+  (S - 1) / (v M + S - 1), v the model chunks per device (`parallel.pipeline.repeats`;
+  Megatron's interleaved schedule). GPipe and 1F1B have the same bubble.
 - Neighbouring stages exchange activations forward and cotangents back (collective-permutes of
   one micro-batch's B_micro x T x width, split over tensor with sequence parallelism, as
   Megatron-LM scatters and gathers it). jddp's engine sends both ways at every tick of the
   timetable (sends of idle stages carry filler: the bytes still move), and after the ticks
   all-reduces the gradients of the parameters outside the stack over the stages (float32).
-  Megatron sends only real work: 2 v M sends per step.
+  Megatron sends only real work: 2 v M sends per step. With v > 1 jddp's timetable has v times
+  the ticks of real work, each sending both ways (the v-fold point-to-point traffic), and each
+  step trades every stage's held layer groups for the ones it runs and their gradients back
+  (two all-to-alls over the stages of the stage's block parameters, as stored and float32).
 
 Validated against the compiled pipeline: tests/test_planner_comm.py (bytes per axis, exact) and
 experiments/bench/planner.py (step time on this machine).
@@ -54,9 +57,9 @@ def bubble_fraction(workload: Workload, layout: Layout) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def ticks(schedule: str, stages: int, micro: int, layers_per_stage: int) -> int:
-    """Ticks of jddp's timetable (the backward in two ticks with 2 layers per stage or more)."""
-    return make_schedule(schedule, stages, micro, layers_per_stage >= 2).ticks
+def ticks(schedule: str, stages: int, micro: int, layers_per_chunk: int, repeats: int = 1) -> int:
+    """Ticks of jddp's timetable (the backward in two ticks with 2 layers per group or more)."""
+    return make_schedule(schedule, stages, micro, layers_per_chunk >= 2, repeats).ticks
 
 
 def stage_collectives(workload: Workload, layout: Layout):
@@ -74,10 +77,19 @@ def stage_collectives(workload: Workload, layout: Layout):
         return [Collective("collective-permute", ("stage",), nbytes, sends, CRITICAL, "stages")]
     if layout.sequence_parallel:
         activation /= layout.tensor
-    sends = 2 * ticks(workload.pipeline_schedule, layout.stage, m, t.layers // layout.stage)
+    v = workload.virtual_stages
+    per_chunk = t.layers // (layout.stage * v)
+    sends = 2 * ticks(workload.pipeline_schedule, layout.stage, m, per_chunk, v)
     out = [
         Collective("collective-permute", ("stage",), activation, sends * accum, CRITICAL, "stages")
     ]
+    if v > 1:  # the held layer groups traded for the run ones, and their gradients back
+        blocks = [p for p in param_shards(workload, layout) if p.block is not None]
+        tensor = {"fsdp": 1, "tensor": layout.tensor}
+        held = sum(p.elements // p.split(tensor) for p in blocks)
+        itemsize = blocks[0].itemsize if blocks else 4
+        for nbytes in (held * itemsize, held * 4):  # stored dtype, float32 gradients
+            out.append(Collective("all-to-all", ("stage",), nbytes, 1, UPDATE, "stage groups"))
     # The replicated parameters' float32 gradients, summed over the stages once per pipeline.
     replicated = 0
     for p in param_shards(workload, layout):

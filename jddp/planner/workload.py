@@ -306,4 +306,5 @@ def from_config(config) -> Workload:
         grad_comm_bytes=2 if config.parallel.grad_comm_dtype == "bfloat16" else 0,
         microbatches=config.parallel.pipeline.microbatches,
         pipeline_schedule=config.parallel.pipeline.schedule,
+        virtual_stages=config.parallel.pipeline.repeats,
     )

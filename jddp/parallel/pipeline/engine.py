@@ -22,11 +22,12 @@ from jax import lax
 from jddp.core import row_keys
 from jddp.core.task import Task, cast_floats
 from jddp.errors import ShapeError
-from jddp.parallel.pipeline import layers
+from jddp.parallel.pipeline import layers, stage_layouts
 from jddp.parallel.pipeline.schedule import (
     BACKWARD_HIGH,
     BACKWARD_LOW,
     FORWARD,
+    TABLES,
     Schedule,
     bubble_fraction,
 )
@@ -64,7 +65,8 @@ class Pipeline:
     def __init__(self, task: Task, schedule: Schedule, axis: str):
         self.task, self.schedule, self.axis = task, schedule, axis
         self.stack = task.stack  # where the stacked layers are, and how many
-        self.layers_per_stage = self.stack.num_layers // schedule.stages
+        self.repeats = schedule.repeats  # layer groups (chunks) per stage
+        self.layers_per_chunk = self.stack.num_layers // (schedule.stages * schedule.repeats)
         self._call = None  # the stack's block and extra arguments, found at the first trace
 
     def describe(self) -> dict:
@@ -75,7 +77,8 @@ class Pipeline:
             "pipeline_schedule": sched.name,
             "pipeline_stages": sched.stages,
             "pipeline_microbatches": sched.microbatches,
-            "pipeline_bubble": bubble_fraction(sched.stages, sched.microbatches),
+            "pipeline_repeats": sched.repeats,
+            "pipeline_bubble": bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
         }
 
     def _find_call(self, rest, batch, rng) -> layers.StackCall:
@@ -111,11 +114,13 @@ class Pipeline:
         means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
         return means["loss"], means
 
-    def _stage(self, stage_params, x, rng, layer_key, offset: int = 0):
-        """Layers of this stage, from its `offset`-th on (as many as `stage_params`, already in
-        the compute dtype, holds), in order, on `x`. Layer i gets `fold_in(layer_key, i)` as its
-        last argument when the model gave its stack a key (see `Pipelined`)."""
-        first = lax.axis_index(self.axis) * self.layers_per_stage + offset
+    def _stage(self, stage_params, x, rng, layer_key, chunk, offset: int = 0):
+        """Layers of this stage's group `chunk`, from its `offset`-th on (as many as
+        `stage_params`, already in the compute dtype, holds), in order, on `x`. Layer i gets
+        `fold_in(layer_key, i)` as its last argument when the model gave its stack a key (see
+        `Pipelined`)."""
+        group = chunk * self.schedule.stages + lax.axis_index(self.axis)
+        first = group * self.layers_per_chunk + offset
         call = self._call
 
         def layer(x, inputs):
@@ -145,40 +150,50 @@ class Pipeline:
             )
         parts = jax.tree.map(lambda x: x.reshape(steps, micro, -1, *x.shape[1:]), batch)
         rng, part = row_keys.as_row_key(rng, size), size // steps
+        # The layer groups this stage runs (with repeats, traded for the ones it holds).
+        stacked, rest = split_stack(params, self.stack.path)
+        trade = (self.axis, self.schedule.stages, self.repeats)
+        groups = stage_layouts.run_groups(stacked, *trade)
 
         def accumulate(carry, inputs):
             index, microbatches = inputs
             part_rng = row_keys.sub_batch_key(rng, index * part, part)
-            grads, metrics = self._pipeline(params, microbatches, part_rng)
+            grads, metrics = self._pipeline(groups, rest, microbatches, part_rng)
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(carry[0], grads), add(carry[1], metrics)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (groups, rest))
         metric_zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)}
-        (grads, metrics), _ = lax.scan(
+        ((grad_groups, grad_rest), metrics), _ = lax.scan(
             accumulate, (zeros, metric_zeros), (jnp.arange(steps), parts)
+        )
+        grads = join_stack(
+            grad_rest, stage_layouts.held_groups(grad_groups, *trade), self.stack.path
         )
         mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
         return mean(grads), mean(metrics), model_state
 
-    def _pipeline(self, params, microbatches, rng):
-        """Summed-over-micro-batches gradients (of the mean loss) and metric means of one
-        pipeline of `microbatches` (leading axis M)."""
+    def _pipeline(self, groups, rest, microbatches, rng):
+        """((gradients of the stage's layer groups, of the other parameters), metric means):
+        gradients of the mean loss summed over the micro-batches of one pipeline of
+        `microbatches` (leading axis M); `groups`: (chunk, layer, ...) per leaf."""
         sched, axis = self.schedule, self.axis
-        S, M = sched.stages, sched.microbatches
+        S, M, V = sched.stages, sched.microbatches, sched.repeats
         stage = lax.axis_index(axis)
-        last = stage == S - 1
-        stacked, rest = split_stack(params, self.stack.path)
-        # The stage's layers in two halves: the backward of each is one tick (schedule.py).
+        # Each chunk's layers in two halves: the backward of each is one tick (schedule.py).
         # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
         # copies of the weights among each micro-batch's stashed residuals.
-        low = self.layers_per_stage // 2 if sched.split_backward else 0
+        low = self.layers_per_chunk // 2 if sched.split_backward else 0
         halves = [
-            cast_floats(jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked), self.task.compute_dtype)
+            cast_floats(
+                jax.tree.map(lambda x, a=a, b=b: x[:, a:b], groups), self.task.compute_dtype
+            )
             for a, b in ((0, low), (low, None))
         ]
-        names = ("op", "microbatch", "stash", "read", "middle", "arrive_forward", "arrive_backward")
-        tables = {name: jnp.asarray(getattr(sched, name)) for name in names}
+        tables = {name: jnp.asarray(getattr(sched, name)) for name in TABLES}
+
+        def chunk_of(tree, r):  # one chunk's parameters
+            return jax.tree.map(lambda x: x[r], tree)
 
         def take(m):
             return jax.tree.map(lambda x: x[m], microbatches)
@@ -188,16 +203,17 @@ class Pipeline:
         def key(m):  # the micro-batch's rows of the pipeline's
             return row_keys.sub_batch_key(rng, m * rows, rows)
 
-        def half_vjp(h, x, m):
-            """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) on `x`:
-            the pullback's leaves less the half's own parameters, which every micro-batch
-            shares (stashed, they would copy the stage's weights into every slot)."""
+        def half_vjp(h, x, m, r):
+            """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) of chunk
+            `r` on `x`: the pullback's leaves less the half's own parameters, which every
+            micro-batch shares (stashed, they would copy the stage's weights into every slot)."""
             offset = low if h else 0
             layer_key = self._capture(rest, take(m), key(m)).layer_key
+            own = chunk_of(halves[h], r)
             y, pullback = jax.vjp(
-                lambda p, x: self._stage(p, x, key(m), layer_key, offset), halves[h], x
+                lambda p, x: self._stage(p, x, key(m), layer_key, r, offset), own, x
             )
-            params = {id(p): i for i, p in enumerate(jax.tree.leaves(halves[h]))}
+            params = {id(p): i for i, p in enumerate(jax.tree.leaves(own))}
             leaves, tree = jax.tree.flatten(pullback)
             which = [params.get(id(leaf)) for leaf in leaves]
             # Traced alike each time: the stash is laid out from the first trace.
@@ -205,10 +221,11 @@ class Pipeline:
             assert first == which, "the pullback's parameters changed between traces"
             return y, [leaf for leaf, i in zip(leaves, which, strict=True) if i is None]
 
-        def pullback_of(h, residuals):
-            """The pullback of half `h` from its stashed residuals and its parameters."""
+        def pullback_of(h, residuals, r):
+            """The pullback of half `h` of chunk `r` from its stashed residuals and its
+            parameters."""
             which, tree = shared[h]
-            params, residuals = jax.tree.leaves(halves[h]), iter(residuals)
+            params, residuals = jax.tree.leaves(chunk_of(halves[h], r)), iter(residuals)
             leaves = [next(residuals) if i is None else params[i] for i in which]
             return jax.tree.unflatten(tree, leaves)
 
@@ -218,7 +235,7 @@ class Pipeline:
         used = [1] if low == 0 else [0, 1]
         shared = {}  # per half: (for each pullback leaf, the parameter it is or None; treedef)
         residual_shapes = {
-            h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0)[1], x_shape) for h in used
+            h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0, 0)[1], x_shape) for h in used
         }
 
         # The big buffers (stash, gradients) go through a tick's conditionals and are updated
@@ -245,15 +262,18 @@ class Pipeline:
         }
         idle_send = jnp.full(x_shape.shape, BUBBLE_FILL, x_shape.dtype)
 
-        def forward(kept, x_in, slot, m):
-            """Forward of micro-batch `m`: residuals into the stash at `slot`; on the last
-            stage, head and loss too. Returns (kept, send forward, own output cotangent)."""
+        def forward(kept, x_in, slot, m, r):
+            """Forward of micro-batch `m` through chunk `r`: residuals into the stash at
+            `slot`; after the model's last group, head and loss too. Returns (kept, send
+            forward, own output cotangent)."""
             stash, grad_rest, metrics = kept
             batch = take(m)
-            x = lax.cond(stage == 0, lambda: self._pre(rest, batch, key(m)), lambda: x_in)
+            first = (stage == 0) & (r == 0)
+            last = (stage == S - 1) & (r == V - 1)
+            x = lax.cond(first, lambda: self._pre(rest, batch, key(m)), lambda: x_in)
             stash = dict(stash)
             for h in used:
-                x, residuals = half_vjp(h, x, m)
+                x, residuals = half_vjp(h, x, m, r)
                 stash[h] = [buf.at[slot].set(r) for buf, r in zip(stash[h], residuals, strict=True)]
 
             def head(grad_rest, metrics):  # the cotangent the last stage sends itself
@@ -270,8 +290,8 @@ class Pipeline:
             grad_rest, metrics, own = lax.cond(last, head, not_last, grad_rest, metrics)
             return (stash, grad_rest, metrics), jnp.where(last, idle_send, x), own
 
-        def no_forward(kept, x_in, slot, m):
-            del x_in, slot, m
+        def no_forward(kept, x_in, slot, m, r):
+            del x_in, slot, m, r
             return kept, idle_send, idle_send
 
         def backward(h):
@@ -279,11 +299,13 @@ class Pipeline:
             `cotangent`, its gradients added in place. Returns (grads, grad_rest, d_x for the
             middle buffer, send back)."""
 
-            def run(grads, grad_rest, stash, cotangent, slot, m):
-                pullback = pullback_of(h, [buf[slot] for buf in stash[h]])
+            def run(grads, grad_rest, stash, cotangent, slot, m, r):
+                pullback = pullback_of(h, [buf[slot] for buf in stash[h]], r)
                 d_half, d_x = pullback(cotangent)
                 grads = list(grads)
-                grads[h] = add(grads[h], d_half)
+                grads[h] = jax.tree.map(
+                    lambda g, d: g.at[r].add(d.astype(g.dtype)), grads[h], d_half
+                )
                 if h == 1 and low > 0:  # the first of two backward ticks
                     return grads, grad_rest, d_x, idle_send
 
@@ -291,13 +313,14 @@ class Pipeline:
                     _, pre_pullback = jax.vjp(lambda r: self._pre(r, take(m), key(m)), rest)
                     return add(grad_rest, pre_pullback(d_x)[0])
 
-                grad_rest = lax.cond(stage == 0, embedding, lambda g: g, grad_rest)
-                return grads, grad_rest, idle_send, jnp.where(stage == 0, idle_send, d_x)
+                first = (stage == 0) & (r == 0)
+                grad_rest = lax.cond(first, embedding, lambda g: g, grad_rest)
+                return grads, grad_rest, idle_send, jnp.where(first, idle_send, d_x)
 
             return run
 
-        def no_backward(grads, grad_rest, stash, cotangent, slot, m):
-            del stash, cotangent, slot, m
+        def no_backward(grads, grad_rest, stash, cotangent, slot, m, r):
+            del stash, cotangent, slot, m, r
             return grads, grad_rest, idle_send, idle_send
 
         def stored(buffer, slot, value, store):
@@ -307,6 +330,7 @@ class Pipeline:
         def tick(carry, t):
             op, read = tables["op"][t, stage], tables["read"][t, stage]
             slot, m = tables["stash"][t, stage], tables["microbatch"][t, stage]
+            r = tables["chunk"][t, stage]
             kept, send_f, own = lax.cond(
                 op == FORWARD,
                 forward,
@@ -315,6 +339,7 @@ class Pipeline:
                 carry["inbox_f"][read],
                 slot,
                 m,
+                r,
             )
             stash, grad_rest, metrics = kept
             # Two conditionals of two branches, not one switch of three: XLA copies every
@@ -330,6 +355,7 @@ class Pipeline:
                 carry["inbox_b"][read],
                 slot,
                 m,
+                r,
             )
             if low > 0:
                 grads, grad_rest, _, send_b_low = lax.cond(
@@ -342,17 +368,21 @@ class Pipeline:
                     carry["middle"][read],
                     slot,
                     m,
+                    r,
                 )
                 send_b = jnp.where(op == BACKWARD_LOW, send_b_low, send_b)
-            received_f = lax.ppermute(send_f, axis, [(i, i + 1) for i in range(S - 1)])
-            received_b = lax.ppermute(send_b, axis, [(i + 1, i) for i in range(S - 1)])
+            # To the next stage; with chunks, around a ring (the last stage's output goes on
+            # to the first stage's next chunk, cotangents the other way).
+            received_f = lax.ppermute(send_f, axis, forward_pairs)
+            received_b = lax.ppermute(send_b, axis, [(j, i) for i, j in forward_pairs])
             slot_f, slot_b = tables["arrive_forward"][t, stage], tables["arrive_backward"][t, stage]
+            slot_own = tables["arrive_own"][t, stage]
             # The last stage's own output cotangent (from its forward) arrives in its inbox.
-            arrived_b = jnp.where(last, own, received_b)
+            inbox_b = stored(carry["inbox_b"], slot_b, received_b, slot_b >= 0)
             carry = {
                 "stash": stash,
                 "inbox_f": stored(carry["inbox_f"], slot_f, received_f, slot_f >= 0),
-                "inbox_b": stored(carry["inbox_b"], slot_b, arrived_b, slot_b >= 0),
+                "inbox_b": stored(inbox_b, slot_own, own, slot_own >= 0),
                 "middle": stored(
                     carry["middle"],
                     tables["middle"][t, stage],
@@ -365,11 +395,14 @@ class Pipeline:
             }
             return carry, None
 
+        forward_pairs = [(i, i + 1) for i in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
         carry, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
-        grad_stack = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *carry["grad_halves"])
+        grad_groups = jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), *carry["grad_halves"]
+        )
         # The replicated parts' gradients and the metrics live on the first and last stage.
         grad_rest, metrics = lax.psum((carry["grad_rest"], carry["metrics"]), axis)
-        return join_stack(grad_rest, grad_stack, self.stack.path), metrics
+        return (grad_groups, grad_rest), metrics
 
 
 def _vjp_with_aux(fn, *primals):

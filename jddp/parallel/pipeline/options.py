@@ -9,7 +9,8 @@ from jddp.parallel.pipeline.schedule import SCHEDULES, make_schedule
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """`microbatches` per pipeline (0: as many as stages), `schedule` (`1f1b` or `gpipe`),
-    `repeats` (layer groups per device; only 1: see docs/pipeline.md)."""
+    `repeats` (layer groups per device: V > 1 interleaves them, stage s running groups s,
+    s + S, ...; see docs/pipeline.md)."""
 
     microbatches: int = 0
     schedule: str = "1f1b"
@@ -29,10 +30,10 @@ class PipelineOptions:
                 f"parallel.pipeline.microbatches={self.microbatches!r} must be >= 0 (0: as many "
                 "as stages)"
             )
-        if self.repeats != 1:
+        if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(
-                f"parallel.pipeline.repeats={self.repeats}: interleaved (circular) schedules are "
-                "not available; use repeats=1"
+                f"parallel.pipeline.repeats={self.repeats!r} must be an integer >= 1 (1: one "
+                "layer group per stage)"
             )
 
     def engine(self, task, mesh):
@@ -52,7 +53,7 @@ class PipelineOptions:
         if layers % (stages * self.repeats):
             raise ConfigError(
                 f"the model's {layers} layers do not split into stage={stages} x repeats="
-                f"{self.repeats} equal groups; choose a stage size that divides {layers}"
+                f"{self.repeats} equal groups; choose stage x repeats that divides {layers}"
             )
         microbatches = self.microbatches or stages
         if microbatches < stages:
@@ -60,8 +61,14 @@ class PipelineOptions:
                 f"parallel.pipeline.microbatches={microbatches} is fewer than the {stages} "
                 f"stages (every stage would idle); use at least {stages}, e.g. {4 * stages}"
             )
-        # With 2 layers or more per stage the backward is split into two ticks of about a
+        if self.repeats > 1 and microbatches % stages:
+            raise ConfigError(
+                f"parallel.pipeline.microbatches={microbatches} is not a multiple of the "
+                f"{stages} stages, which the interleaved schedule (repeats={self.repeats}) "
+                f"takes in groups of {stages}; use {stages * -(-microbatches // stages)}"
+            )
+        # With 2 layers or more per group the backward is split into two ticks of about a
         # forward's cost each, so that no stage waits for another (schedule.py).
         split = layers // (stages * self.repeats) >= 2
-        schedule = make_schedule(self.schedule, stages, microbatches, split)
+        schedule = make_schedule(self.schedule, stages, microbatches, split, self.repeats)
         return Pipeline(task, schedule, "stage")

@@ -104,3 +104,80 @@ def to_stacked(tree):
 def to_per_layer(tree):
     """`tree` with stacked blocks split into per-layer entries."""
     return _convert(tree, to_stacked=False)
+
+
+# ------------------------------------------------------------ interleaved stages (repeats > 1)
+# A state keeps its stack in layer order, split over `stage` in consecutive blocks: checkpoints,
+# evaluation and exports see the same layout whatever the repeats. With V repeats the L layers
+# form V S groups of L / (V S); stage s holds groups s V to s V + V - 1 but runs groups s, s + S,
+# ..., s + (V - 1) S. One all-to-all over the stages per step trades them (and one trades their
+# gradients back); with V = 1 nothing moves.
+
+
+def _exchange_tables(stages: int, repeats: int):
+    """Static index tables for the trade of layer groups: per stage, which of its held groups
+    goes out in each (destination, slot) of the all-to-all (`send`, -1: padding), and where
+    each group it runs arrives (`take`: (source, slot) per chunk)."""
+    S, V = stages, repeats
+    slots_needed = -(-V // S)
+    send = -np.ones((S, S, slots_needed), np.int32)
+    take = np.zeros((S, V, 2), np.int32)
+    for s in range(S):
+        used = [0] * S
+        for q in range(V):
+            group = s * V + q
+            dest, chunk = group % S, group // S
+            send[s, dest, used[dest]] = q
+            take[dest, chunk] = (s, used[dest])
+            used[dest] += 1
+    return send, take
+
+
+def run_groups(held, axis: str, stages: int, repeats: int):
+    """The layer groups this stage runs, (V, L / (V S), ...) per leaf, from the groups it holds
+    (its consecutive L / S layers, per leaf), inside a program manual over `axis`."""
+    send, take = _exchange_tables(stages, repeats)
+    stage = jax.lax.axis_index(axis)
+
+    def trade(x):
+        x = x.reshape(repeats, -1, *x.shape[1:])
+        if repeats == 1:
+            return x
+        outgoing = x[jnp.asarray(np.maximum(send, 0))[stage]]  # (S, slots, group, ...)
+        arrived = jax.lax.all_to_all(outgoing, axis, 0, 0)
+        source, slot = (jnp.asarray(take[..., i])[stage] for i in (0, 1))
+        return arrived[source, slot]
+
+    return jax.tree.map(trade, held)
+
+
+def held_groups(running, axis: str, stages: int, repeats: int):
+    """`run_groups` backwards: per leaf, (V, L / (V S), ...) values of the groups this stage runs
+    (their gradients) to (L / S, ...) of the groups it holds."""
+    send, take = _exchange_tables(stages, repeats)
+    stage = jax.lax.axis_index(axis)
+    # Where each (destination, slot) of the forward trade came from, as a chunk of the receiver.
+    back = -np.ones_like(send)
+    for t in range(stages):
+        for chunk, (source, slot) in enumerate(take[t]):
+            back[t, source, slot] = chunk
+
+    def trade(x):
+        if repeats > 1:
+            chunks = jnp.asarray(back)[stage]  # (S, slots): which chunk goes to each source
+            outgoing = jnp.where(
+                (chunks >= 0).reshape(*chunks.shape, *[1] * (x.ndim - 1)),
+                x[jnp.maximum(chunks, 0)],
+                0,
+            )
+            arrived = jax.lax.all_to_all(outgoing, axis, 0, 0)  # [dest, slot] as sent
+            q = np.arange(repeats)
+            groups = stage * repeats + q
+            sent = jnp.asarray(send)[stage]  # (S, slots) -> held group index or -1
+            # held group q went to destination (s V + q) % S at the slot where `send` put it
+            dest = groups % stages
+            slot = jnp.argmax(sent[dest] == q[:, None], axis=1)
+            x = arrived[dest, slot]
+        return x.reshape(-1, *x.shape[2:])
+
+    return jax.tree.map(trade, running)

@@ -52,6 +52,9 @@ _EFFICIENCY = flags.DEFINE_float("efficiency", 0.0, "Fraction of peak compute re
 _TOP = flags.DEFINE_integer("top", 0, "Show the best K plans (0: all).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON document instead of a table.")
 _STAGES = flags.DEFINE_bool("stages", True, "Plan meshes with pipeline stages too.")
+_CONTEXTS = flags.DEFINE_bool(
+    "contexts", True, "Plan meshes with a context axis too (transformers: long sequences)."
+)
 _COMPILE = flags.DEFINE_enum(
     "compile", "auto", ["auto", "yes", "no"],
     "Compile each step for N simulated CPU devices for its exact peak (auto: up to 8 devices).",
@@ -199,7 +202,9 @@ def run_plan() -> None:
     try:
         validate(config)
         workload = from_config(config)
-        rows, _ = search.plan(workload, devices, profile, per_host, stages=_STAGES.value)
+        rows, _ = search.plan(
+            workload, devices, profile, per_host, stages=_STAGES.value, contexts=_CONTEXTS.value
+        )
         if compile_steps:
             from jddp.planner.compiled import compiled_peaks
             from jddp.planner.layouts import Layout
@@ -242,7 +247,12 @@ def run_plan() -> None:
 
 
 def _layout_of(row: dict, layout_class):
-    return layout_class(row["strategy"], sequence_parallel=row["sequence_parallel"], **row["mesh"])
+    return layout_class(
+        row["strategy"],
+        sequence_parallel=row["sequence_parallel"],
+        context_attention=row.get("context_attention", "ring"),
+        **row["mesh"],
+    )
 
 
 def main(argv: list[str]) -> None:

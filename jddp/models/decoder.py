@@ -83,13 +83,15 @@ def causal_attention(
     attention)) the sequence is the rank's two chunks and attention sees every rank's keys
     (jddp/parallel/context.py); `kv_split`: whether keys and values are split over a tensor
     axis as the queries are (else every tensor rank holds all of them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if context and mesh.shape[context[0]] == 1:
+        context = None  # a ring of one: the plain kernel holds less than the online softmax
     positions = token_positions(q.shape[1], context)
     if rope_base is not None:
         q, k = rotary(q, positions, rope_base), rotary(k, positions, rope_base)
     if context is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     axis, how = context
-    mesh = jax.sharding.get_abstract_mesh()
     tensor = [a for a in mesh.axis_names if a not in mesh.manual_axes]
     if not tensor:
         return context_parallel.attention(q, k, v, axis, how)
@@ -244,7 +246,9 @@ class Decoder(nn.Module):
                 nn.initializers.normal(INIT_STD),
                 (self.max_seq_len, self.embed_dim),
             )
-            x = x + table[token_positions(seq_len, context)].astype(x.dtype)
+            # A slice where the positions are 0 .. seq_len - 1: its backward needs no indices.
+            part = table[token_positions(seq_len, context)] if context else table[:seq_len]
+            x = x + part.astype(x.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
         attention, mlp, norm = self.block_parts(sequence_axis, tensor_size, context)

@@ -8,6 +8,9 @@ experiments/bench/planner.py; `auto`: tests/test_planner_auto.py).
 Bytes are per device, counted as the HLO counts them: the result of each op (an all-gather's
 whole array, a reduce-scatter's shard, an all-reduce's buffer, an all-to-all's array). Scalars
 (metrics, norms) are left out, as `bytes_by_axes` leaves them out.
+
+The context axis (jddp/parallel/context.py) is a batch axis for the gradients (they are averaged
+over it as over data) and adds its attention's collectives (`context_collectives`).
 """
 
 import dataclasses
@@ -31,16 +34,23 @@ def gradient_collectives(workload: Workload, layout: Layout) -> list[Collective]
     """The ZeRO stage's (or ddp's) per-parameter collectives: gathers of parameters and
     reductions of gradients over the batch axes (equal ones merged)."""
     # The data axis's size does not change what is sent, only whether it is there.
-    key = dataclasses.replace(layout, data=min(layout.data, 2), sequence_parallel=False)
+    key = dataclasses.replace(
+        layout,
+        data=min(layout.data, 2),
+        context=min(layout.context, 2),
+        context_attention="ring",
+        sequence_parallel=False,
+    )
     return list(_gradient_collectives(workload, key))
 
 
 @functools.lru_cache(maxsize=4096)
 def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collective, ...]:
-    batch = _axes(layout, "data", "fsdp")
+    # Gradients are averaged over context as over data: its ranks hold the same rows.
+    batch = _axes(layout, "data", "fsdp", "context")
     if layout.strategy == "ddp":
         batch = _axes(layout, "data")
-    fsdp, data, tensor = layout.fsdp, _axes(layout, "data"), layout.tensor
+    fsdp, data, tensor = layout.fsdp, _axes(layout, "data", "context"), layout.tensor
     # With accumulation XLA hoists zero3's gathers out of the micro-batch loop (loop-invariant)
     # while each micro-batch's reduce-scatter (the gather's transpose) stays in it (HLO).
     accum = workload.grad_accum_steps
@@ -99,7 +109,8 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     tensor = ("tensor",)
     micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
     rows = workload.global_batch // (layout.batch_shards * micro_steps)
-    activation = rows * t.seq_len * t.width * workload.compute_bytes
+    tokens_held = t.seq_len // layout.context  # a context rank's share of each sequence
+    activation = rows * tokens_held * t.width * workload.compute_bytes
     layers = t.layers // layout.stage
     per_pass = t.tensor_reductions_per_layer() * layers
     # A recomputed layer repeats its forward reductions; XLA drops the last one, whose result
@@ -118,15 +129,59 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
                 out.append(Collective("all-reduce", tensor, p.nbytes, 1, BACKWARD, "norms"))
             elif p.path == "position_embed":  # each rank holds its positions' gradient
                 out.append(Collective("all-gather", tensor, p.nbytes, 1, BACKWARD, "positions"))
+                if layout.context > 1:  # and a rank's positions (int32), which it looks up
+                    indices = 4 * tokens_held
+                    out.append(Collective("all-gather", tensor, indices, 1, BACKWARD, "positions"))
     else:
         out.append(Collective("all-reduce", tensor, activation, count, CRITICAL, "activations"))
     if workload.vocab_parallel_loss:
-        tokens = rows * t.seq_len * 4  # float32 per token
+        tokens = rows * tokens_held * 4  # float32 per token
         # logsumexp's max and sum, the target's logit; the accuracy's arg-max (value, index)
         out.append(Collective("all-reduce", tensor, tokens, 3 * micro_steps, CRITICAL, "loss"))
         gathered = tokens * layout.tensor
         out.append(Collective("all-gather", tensor, gathered, 2 * micro_steps, CRITICAL, "loss"))
     return out
+
+
+# The ring's messages (jddp/planner/timing.py hides a hop's behind that hop's compute).
+RING_FORWARD, RING_BACKWARD, RING_HOME = "ring hops", "ring hops backward", "ring home"
+
+
+def context_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """The context axis's attention collectives for one step (none without one). Keys and values
+    cross in float32 (context attention computes in float32); a block is a rank's rows x
+    2n = L / C tokens x its key/value width (kv heads x head size, split over tensor):
+
+    ring        per layer, forward C - 1 hops of one message (k, v: 2 blocks); backward C - 1
+                hops of (k, v, dk, dv: 4 blocks) and one hop home of (dk, dv): 6 (C - 1) + 2
+                blocks per layer (jddp/parallel/context.py sends each hop's arrays as one
+                message, so XLA cannot merge the backward's hops with the forward's)
+    all_gather  per layer, forward k and v gathered whole (L tokens); backward their gradients
+                reduce-scattered back to the rank's blocks
+
+    A recomputed (remat) layer runs its forward's hops again. All are on the critical path
+    here; timing.py hides each ring hop behind that hop's attention compute."""
+    t = workload.transformer
+    if layout.context == 1 or t is None:
+        return []
+    micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
+    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    kv_width = (t.kv_heads or t.heads) * t.head_dim // layout.tensor
+    block = rows * (t.seq_len // layout.context) * kv_width * 4
+    layers = t.layers // layout.stage * micro_steps
+    forwards = 1 + workload.recompute
+    c, axes = layout.context, ("context",)
+    if layout.context_attention == "all_gather":
+        return [
+            Collective("all-gather", axes, block * c, 2 * layers * forwards, CRITICAL, "keys"),
+            Collective("reduce-scatter", axes, block, 2 * layers, CRITICAL, "key grads"),
+        ]
+    permute = "collective-permute"
+    return [
+        Collective(permute, axes, 2 * block, (c - 1) * layers * forwards, CRITICAL, RING_FORWARD),
+        Collective(permute, axes, 4 * block, (c - 1) * layers, CRITICAL, RING_BACKWARD),
+        Collective(permute, axes, 2 * block, layers, CRITICAL, RING_HOME),
+    ]
 
 
 def step_collectives(
@@ -142,4 +197,5 @@ def step_collectives(
         gradient_collectives(workload, layout)
         + tensor_collectives(workload, layout)
         + stage_collectives(workload, layout)
+        + context_collectives(workload, layout)
     )

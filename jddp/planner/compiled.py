@@ -25,6 +25,7 @@ def compiled_peaks(config, layouts: list[Layout]) -> dict[str, int]:
             continue
         variant = copy.deepcopy(config)
         variant.parallel.sequence_parallel = layout.sequence_parallel
+        variant.parallel.context_attention = layout.context_attention
         mesh = None if layout.strategy == "ddp" else layout.mesh_spec
         try:
             trainer = factory.build_trainer(variant, dataset, strategy=layout.strategy, mesh=mesh)

@@ -8,6 +8,15 @@ tensor size t): s b h (34 + 5 a s / h) bytes without tensor parallelism, s b h (
 every layer recomputed (only the layer's input is kept) plus one layer's worth while it is
 recomputed, once (any recomputation is planned this way: only layer inputs are kept). Scaled by
 bytes per activation / 2; the float32 logits (and their gradient) added.
+
+With a context axis of size C each device holds s / C of every sequence's tokens (s above becomes
+s / C), and attention (jddp/parallel/context.py) keeps instead of the s x s probabilities:
+    ring        the diagonal block's scores (s/C x s/C: the term 5 a s / h with s / C keys);
+                its remote blocks are in flight one at a time, not kept: one backward message
+                (keys, values and their gradients: 4 x b x s/C x kv width, float32) once
+    all_gather  the s/C x s scores (5 a s / h with s keys) and the whole sequence's keys and
+                values per layer (2 x b x s x kv width, float32)
+Parameters, gradients and optimizer state are replicated over context: they do not shrink.
 """
 
 import dataclasses
@@ -71,8 +80,12 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
         layout = dataclasses.replace(layout, fsdp=1)  # the batch whole over fsdp
     m = microbatches(workload, layout) * workload.grad_accum_steps
     rows = workload.global_batch // (layout.batch_shards * m)
-    sbh = t.seq_len * rows * t.width
-    heads_term = 0 if t.fused_attention else 5 * t.heads * t.seq_len / t.width
+    tokens = t.seq_len // layout.context  # a context rank's share of each sequence
+    sbh = tokens * rows * t.width
+    keys = t.seq_len  # how many keys each query's kept probabilities span
+    if layout.context > 1 and layout.context_attention == "ring":
+        keys = tokens
+    heads_term = 0 if t.fused_attention else 5 * t.heads * keys / t.width
     tensor = layout.tensor
     if tensor == 1:
         per_layer = sbh * (34 + heads_term)
@@ -81,6 +94,8 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
     else:
         per_layer = sbh * (10 + 24 / tensor + heads_term / tensor)
     per_layer *= workload.compute_bytes / 2
+    gathered_kv, ring_message = context_kv_bytes(workload, layout, rows)
+    per_layer += gathered_kv
     layers = t.layers // layout.stage
     in_flight = min(m, layout.stage)  # 1F1B: the first stage holds S micro-batches
     if workload.recompute:  # only each layer's input is kept (split over tensor with SP);
@@ -89,8 +104,23 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
         kept = layers * kept_input * in_flight + per_layer
     else:
         kept = layers * per_layer * in_flight
-    logits = 2 * rows * t.seq_len * t.vocab / tensor * 4
-    return int(kept + logits)
+    logits = 2 * rows * tokens * t.vocab / tensor * 4
+    return int(kept + ring_message + logits)
+
+
+def context_kv_bytes(workload: Workload, layout: Layout, rows: int) -> tuple[float, float]:
+    """(keys and values one layer keeps for the backward, the ring's message in flight) under
+    context parallelism, float32, split over tensor by heads: all_gather keeps the whole
+    sequence's per layer; the ring none, and one message of keys, values and their gradients
+    travels at a time. (0, 0) without a context axis."""
+    t = workload.transformer
+    if layout.context == 1:
+        return 0.0, 0.0
+    kv_width = (t.kv_heads or t.heads) * t.head_dim / layout.tensor
+    block = rows * t.seq_len / layout.context * kv_width * 4
+    if layout.context_attention == "all_gather":
+        return 2 * block * layout.context, 0.0
+    return 0.0, 4 * block
 
 
 def gathered_bytes(workload: Workload, layout: Layout) -> int:

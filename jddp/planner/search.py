@@ -30,6 +30,8 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
                 return f"{name} {size} do not split over tensor={layout.tensor}"
         if layout.sequence_parallel and t.seq_len % layout.tensor:
             return f"sequences of {t.seq_len} do not split over tensor={layout.tensor}"
+    if reason := _why_not_context(workload, layout):
+        return reason
     try:
         all_shards(workload, layout)
     except ConfigError as e:
@@ -37,11 +39,31 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
     return None
 
 
-def layouts_for(workload: Workload, devices: int, devices_per_host: int, stages: bool):
+def _why_not_context(workload: Workload, layout: Layout) -> str | None:
+    """Why the workload's sequences cannot be split over `layout`'s context axis."""
+    c, t = layout.context, workload.transformer
+    if c == 1:
+        return None
+    if t is None:
+        return "context parallelism splits a transformer's attention; this model has none"
+    if layout.strategy not in ("zero1", "zero2", "zero3"):
+        return f"{layout.strategy} takes no context axis (zero1, zero2 or zero3 do)"
+    if t.seq_len % (2 * c):
+        return f"sequences of {t.seq_len} do not cut into 2 x context = {2 * c} equal chunks"
+    if t.fused_attention:
+        return "context attention does not run the fused (cuDNN) attention"
+    return None
+
+
+def layouts_for(
+    workload: Workload, devices: int, devices_per_host: int, stages: bool, contexts: bool = False
+):
     """(layouts that can run, {layout name: why not} for those that cannot); tensor-parallel
-    meshes with and without sequence parallelism (`auto` without: not measured)."""
+    meshes with and without sequence parallelism (`auto` without: not measured); with
+    `contexts`, a transformer's meshes with a context axis too (ring and all_gather)."""
     valid, rejected = [], {}
-    for layout in candidates(devices, devices_per_host, stages):
+    contexts = contexts and workload.transformer is not None
+    for layout in candidates(devices, devices_per_host, stages, contexts):
         variants = [layout]
         if layout.tensor > 1 and layout.strategy != "auto":
             variants.append(dataclasses.replace(layout, sequence_parallel=True))
@@ -68,8 +90,10 @@ def plan_row(
     p = predict(workload, layout, profile, devices_per_host, exposed_axes)
     return {
         "strategy": layout.strategy,
-        "mesh": {a: layout.sizes[a] for a in ("data", "fsdp", "tensor", "stage")},
+        "mesh": {a: layout.sizes[a] for a in ("data", "fsdp", "tensor", "stage")}
+        | ({"context": layout.context} if layout.context > 1 else {}),
         "sequence_parallel": layout.sequence_parallel,
+        "context_attention": layout.context_attention if layout.context > 1 else None,
         "pipeline_microbatches": microbatches(workload, layout) if layout.stage > 1 else 0,
         "layout": layout.name,
         "bytes_per_device": int(total),
@@ -109,11 +133,14 @@ def plan(
     profile: DeviceProfile,
     devices_per_host: int,
     stages: bool = True,
+    contexts: bool = True,
 ) -> tuple[list[dict], dict[str, str]]:
     """(ranked rows, {layout: why it cannot run}); a ConfigError if no layout can run, or if
-    the partition rules are wrong whatever the layout (`shards.check_rules`)."""
+    the partition rules are wrong whatever the layout (`shards.check_rules`). `contexts`: a
+    transformer's layouts with a context axis are planned too (ranked with the rest: chosen
+    where nothing else fits, or where they are predicted faster)."""
     check_rules(workload)
-    layouts, rejected = layouts_for(workload, devices, devices_per_host, stages)
+    layouts, rejected = layouts_for(workload, devices, devices_per_host, stages, contexts)
     if not layouts:
         reasons = sorted(set(rejected.values()))[:3]
         raise ConfigError(

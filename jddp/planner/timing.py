@@ -25,6 +25,13 @@ bubble      compute and critical communication run inside the pipeline, so its i
             step is 3-18% slower than stage:2's in experiments/bench/planner.py, where a
             costed bubble would give 1.4x), and the stages' stacked layers cost the
             profile's `stacked_layers_slowdown`
+context     the ring's hops (jddp/planner/comm.py) run inside each layer's attention: a hop's
+            transfer hides behind the attention compute of the block the rank already holds
+            (half a diagonal block with the balanced layout: b x 2n x n x heads x head size
+            multiply-adds twice forward, 2.5 times that backward), so each hop shows
+            max(0, transfer - compute); the backward's last hop home has nothing to hide
+            under. all_gather's gather and scatter are critical. Without async collectives
+            every hop is exposed.
 links       a group of devices inside one host uses the intra-host link, a group spanning
             hosts runs hierarchically (jddp/planner/network.py); except on XLA:CPU
             (`every_group_crosses_hosts`): in a job of several processes every group, even
@@ -40,7 +47,7 @@ from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout
 from jddp.planner.memory_model import state_bytes
 from jddp.planner.network import collective_time
-from jddp.planner.stages import bubble_fraction
+from jddp.planner.stages import bubble_fraction, microbatches
 from jddp.planner.workload import Workload
 
 COMBINE_BYTES = 32 * 2**20  # per combined collective (XLA's combiners default to ~30 MiB)
@@ -100,8 +107,8 @@ def shape_slowdown(workload: Workload, layout: Layout, profile: DeviceProfile) -
 def memory_traffic(workload: Workload, layout: Layout) -> tuple[float, float]:
     """(non-matmul ops, optimizer update): the bytes one device reads and writes per step, as
     the planner counts them: each element read and written once per op."""
-    elementwise = workload.elementwise_bytes(
-        layout.tensor, layout.sequence_parallel, layout.batch_shards, layout.stage
+    elementwise = workload.elementwise_bytes(  # a context rank holds 1 / C of the tokens
+        layout.tensor, layout.sequence_parallel, layout.batch_shards * layout.context, layout.stage
     )
     state = state_bytes(workload, layout)
     return elementwise, 2 * (state.params + state.optimizer) + state.grads
@@ -141,6 +148,8 @@ def predict(
         UPDATE: 0.0,
     }
 
+    hop_compute = ring_hop_seconds(workload, layout, peak * profile.efficiency)
+    hidden_ring: dict[str, float] = {}  # axis -> ring seconds hidden behind the hops' compute
     times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
     ops: dict[str, float] = {}  # phase -> collectives run in it
     pipelined = 0.0  # critical communication inside each micro-batch's work
@@ -154,6 +163,10 @@ def predict(
         pipelined += seconds if phase == CRITICAL else 0.0
         if not profile.overlap or any(a in exposed_axes for a in c.axes):
             phase = CRITICAL
+        elif c.what in hop_compute:  # each hop's message behind that hop's compute
+            shown = c.count * max(0.0, seconds / c.count - hop_compute[c.what])
+            axis = ",".join(c.axes)
+            hidden_ring[axis] = hidden_ring.get(axis, 0.0) + seconds - shown
         key = (phase, ",".join(c.axes))
         times[key] = times.get(key, 0.0) + seconds
         ops[phase] = ops.get(phase, 0.0) + c.count
@@ -174,6 +187,9 @@ def predict(
             total[axis] = total.get(axis, 0.0) + seconds
             exposed[axis] = exposed.get(axis, 0.0) + seconds * (1 - hidden_share)
 
+    for axis, seconds in hidden_ring.items():
+        exposed[axis] -= seconds
+
     bubble = 0.0 if profile.shared_compute else bubble_fraction(workload, layout)
     bubble_s = (compute + pipelined) * bubble / (1 - bubble)
     step = compute + bubble_s + sum(exposed.values()) + optimizer
@@ -188,3 +204,18 @@ def predict(
         tokens_per_s=workload.global_batch * workload.tokens_per_example / step,
         mfu=workload.model_flops / (step * peak_all),
     )
+
+
+def ring_hop_seconds(workload: Workload, layout: Layout, rate: float) -> dict[str, float]:
+    """{ring message name: seconds of attention compute one hop's message can hide behind} for
+    `layout`'s context ring ({} without one): a hop's block is half a diagonal block (b x 2n x
+    n scores per head, n = L / 2C), two matmuls forward (the scores, their product with the
+    values), five backward (2.5 x); the hop home hides behind nothing."""
+    t = workload.transformer
+    if layout.context == 1 or layout.context_attention != "ring" or t is None:
+        return {}
+    micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
+    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    n = t.seq_len // (2 * layout.context)
+    forward = 2 * 2 * rows * 2 * n * n * t.attention_width / layout.tensor / rate
+    return {comm.RING_FORWARD: forward, comm.RING_BACKWARD: 2.5 * forward}

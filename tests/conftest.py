@@ -61,6 +61,7 @@ LONGEST_FIRST = (
     "test_restarts.py",
     "test_multiprocess.py",
     "test_pipeline.py",
+    "test_context_parallel.py",
     "test_hf_checkpoints.py",
     "test_hf_commands.py",
     "test_pipeline_runs.py",

@@ -4,6 +4,7 @@ step holds each rank's part of the sequence only, and its ring carries the bytes
 says; bad input is one line."""
 
 import json
+import sys
 
 import flax.linen as nn
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jddp
+from jddp.checkpoints.weights import load_params
 from jddp.core import row_keys
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import Llama
@@ -28,6 +30,7 @@ from tests import tiny_gpt
 from tests.helpers import save_and_restore
 from tests.reference import assert_trees_close, plain_training
 from tests.test_gpt import local_corpus
+from tests.test_multiprocess import launch
 from tests.test_tensor_parallel import fake_mesh
 from tests.tiny_gpt_config import gpt_config
 
@@ -310,3 +313,42 @@ def test_the_experiment_path_trains_on_a_context_mesh(tmp_path):
     assert summary["eval_loss"] < np.log(128)
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["context"] == {"size": 4, "attention": "all_gather"}
+
+
+def test_a_context_axis_across_processes_is_refused_unless_allowed_and_then_trains(tmp_path):
+    """2 processes x 1 device with data:-1,context:2: the ring spans the processes. The CLI
+    refuses it in one line (exit 2) and writes nothing; allowed, every step's loss and the
+    exported parameters equal the same config's run in this process (8 devices: data:4,context:2).
+    SGD: Adam would turn summation-order rounding of near-zero gradients into whole steps."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(32 + i * 7 % 90) for i in range(3_000)))
+    config_file = tmp_path / "config.py"
+    config_file.write_text(
+        "from tests.tiny_gpt_config import gpt_config\n\n\ndef get_config():\n"
+        f"    config = gpt_config({str(text)!r}, strategy='zero3', mesh='data:-1,context:2')\n"
+        "    config.checkpoint_every, config.log_every = 0, 1\n"
+        "    config.optimizer, config.learning_rate = 'sgd', 0.5\n"
+        "    return config\n"
+    )
+    command = [sys.executable, "-m", "experiments.train", f"--config={config_file}"]
+    code, output = launch(2, 1, *command, f"--workdir={tmp_path / 'refused'}")
+    assert code == 2, output
+    assert "puts the context axis across processes" in output.strip().splitlines()[-1]
+    assert not (tmp_path / "refused").exists()
+    allowed = [*command, "--config.parallel.allow_cross_host_context=true"]
+    code, output = launch(2, 1, *allowed, f"--workdir={tmp_path / 'two'}")
+    assert code == 0, output
+    config = gpt_config(str(text), strategy="zero3", mesh="data:-1,context:2")
+    config.checkpoint_every, config.log_every = 0, 1
+    config.optimizer, config.learning_rate = "sgd", 0.5
+    train_and_evaluate(config, str(tmp_path / "one"))
+
+    def losses(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+    two, one = losses("two"), losses("one")
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4]
+    np.testing.assert_allclose([x for _, x in two], [x for _, x in one], rtol=1e-5)
+    exported = [load_params(str(tmp_path / name / "export")) for name in ("two", "one")]
+    assert_trees_close(*exported)

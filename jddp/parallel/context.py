@@ -291,8 +291,8 @@ def _ring_bwd(axis, residuals, do):
             front = block[:, :chunk]
             k, v = front[..., :dim], front[..., dim : 2 * dim]
             g_q, g_k, g_v = _block_grads(q, k, v, do, lse, delta)
-            gradients = jnp.concatenate([jnp.zeros_like(k), jnp.zeros_like(v), g_k, g_v], -1)
-            return dq + g_q, block.at[:, :chunk].add(gradients)
+            gradients = jnp.concatenate([g_k, g_v], axis=-1)
+            return dq + g_q, block.at[:, :chunk, ..., 2 * dim :].add(gradients)
 
         def later(dq, block):
             k, v = block[..., :dim], block[..., dim : 2 * dim]
@@ -300,8 +300,8 @@ def _ring_bwd(axis, residuals, do):
             g_q, g_k, g_v = _block_grads(
                 q[:, :, :, back], k, v, do[:, :, :, back], lse[..., back], delta[..., back]
             )
-            gradients = jnp.concatenate([jnp.zeros_like(k), jnp.zeros_like(v), g_k, g_v], -1)
-            return dq.at[:, :, :, back].add(g_q), block + gradients
+            gradients = jnp.concatenate([g_k, g_v], axis=-1)
+            return dq.at[:, :, :, back].add(g_q), block.at[..., 2 * dim :].add(gradients)
 
         dq, block = lax.cond(source < rank, earlier, later, dq, block)
     home = block[..., 2 * dim :]

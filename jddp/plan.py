@@ -250,7 +250,7 @@ def _layout_of(row: dict, layout_class):
     return layout_class(
         row["strategy"],
         sequence_parallel=row["sequence_parallel"],
-        context_attention=row.get("context_attention", "ring"),
+        context_attention=row["context_attention"] or "ring",  # None: no context axis
         **row["mesh"],
     )
 

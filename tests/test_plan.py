@@ -78,6 +78,18 @@ def test_compiled_peak_is_the_peak_of_the_real_step():
 
 
 # ---------------------------------------------------------------------------- the CLI
+def test_the_cli_compiles_every_plan_on_up_to_8_devices():
+    """On 2 devices the CLI replaces each row's analytic memory with its compiled step's peak
+    (once lost when a row without a context axis carried no attention choice)."""
+    command = [sys.executable, "-m", "jddp.plan", "--config=experiments/configs/digits_mlp.py"]
+    result = subprocess.run(
+        [*command, "--devices=2", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert rows and all(row["memory_source"] == "compiled" for row in rows), rows
+
+
 GPT_124M = "experiments/configs/gpt_124m.py"
 ROW_KEYS = {"strategy": str, "mesh": dict, "bytes_per_device": int, "fits": bool}
 ROW_KEYS |= {"predicted_step_s": float, "predicted_mfu": float}

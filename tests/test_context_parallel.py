@@ -4,6 +4,7 @@ step holds each rank's part of the sequence only, and its ring carries the bytes
 says; bad input is one line."""
 
 import json
+import re
 import sys
 
 import flax.linen as nn
@@ -212,17 +213,9 @@ def test_the_ring_carries_the_formulas_bytes_and_no_rank_holds_the_whole_sequenc
     assert sum(permuted) == hops * block, (permuted, block)
     assert not [op for op in ops if op.kind == "all-gather"]
     # every score block has the rank's 2L/C = 16 query rows or half of them, never 64
-    shapes = set(re_findall_scores(text))
-    assert shapes and all(seq not in shape for shape in shapes), shapes
-
-
-def re_findall_scores(text):
-    """Shapes of the f32 rank-5 results (rows, kv heads, groups, queries, keys): attention's
-    scores."""
-    import re
-
-    for dims in re.findall(r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", text):
-        yield tuple(int(d) for d in dims)
+    # attention's scores: the float32 rank-5 results (rows, kv heads, groups, queries, keys)
+    shapes = set(re.findall(r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", text))
+    assert shapes and all(str(seq) not in shape for shape in shapes), shapes
 
 
 def test_all_gather_attention_gathers_keys_and_values_once_per_layer():

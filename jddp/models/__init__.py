@@ -122,12 +122,12 @@ def create_model(
             f"parallel.sequence_parallel applies to the gpt and llama models, not {name!r}; "
             "set it to false"
         )
-    if context_axis and "context_axis" not in all_fields:
-        context.check_model(cls, context_axis)  # one line naming what to do
     model_args |= {k: v for k, v in mesh_fields.items() if k in all_fields}
     if pipelined and "scan_layers" in all_fields:
         model_args["scan_layers"] = True
     model = cls(**{output_field: outputs}, **model_args)
+    if context_axis:
+        context.check_model(model, context_axis)
     if tensor_size > 1 and isinstance(model, Decoder):
         check_tensor_split(model, tensor_size)
     return model

@@ -108,9 +108,9 @@ def chunks_key(rng: jax.Array, tokens: jax.Array, axis: str = AXIS) -> jax.Array
 
 
 def check_model(model, axis: str = AXIS) -> None:
-    """A ConfigError unless `model` (or its class) computes its attention over the context axis
-    (it declares `context_axis` and was given this one)."""
-    name = model.__name__ if isinstance(model, type) else type(model).__name__
+    """A ConfigError unless `model` computes its attention over the context axis (it declares
+    `context_axis` and was given this one)."""
+    name = type(model).__name__
     declared = getattr(model, "context_axis", "absent")
     if declared == "absent":
         raise ConfigError(

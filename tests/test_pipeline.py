@@ -64,7 +64,7 @@ def test_pipeline_matches_one_device(mesh, schedule, microbatches, strategy):
     assert ("fsdp" in str(kernel.sharding.spec)) == (strategy == "zero3"), kernel.sharding
 
 
-# Interleaved (repeats V > 1): stage s holds the layer groups s, s + S, ...; 4 layers make 2 x 2
+# Interleaved (repeats V > 1): stage s runs the layer groups s, s + S, ...; 4 layers make 2 x 2
 # groups of one layer (the backward in one tick), 8 layers 2 x 2 groups of two (in two ticks)
 # or 4 x 2 of one.
 INTERLEAVED = [

@@ -230,6 +230,8 @@ class Trainer:
         replaced by host arrays of the same paths and shapes, placed as `state`'s own: how a run
         starts from weights it already has. A ShapeError names the first path that differs."""
         given = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        if state.layer_order is not None:  # host arrays come in the model's layer order
+            state = self.global_state(state)
         placed = {}
         for name, host in given.items():
             if host is None:

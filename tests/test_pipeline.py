@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jddp
+from jddp.core.tree_paths import path_str
 from jddp.observe import hlo
 from jddp.parallel.pipeline import engine
 from jddp.parallel.pipeline.options import PipelineOptions
@@ -82,17 +83,29 @@ INTERLEAVED = [
 def test_interleaved_pipeline_matches_one_device(
     mesh, schedule, repeats, layers, microbatches, strategy
 ):
-    """Interleaved schedules, 20 steps as above: every loss, the parameters (each stage holding
-    its consecutive layers, in layer order) and the optimizer state equal the single-device
-    loop's."""
+    """Interleaved schedules, 20 steps as above: every loss, the parameters and the optimizer
+    state (in the model's layer order) equal the single-device loop's; at rest stage s holds
+    the layer groups it runs, s, s + S, ..., and so do its Adam moments."""
     trainer = pipeline_trainer(mesh, schedule, microbatches, strategy, repeats, layers=layers)
     # seed 1: seed 0's 8-layer run has one Adam second moment (1e-10) that any stage split,
     # repeats 1 as well, sums 1.2e-5 apart from one device; seed 1's stays within 1e-5.
     batches = token_batches(seed=1 if layers == 8 else 0, size=BATCH)
     state = check_against_reference(trainer, batches, layers=layers)
-    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
     stages = trainer.strategy.pipeline.schedule.stages
-    assert {s.data.shape[0] for s in kernel.addressable_shards} == {layers // stages}
+    assert state.layer_order == (stages, repeats)
+    host = trainer.host_state(state)
+    group = layers // (stages * repeats)
+    for name in ("params/blocks/mlp/fc/kernel", "mu/blocks/mlp/fc/kernel"):
+        kernel, in_order = (
+            next(x for p, x in jax.tree_util.tree_leaves_with_path(s) if path_str(p).endswith(name))
+            for s in (state, host)
+        )
+        for shard in kernel.addressable_shards:
+            stage = shard.index[0].start // (layers // stages)
+            runs = [stage + r * stages for r in range(repeats)]
+            expected = np.concatenate([in_order[g * group : (g + 1) * group] for g in runs])
+            inner = (slice(None), *shard.index[1:])  # the part of each layer (zero3: fsdp's)
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[inner])
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["2 layers per group", "1 layer per group"])
@@ -188,6 +201,16 @@ def test_only_neighbouring_stages_talk_inside_the_micro_batch_loop():
     assert all(set(g) <= stage_pairs for _, _, g in inside)
     data_groups = [(0, 2), (1, 3)]
     assert any(k == "all-reduce" and g == data_groups for k, _, g in outside)
+
+
+def test_interleaved_stages_hold_their_groups_so_no_layer_crosses_stages():
+    """stage:2 with 2 groups per stage: the stages trade activations and cotangents inside the
+    loop (collective-permutes, around the ring), and no parameter or gradient of the stack
+    crosses the stages in the step: no all-to-all and no all-gather anywhere."""
+    trainer = pipeline_trainer("stage:2", "1f1b", 4, repeats=2)
+    inside, outside = loop_collectives(trainer, token_batches(size=BATCH)[0])
+    assert {k for k, _, _ in inside} == {"collective-permute"}
+    assert not {k for k, _, _ in inside + outside} & {"all-to-all", "all-gather"}
 
 
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():

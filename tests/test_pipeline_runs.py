@@ -62,6 +62,30 @@ def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path, source, 
     assert_trees_close(reader.host_state(state).params, same_layout(params))
 
 
+def test_an_interleaved_state_evaluates_and_takes_weights_in_the_models_order():
+    """stage:2 with 2 groups of one layer per stage, after 2 steps: its state (held in the
+    stages' order), the same state in the model's order (`global_state`), the host parameters
+    placed into it (`replace_state`), and one device given those parameters evaluate alike."""
+    batches = token_batches(size=BATCH)
+    trainer = trainer_for("zero1", "stage:2", repeats=2)
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    for batch in batches[:2]:
+        state, _ = trainer.step(state, batch)
+    params = trainer.host_state(state).params
+    one = gpt_trainer("ddp", None, layers=LAYERS, devices=jax.devices()[:1])
+    one_state = one.init(seed=1, sample_batch=batches[0])
+    one_state = one.replace_state(one_state, params=layouts.to_per_layer(params))
+    expected = one.evaluate(one_state, batches[2:4])
+    assert state.layer_order == (2, 2)
+    for candidate in (
+        state,
+        trainer.global_state(state),
+        trainer.replace_state(state, params=params),
+    ):
+        got = trainer.evaluate(candidate, batches[2:4])
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-6)
+
+
 def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(tmp_path):
     """The CLI path on stage:2,fsdp:2,tensor:2 (1F1B): the first metrics record gives the
     schedule, micro-batches and bubble; a plain ddp run starts from its parameters and a

@@ -96,6 +96,8 @@ def check(path: str, model, params) -> None:
 def load(trainer, state, path: str):
     """`state` with its parameters read from the save_pretrained directory `path` (the
     optimizer state, step and RNG stay). `state` may be abstract (`trainer.abstract_state`)."""
+    if state.layer_order is not None:  # its tensors are in the model's layer order
+        state = trainer.global_state(state)
     with hf_files.Reader(path, "Hugging Face checkpoint") as reader:
         lazy = lazy_params(reader, trainer.task.model, state.params)
         lazy = arranged_like(state.params, lazy, path)

@@ -21,6 +21,10 @@ class TrainState(struct.PyTreeNode):
     jddp/core/loss_scale.py), an empty dict otherwise.
     `comm_state` is the gradient communication's own state (PowerSGD's error feedback and
     warm-started factors, see jddp/parallel/compression.py), an empty dict without compression.
+    `layer_order` (static): None when a `Pipelined` stack's layers (and their optimizer state)
+    are in the model's order; (S, V) when an interleaved pipeline of S stages and V repeats
+    holds them in its stages' order (jddp/parallel/pipeline/stage_layouts.py).
+    `Trainer.host_state` and checkpoints always give the model's order.
     """
 
     step: jax.Array
@@ -31,6 +35,7 @@ class TrainState(struct.PyTreeNode):
     nonfinite_steps: jax.Array
     loss_scale: Any = struct.field(default_factory=dict)
     comm_state: Any = struct.field(default_factory=dict)
+    layer_order: tuple[int, int] | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(

@@ -24,6 +24,8 @@ sequence (jddp/parallel/context.py), and gradients and metrics are averaged over
 (`data:<processes>,fsdp:-1`).
 """
 
+import functools
+
 import jax
 import numpy as np
 from jax import lax
@@ -38,6 +40,8 @@ from jddp.parallel import context
 from jddp.parallel.collectives import fused_pmean, gather
 from jddp.parallel.compression import GradComm
 from jddp.parallel.mesh import DeviceMesh
+from jddp.parallel.pipeline import stage_layouts
+from jddp.parallel.pipeline.engine import join_stack, split_stack
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import (
     DEFAULT_MIN_SHARD_SIZE,
@@ -161,17 +165,35 @@ class ZeroStrategy:
         self._fsdp_params = part(self._specs.params, self.batch_axes)
         self._fsdp_grads = part(self._grad_specs, self.batch_axes)
         self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        # An interleaved pipeline holds its stack in its stages' order (stage_layouts): each
+        # stage's layer groups at rest where it runs them; checkpoints get the model's order.
+        schedule = self.pipeline.schedule if self.pipeline else None
+        self._order = (
+            (schedule.stages, schedule.repeats) if schedule and schedule.repeats > 1 else None
+        )
+        held = self._state_shardings.replace(layer_order=self._order)
+        reorder = functools.partial(
+            stage_layouts.reorder_state,
+            stack_path=stack.path if stack else (),
+            num_layers=stack.num_layers if stack else 0,
+        )
+        self._to_held = jax.jit(
+            lambda state: reorder(state, self._order), out_shardings=held, donate_argnums=0
+        )
+        self._to_model = jax.jit(
+            lambda state: reorder(state, None), out_shardings=self._state_shardings
+        )
+        self._init = jax.jit(
+            lambda key, inputs: reorder(self.task.init_state(key, inputs), self._order),
+            out_shardings=held,
+        )
         self._train_step = jax.jit(
             self._train,
-            in_shardings=(self._state_shardings, self._batch_sharding),
-            out_shardings=(self._state_shardings, self._replicated),
+            in_shardings=(held, self._batch_sharding),
+            out_shardings=(held, self._replicated),
             donate_argnums=0,
         )
-        self._eval_step = jax.jit(
-            self._eval,
-            in_shardings=(self._state_shardings, self._batch_sharding),
-            out_shardings=self._replicated,
-        )
+        self._eval_steps = {}  # by the state's layer order
         self._abstract_state = abstract_state
 
     def _check_tensor_axis_used(self, specs) -> None:
@@ -295,6 +317,10 @@ class ZeroStrategy:
         def per_device(params, model_state, batch):
             if self.shard_params or self.pipeline:  # eval runs the whole model on every stage
                 params = self._gather_params(params, over_stages=True)
+            if state.layer_order:  # every stage's groups, in the model's order
+                stacked, rest = split_stack(params, self.task.stack.path)
+                in_order = lambda x: stage_layouts.in_model_order(x, *state.layer_order)  # noqa: E731
+                params = join_stack(rest, jax.tree.map(in_order, stacked), self.task.stack.path)
             sums = self.task.eval_sums(params, model_state, self._own_tokens(batch))
             sums = lax.psum(sums, self.batch_axes) if self.batch_axes else sums
             # every context rank counts the same examples, each over its share of the tokens
@@ -317,9 +343,7 @@ class ZeroStrategy:
 
         With JAX's partitionable threefry each device draws only its own shard, and the values
         equal an unsharded initialization from the same seed."""
-        return jax.jit(self.task.init_state, out_shardings=self._state_shardings).lower(
-            init_key(seed), sample_input
-        )
+        return self._init.lower(init_key(seed), sample_input)
 
     def batch_part(self) -> tuple[int, int]:
         return self._batch_part
@@ -339,13 +363,16 @@ class ZeroStrategy:
         return jax.tree.map(place, batch)
 
     def global_state(self, state: TrainState) -> TrainState:
-        return state  # jit's outputs already span every process's devices
+        # jit's outputs already span every process's devices; in the model's layer order
+        return state if state.layer_order is None else self._to_model(state)
 
     def consolidate(self, state: TrainState) -> TrainState:
         return state  # no per-device state: PowerSGD runs under ddp only
 
     def host_state(self, state: TrainState) -> TrainState:
-        """The whole state as host numpy arrays (gathered from the shards)."""
+        """The whole state as host numpy arrays (gathered from the shards), in the model's
+        layer order."""
+        state = self.global_state(state)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -356,12 +383,24 @@ class ZeroStrategy:
     # Traced with the mesh as the context mesh: models place tensor-parallel pieces on it.
     def train_step(self, state: TrainState, batch):
         with jax.set_mesh(self.mesh):
+            if state.layer_order != self._order:  # restored or replaced: the model's order
+                state = self._to_held(state)
             return self._train_step(state, batch)
 
     def eval_step(self, state: TrainState, batch):
+        order = state.layer_order
+        if order not in self._eval_steps:
+            self._eval_steps[order] = jax.jit(
+                self._eval,
+                in_shardings=(
+                    self._state_shardings.replace(layer_order=order),
+                    self._batch_sharding,
+                ),
+                out_shardings=self._replicated,
+            )
         with jax.set_mesh(self.mesh):
-            return self._eval_step(state, batch)
+            return self._eval_steps[order](state, batch)
 
     def lower_train_step(self, state, batch):
         with jax.set_mesh(self.mesh):
-            return self._train_step.lower(state, batch)
+            return self._train_step.lower(state.replace(layer_order=self._order), batch)

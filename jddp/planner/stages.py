@@ -15,9 +15,8 @@ run (`Workload.lockstep_pipeline=False`), as Megatron-LM runs it (each stage at 
   timetable (sends of idle stages carry filler: the bytes still move), and after the ticks
   all-reduces the gradients of the parameters outside the stack over the stages (float32).
   Megatron sends only real work: 2 v M sends per step. With v > 1 jddp's timetable has v times
-  the ticks of real work, each sending both ways (the v-fold point-to-point traffic), and each
-  step trades every stage's held layer groups for the ones it runs and their gradients back
-  (two all-to-alls over the stages of the stage's block parameters, as stored and float32).
+  the ticks of real work, each sending both ways (the v-fold point-to-point traffic); each
+  stage holds the layer groups it runs (groups s, s + S, ...), so no layer crosses the stages.
 
 Validated against the compiled pipeline: tests/test_planner_comm.py (bytes per axis, exact) and
 experiments/bench/planner.py (step time on this machine).
@@ -83,13 +82,6 @@ def stage_collectives(workload: Workload, layout: Layout):
     out = [
         Collective("collective-permute", ("stage",), activation, sends * accum, CRITICAL, "stages")
     ]
-    if v > 1:  # the held layer groups traded for the run ones, and their gradients back
-        blocks = [p for p in param_shards(workload, layout) if p.block is not None]
-        tensor = {"fsdp": 1, "tensor": layout.tensor}
-        held = sum(p.elements // p.split(tensor) for p in blocks)
-        itemsize = blocks[0].itemsize if blocks else 4
-        for nbytes in (held * itemsize, held * 4):  # stored dtype, float32 gradients
-            out.append(Collective("all-to-all", ("stage",), nbytes, 1, UPDATE, "stage groups"))
     # The replicated parameters' float32 gradients, summed over the stages once per pipeline.
     replicated = 0
     for p in param_shards(workload, layout):

@@ -22,7 +22,7 @@ from jax import lax
 from jddp.core import row_keys
 from jddp.core.task import Task, cast_floats
 from jddp.errors import ShapeError
-from jddp.parallel.pipeline import layers, stage_layouts
+from jddp.parallel.pipeline import layers
 from jddp.parallel.pipeline.schedule import (
     BACKWARD_HIGH,
     BACKWARD_LOW,
@@ -150,10 +150,9 @@ class Pipeline:
             )
         parts = jax.tree.map(lambda x: x.reshape(steps, micro, -1, *x.shape[1:]), batch)
         rng, part = row_keys.as_row_key(rng, size), size // steps
-        # The layer groups this stage runs (with repeats, traded for the ones it holds).
+        # The layer groups this stage runs, held in the stages' order: its V groups in a row.
         stacked, rest = split_stack(params, self.stack.path)
-        trade = (self.axis, self.schedule.stages, self.repeats)
-        groups = stage_layouts.run_groups(stacked, *trade)
+        groups = jax.tree.map(lambda x: x.reshape(self.repeats, -1, *x.shape[1:]), stacked)
 
         def accumulate(carry, inputs):
             index, microbatches = inputs
@@ -167,9 +166,8 @@ class Pipeline:
         ((grad_groups, grad_rest), metrics), _ = lax.scan(
             accumulate, (zeros, metric_zeros), (jnp.arange(steps), parts)
         )
-        grads = join_stack(
-            grad_rest, stage_layouts.held_groups(grad_groups, *trade), self.stack.path
-        )
+        held = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), grad_groups)
+        grads = join_stack(grad_rest, held, self.stack.path)
         mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
         return mean(grads), mean(metrics), model_state
 

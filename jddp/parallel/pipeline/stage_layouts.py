@@ -15,6 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp.core.tree_paths import path_str
+
 PER_LAYER, STACKED = "block_", "blocks"
 _PER_LAYER_KEY = re.compile(rf"^{PER_LAYER}(\d+)$")
 
@@ -107,77 +109,54 @@ def to_per_layer(tree):
 
 
 # ------------------------------------------------------------ interleaved stages (repeats > 1)
-# A state keeps its stack in layer order, split over `stage` in consecutive blocks: checkpoints,
-# evaluation and exports see the same layout whatever the repeats. With V repeats the L layers
-# form V S groups of L / (V S); stage s holds groups s V to s V + V - 1 but runs groups s, s + S,
-# ..., s + (V - 1) S. One all-to-all over the stages per step trades them (and one trades their
-# gradients back); with V = 1 nothing moves.
+# With V repeats the L layers form V S groups of L / (V S), and stage s runs groups s, s + S, ...,
+# s + (V - 1) S. A state holds them so (Megatron-LM's virtual stages, MaxText's circular
+# layers): its stack's leading axis, split over `stage` in consecutive blocks, lists stage 0's
+# groups, then stage 1's, ...; `TrainState.layer_order` = (S, V) says so. Checkpoints, exports
+# and `host_state` see the model's order, whatever the repeats.
 
 
-def _exchange_tables(stages: int, repeats: int):
-    """Static index tables for the trade of layer groups: per stage, which of its held groups
-    goes out in each (destination, slot) of the all-to-all (`send`, -1: padding), and where
-    each group it runs arrives (`take`: (source, slot) per chunk)."""
-    S, V = stages, repeats
-    slots_needed = -(-V // S)
-    send = -np.ones((S, S, slots_needed), np.int32)
-    take = np.zeros((S, V, 2), np.int32)
-    for s in range(S):
-        used = [0] * S
-        for q in range(V):
-            group = s * V + q
-            dest, chunk = group % S, group // S
-            send[s, dest, used[dest]] = q
-            take[dest, chunk] = (s, used[dest])
-            used[dest] += 1
-    return send, take
+def _reordered(x, first: int, second: int):
+    """`x` with its leading axis, read as (first, second, L / (first second)) blocks, written
+    as (second, first, ...)."""
+    head = x.reshape(first, second, -1, *x.shape[1:])
+    return jnp.swapaxes(head, 0, 1).reshape(x.shape)
 
 
-def run_groups(held, axis: str, stages: int, repeats: int):
-    """The layer groups this stage runs, (V, L / (V S), ...) per leaf, from the groups it holds
-    (its consecutive L / S layers, per leaf), inside a program manual over `axis`."""
-    send, take = _exchange_tables(stages, repeats)
-    stage = jax.lax.axis_index(axis)
+def in_stage_order(x, stages: int, repeats: int):
+    """A stacked leaf (L, ...) in the model's layer order to the stages' order: group g =
+    r S + s moves to stage s's slot r."""
+    return _reordered(x, repeats, stages)
 
-    def trade(x):
-        x = x.reshape(repeats, -1, *x.shape[1:])
-        if repeats == 1:
+
+def in_model_order(x, stages: int, repeats: int):
+    """`in_stage_order` undone."""
+    return _reordered(x, stages, repeats)
+
+
+def reorder_state(state, order, *, stack_path: tuple[str, ...], num_layers: int):
+    """`state` (a TrainState) with its stack's leaves (at `stack_path`, `num_layers` long), the
+    parameters' and every optimizer leaf that mirrors them, in `order`: (S, V) the stages'
+    order, None the model's."""
+    if state.layer_order == order:
+        return state
+    prefix = "/".join(stack_path) + "/"
+    stacked = {
+        path_str(path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(state.params)
+        if path_str(path).startswith(prefix)
+    }
+
+    def move(path, x):
+        parts = path_str(path).split("/")
+        mirrors = any("/".join(parts[i:]) in stacked for i in range(len(parts)))
+        if not mirrors or not x.shape or x.shape[0] != num_layers:
             return x
-        outgoing = x[jnp.asarray(np.maximum(send, 0))[stage]]  # (S, slots, group, ...)
-        arrived = jax.lax.all_to_all(outgoing, axis, 0, 0)
-        source, slot = (jnp.asarray(take[..., i])[stage] for i in (0, 1))
-        return arrived[source, slot]
+        if state.layer_order is not None:
+            x = in_model_order(x, *state.layer_order)
+        return x if order is None else in_stage_order(x, *order)
 
-    return jax.tree.map(trade, held)
-
-
-def held_groups(running, axis: str, stages: int, repeats: int):
-    """`run_groups` backwards: per leaf, (V, L / (V S), ...) values of the groups this stage runs
-    (their gradients) to (L / S, ...) of the groups it holds."""
-    send, take = _exchange_tables(stages, repeats)
-    stage = jax.lax.axis_index(axis)
-    # Where each (destination, slot) of the forward trade came from, as a chunk of the receiver.
-    back = -np.ones_like(send)
-    for t in range(stages):
-        for chunk, (source, slot) in enumerate(take[t]):
-            back[t, source, slot] = chunk
-
-    def trade(x):
-        if repeats > 1:
-            chunks = jnp.asarray(back)[stage]  # (S, slots): which chunk goes to each source
-            outgoing = jnp.where(
-                (chunks >= 0).reshape(*chunks.shape, *[1] * (x.ndim - 1)),
-                x[jnp.maximum(chunks, 0)],
-                0,
-            )
-            arrived = jax.lax.all_to_all(outgoing, axis, 0, 0)  # [dest, slot] as sent
-            q = np.arange(repeats)
-            groups = stage * repeats + q
-            sent = jnp.asarray(send)[stage]  # (S, slots) -> held group index or -1
-            # held group q went to destination (s V + q) % S at the slot where `send` put it
-            dest = groups % stages
-            slot = jnp.argmax(sent[dest] == q[:, None], axis=1)
-            x = arrived[dest, slot]
-        return x.reshape(-1, *x.shape[2:])
-
-    return jax.tree.map(trade, running)
+    params, opt_state = (
+        jax.tree_util.tree_map_with_path(move, tree) for tree in (state.params, state.opt_state)
+    )
+    return state.replace(params=params, opt_state=opt_state, layer_order=order)

@@ -34,10 +34,10 @@ def trainer_for(strategy, mesh, repeats=1):
     [
         (("zero1", "stage:2,fsdp:2"), ("ddp", None)),
         (("zero3", "fsdp:8"), ("zero2", "stage:4,fsdp:2")),
-        # interleaved (2 groups of one layer per stage) to unrolled without stages, and to
-        # repeats=1 on other stages
+        # interleaved (2 groups of one layer per stage, held in the stages' order) to unrolled
+        # without stages, and from repeats=1 on other stages
         (("zero1", "stage:2,fsdp:2", 2), ("ddp", None)),
-        (("zero1", "stage:2", 2), ("zero2", "stage:4,fsdp:2")),
+        (("zero2", "stage:4,fsdp:2"), ("zero1", "stage:2", 2)),
     ],
 )
 def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path, source, target):

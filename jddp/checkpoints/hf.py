@@ -6,7 +6,7 @@ out as one that `transformers.AutoModelForCausalLM.from_pretrained` loads as it 
     trainer = jddp.Trainer(model, loss_fn, optax.adamw(1e-4), strategy="zero3")
     state = jddp.checkpoints.hf.load(trainer, trainer.init(0, batch), "llama-dir")
     ...
-    jddp.checkpoints.hf.save(state.params, model, "out-dir")       # or: jddp-export WORKDIR OUT
+    jddp.checkpoints.hf.save(trainer.host_state(state).params, model, "out")  # or: jddp-export
 
 From a config: `init_from = "hf:DIR"` (the model's arguments come from DIR/config.json), and the
 command `jddp-export --format=hf WORKDIR OUT` (jddp/run/export.py).

@@ -134,17 +134,19 @@ def batchnorm_classifier_loss(model):
     return loss_fn
 
 
-def assert_trees_close(actual, expected, rtol=1e-5):
+def assert_trees_close(actual, expected, rtol=1e-5, signed=False):
     """Each entry of each tensor within `rtol` of the reference's entry, plus an absolute floor:
     FLOOR x rtol x the tensor's largest entry where it has entries of both signs (see FLOOR),
-    NONNEGATIVE_FLOOR x rtol x that where it has none below zero."""
+    or where `signed` says its entries are sums of updates of either sign that happen to be
+    positive (a scale that starts at zero), NONNEGATIVE_FLOOR x rtol x that where it has none
+    below zero."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected)]
     actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
     assert len(actual_leaves) == len(expected_leaves), (len(actual_leaves), len(expected_leaves))
     for path, a, e in zip(paths, actual_leaves, expected_leaves, strict=True):
         e = np.asarray(e)
         scale = float(np.max(np.abs(e))) if e.size else 0.0
-        floor = NONNEGATIVE_FLOOR if e.size == 0 or e.min() >= 0 else FLOOR
+        floor = NONNEGATIVE_FLOOR if not signed and (e.size == 0 or e.min() >= 0) else FLOOR
         np.testing.assert_allclose(a, e, rtol=rtol, atol=floor * rtol * scale, err_msg=path)
 
 

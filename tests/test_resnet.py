@@ -63,7 +63,9 @@ def test_synchronized_batchnorm_equals_one_device_on_the_global_batch(strategy):
         batches,
     )
     host = trainer.host_state(state)
-    assert_trees_close(host.params, params)
+    # signed: each block's last BatchNorm scale starts at zero, so its entries are sums of
+    # updates of both signs, positive by chance (seen 1.9e-5 apart on a 6e-4 entry, AMD EPYC)
+    assert_trees_close(host.params, params, signed=True)
     assert_trees_close(host.model_state["batch_stats"], model_state["batch_stats"])
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_replicas_identical(state.model_state)

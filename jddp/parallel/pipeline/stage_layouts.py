@@ -1,5 +1,6 @@
 """Per-layer and stacked parameter layouts, and conversion between them, so that checkpoints
-move between pipelined (stacked) runs and plain ones.
+move between pipelined (stacked) runs and plain ones; and the order in which an interleaved
+pipeline's stages hold a stack's layers.
 
 A model's blocks are either per layer, `block_0/...`, `block_1/...` (GPT's default), or stacked
 along a leading layer axis under `blocks/...` (`scan_layers`, and always under a `stage` axis).

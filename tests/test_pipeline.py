@@ -68,8 +68,7 @@ def test_pipeline_matches_one_device(mesh, schedule, microbatches, strategy):
 # Interleaved (repeats V > 1): stage s runs the layer groups s, s + S, ...; 4 layers make 2 x 2
 # groups of one layer (the backward in one tick), 8 layers 2 x 2 groups of two (in two ticks)
 # or 4 x 2 of one.
-INTERLEAVED = [
-    ("stage:2", "1f1b", 2, 4, 4, "zero1"),
+INTERLEAVED = [  # 1F1B with one-layer groups on stage:2: the data:2 case below
     ("stage:2", "gpipe", 2, 4, 4, "zero1"),
     ("stage:2", "1f1b", 2, 8, 4, "zero1"),
     ("stage:4", "1f1b", 2, 8, 4, "zero1"),

@@ -5,9 +5,10 @@ axes; `tensor` stays with the compiler). Every device is one stage and holds tha
 of the `Pipelined` stack; the parts before and after the stack (embedding, head, loss) are
 replicated over the stages and run on the first and last stage only. A `lax.scan` over the
 schedule's ticks does, on every stage at once, what the timetable says (jddp/parallel/pipeline/
-schedule.py): a forward keeps `jax.vjp`'s residuals (less the stage's weights, which every
-micro-batch shares) in a stash slot, a backward calls the pullback with the cotangent from the
-next stage; activations go forward and cotangents back by one `ppermute` each per tick.
+schedule.py): a forward keeps each layer's `jax.vjp` residuals (less its weights, which every
+micro-batch shares) in a stash slot, a backward calls the layers' pullbacks, the last first, on
+the cotangent from the next stage; activations go forward and cotangents back by one `ppermute`
+each per tick.
 Nothing is recomputed: the stash holds what an ordinary backward pass would, for the
 micro-batches in flight (GPipe: all M; 1F1B: at most S).
 
@@ -114,27 +115,16 @@ class Pipeline:
         means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
         return means["loss"], means
 
-    def _stage(self, stage_params, x, rng, layer_key, chunk, offset: int = 0):
-        """Layers of this stage's group `chunk`, from its `offset`-th on (as many as
-        `stage_params`, already in the compute dtype, holds), in order, on `x`. Layer i gets
-        `fold_in(layer_key, i)` as its last argument when the model gave its stack a key (see
-        `Pipelined`)."""
-        group = chunk * self.schedule.stages + lax.axis_index(self.axis)
-        first = group * self.layers_per_chunk + offset
+    def _layer(self, layer_params, x, rng, layer_key, index):
+        """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`: it
+        gets `fold_in(layer_key, index)` as its last argument when the model gave its stack a
+        key (see `Pipelined`)."""
         call = self._call
-
-        def layer(x, inputs):
-            index, layer_params = inputs
-            args = call.args
-            if layer_key is not None:
-                args = (*args, jax.random.fold_in(layer_key, first + index))
-            key = jax.random.fold_in(rng, first + index)
-            y = call.block.apply({"params": layer_params}, x, *args, rngs={"dropout": key})
-            return y, None
-
-        count = jax.tree.leaves(stage_params)[0].shape[0]
-        x, _ = lax.scan(layer, x, (jnp.arange(count), stage_params))
-        return x
+        args = call.args
+        if layer_key is not None:
+            args = (*args, jax.random.fold_in(layer_key, index))
+        key = jax.random.fold_in(rng, index)
+        return call.block.apply({"params": layer_params}, x, *args, rngs={"dropout": key})
 
     # ------------------------------------------------------------------------- gradients
     def grads(self, params, model_state, batch, rng):
@@ -177,21 +167,14 @@ class Pipeline:
         `microbatches` (leading axis M); `groups`: (chunk, layer, ...) per leaf."""
         sched, axis = self.schedule, self.axis
         S, M, V = sched.stages, sched.microbatches, sched.repeats
+        L = self.layers_per_chunk
         stage = lax.axis_index(axis)
-        # Each chunk's layers in two halves: the backward of each is one tick (schedule.py).
-        # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
-        # copies of the weights among each micro-batch's stashed residuals.
-        low = self.layers_per_chunk // 2 if sched.split_backward else 0
-        halves = [
-            cast_floats(
-                jax.tree.map(lambda x, a=a, b=b: x[:, a:b], groups), self.task.compute_dtype
-            )
-            for a, b in ((0, low), (low, None))
-        ]
+        # Each chunk's layers in two halves, [0, low) and [low, L): the backward of each is one
+        # tick (schedule.py). Cast to the compute dtype once, here: a cast inside the stage
+        # would leave the cast copies of the weights among each micro-batch's stashed residuals.
+        low = L // 2 if sched.split_backward else 0
+        params = cast_floats(groups, self.task.compute_dtype)
         tables = {name: jnp.asarray(getattr(sched, name)) for name in TABLES}
-
-        def chunk_of(tree, r):  # one chunk's parameters
-            return jax.tree.map(lambda x: x[r], tree)
 
         def take(m):
             return jax.tree.map(lambda x: x[m], microbatches)
@@ -201,64 +184,71 @@ class Pipeline:
         def key(m):  # the micro-batch's rows of the pipeline's
             return row_keys.sub_batch_key(rng, m * rows, rows)
 
-        def half_vjp(h, x, m, r):
-            """(output, residuals to stash) of half `h` (0: first layers, 1: the rest) of chunk
-            `r` on `x`: the pullback's leaves less the half's own parameters, which every
-            micro-batch shares (stashed, they would copy the stage's weights into every slot)."""
-            offset = low if h else 0
-            layer_key = self._capture(rest, take(m), key(m)).layer_key
-            own = chunk_of(halves[h], r)
-            y, pullback = jax.vjp(
-                lambda p, x: self._stage(p, x, key(m), layer_key, r, offset), own, x
-            )
-            params = {id(p): i for i, p in enumerate(jax.tree.leaves(own))}
-            leaves, tree = jax.tree.flatten(pullback)
-            which = [params.get(id(leaf)) for leaf in leaves]
-            # Traced alike each time: the stash is laid out from the first trace.
-            first = shared.setdefault(h, (which, tree))[0]
-            assert first == which, "the pullback's parameters changed between traces"
-            return y, [leaf for leaf, i in zip(leaves, which, strict=True) if i is None]
+        def at(tree, *index):  # the entry at `index` of every leaf
+            return jax.tree.map(lambda x: x[index], tree)
 
-        def pullback_of(h, residuals, r):
-            """The pullback of half `h` of chunk `r` from its stashed residuals and its
+        def layer_vjp(x, layer_key, m, r, i):
+            """(output, residuals to stash) of layer `i` of chunk `r` on `x`: the pullback's
+            leaves less the layer's own parameters, which every micro-batch shares (stashed,
+            they would copy the stage's weights into every slot)."""
+            own = at(params, r, i)
+            index = (r * S + stage) * L + i  # in the whole stack
+            y, pullback = jax.vjp(lambda p, x: self._layer(p, x, key(m), layer_key, index), own, x)
+            ids = {id(p): n for n, p in enumerate(jax.tree.leaves(own))}
+            leaves, tree = jax.tree.flatten(pullback)
+            which = [ids.get(id(leaf)) for leaf in leaves]
+            # Traced alike each time: the stash is laid out from the first trace.
+            first = shared.setdefault("layer", (which, tree))[0]
+            assert first == which, "the pullback's parameters changed between traces"
+            return y, [leaf for leaf, n in zip(leaves, which, strict=True) if n is None]
+
+        def pullback_of(residuals, r, i):
+            """The pullback of layer `i` of chunk `r` from its stashed residuals and its
             parameters."""
-            which, tree = shared[h]
-            params, residuals = jax.tree.leaves(chunk_of(halves[h], r)), iter(residuals)
-            leaves = [next(residuals) if i is None else params[i] for i in which]
+            which, tree = shared["layer"]
+            own, residuals = jax.tree.leaves(at(params, r, i)), iter(residuals)
+            leaves = [next(residuals) if n is None else own[n] for n in which]
             return jax.tree.unflatten(tree, leaves)
 
         self._find_call(rest, take(0), key(0))
         # Shapes of what moves and what is kept, from one abstract micro-batch.
         x_shape = jax.eval_shape(self._pre, rest, take(0), key(0))
-        used = [1] if low == 0 else [0, 1]
-        shared = {}  # per half: (for each pullback leaf, the parameter it is or None; treedef)
-        residual_shapes = {
-            h: jax.eval_shape(lambda x, h=h: half_vjp(h, x, 0, 0)[1], x_shape) for h in used
-        }
+        shared = {}  # "layer": (for each pullback leaf, the parameter it is or None; treedef)
+        layer_key_shape = jax.eval_shape(lambda: self._capture(rest, take(0), key(0)).layer_key)
+        residual_shapes = jax.eval_shape(
+            lambda x, k: layer_vjp(x, k, 0, 0, 0)[1], x_shape, layer_key_shape
+        )
 
         # The big buffers (stash, gradients) go through a tick's conditionals and are updated
-        # in place by the branch that computes (XLA leaves a buffer that a branch returns
-        # unchanged where it is). Branches return no zeros the size of a micro-batch's
-        # residuals or of the parameters: only sends and activations. The small buffers
-        # (inboxes, middle) take what arrives after the conditionals, at a spare slot when
-        # nothing arrives.
+        # in place, one layer at a time, by the branch that computes (XLA leaves a buffer that
+        # a branch returns unchanged where it is): a scan's stacked outputs would be a fresh
+        # buffer, zeroed and copied every tick. Branches return no zeros the size of a
+        # micro-batch's residuals or of the parameters: only sends and activations. The small
+        # buffers (inboxes, middle) take what arrives after the conditionals, at a spare slot
+        # when nothing arrives.
         def fill(shape, slots, spare=1):
             return jnp.full((slots + spare, *shape.shape), BUBBLE_FILL, shape.dtype)
 
         zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
         add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)  # noqa: E731
         carry = {
-            "stash": {
-                h: [fill(r, sched.stash_slots, spare=0) for r in residual_shapes[h]] for h in used
-            },
+            # Per residual leaf: (slot, layer of the chunk, ...).
+            "stash": [
+                jnp.full((sched.stash_slots, L, *r.shape), BUBBLE_FILL, r.dtype)
+                for r in residual_shapes
+            ],
             "inbox_f": fill(x_shape, sched.forward_slots),
             "inbox_b": fill(x_shape, sched.backward_slots),
             "middle": fill(x_shape, sched.middle_slots),
-            "grad_halves": [zeros(halves[0]), zeros(halves[1])],
+            "grads": zeros(params),
             "grad_rest": zeros(rest),
             "metrics": {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)},
         }
         idle_send = jnp.full(x_shape.shape, BUBBLE_FILL, x_shape.dtype)
+
+        def put(buffer, value, *index):  # `value` at `index` (leading axes) of `buffer`, in place
+            start = (*index, *([0] * value.ndim))
+            return lax.dynamic_update_slice(buffer, value[(None,) * len(index)], start)
 
         def forward(kept, x_in, slot, m, r):
             """Forward of micro-batch `m` through chunk `r`: residuals into the stash at
@@ -269,10 +259,15 @@ class Pipeline:
             first = (stage == 0) & (r == 0)
             last = (stage == S - 1) & (r == V - 1)
             x = lax.cond(first, lambda: self._pre(rest, batch, key(m)), lambda: x_in)
-            stash = dict(stash)
-            for h in used:
-                x, residuals = half_vjp(h, x, m, r)
-                stash[h] = [buf.at[slot].set(r) for buf, r in zip(stash[h], residuals, strict=True)]
+            layer_key = self._capture(rest, batch, key(m)).layer_key
+
+            def layer(carry, i):
+                x, stash = carry
+                y, residuals = layer_vjp(x, layer_key, m, r, i)
+                stash = [put(buf, v, slot, i) for buf, v in zip(stash, residuals, strict=True)]
+                return (y, stash), None
+
+            (x, stash), _ = lax.scan(layer, (x, stash), jnp.arange(L))
 
             def head(grad_rest, metrics):  # the cotangent the last stage sends itself
                 (loss, means), post_pullback = _vjp_with_aux(
@@ -293,17 +288,25 @@ class Pipeline:
             return kept, idle_send, idle_send
 
         def backward(h):
-            """The backward of half `h` of micro-batch `m` from its residuals at `slot` and
-            `cotangent`, its gradients added in place. Returns (grads, grad_rest, d_x for the
-            middle buffer, send back)."""
+            """The backward of half `h` (0: layers [0, low), 1: [low, L)) of micro-batch `m`
+            from its residuals at `slot` and `cotangent`, layer by layer from the last, its
+            gradients added in place. Returns (grads, grad_rest, d_x for the middle buffer,
+            send back)."""
 
             def run(grads, grad_rest, stash, cotangent, slot, m, r):
-                pullback = pullback_of(h, [buf[slot] for buf in stash[h]], r)
-                d_half, d_x = pullback(cotangent)
-                grads = list(grads)
-                grads[h] = jax.tree.map(
-                    lambda g, d: g.at[r].add(d.astype(g.dtype)), grads[h], d_half
-                )
+                def layer(carry, i):
+                    d_y, grads = carry
+                    pullback = pullback_of([buf[slot, i] for buf in stash], r, i)
+                    d_own, d_x = pullback(d_y)
+                    # A scatter-add: XLA fuses the read, add and write (a slice and `put` would
+                    # copy the layer's gradients out first).
+                    grads = jax.tree.map(
+                        lambda g, d: g.at[r, i].add(d.astype(g.dtype)), grads, d_own
+                    )
+                    return (d_x, grads), None
+
+                layers = jnp.arange(low, L) if h else jnp.arange(low)
+                (d_x, grads), _ = lax.scan(layer, (cotangent, grads), layers, reverse=True)
                 if h == 1 and low > 0:  # the first of two backward ticks
                     return grads, grad_rest, d_x, idle_send
 
@@ -347,7 +350,7 @@ class Pipeline:
                 op == BACKWARD_HIGH,
                 backward(1),
                 no_backward,
-                carry["grad_halves"],
+                carry["grads"],
                 grad_rest,
                 stash,
                 carry["inbox_b"][read],
@@ -387,7 +390,7 @@ class Pipeline:
                     middle,
                     (op == BACKWARD_HIGH) & (low > 0),
                 ),
-                "grad_halves": grads,
+                "grads": grads,
                 "grad_rest": grad_rest,
                 "metrics": metrics,
             }
@@ -395,12 +398,9 @@ class Pipeline:
 
         forward_pairs = [(i, i + 1) for i in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
         carry, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
-        grad_groups = jax.tree.map(
-            lambda a, b: jnp.concatenate([a, b], axis=1), *carry["grad_halves"]
-        )
         # The replicated parts' gradients and the metrics live on the first and last stage.
         grad_rest, metrics = lax.psum((carry["grad_rest"], carry["metrics"]), axis)
-        return (grad_groups, grad_rest), metrics
+        return (carry["grads"], grad_rest), metrics
 
 
 def _vjp_with_aux(fn, *primals):

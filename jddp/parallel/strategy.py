@@ -61,7 +61,9 @@ class Strategy(Protocol):
         """ShapeDtypeStructs of a placed global batch shaped like `batch` (no data needed)."""
         ...
 
-    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]: ...
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One step; a state in another layer order than the step holds is reordered first."""
+        ...
 
     def eval_step(self, state: TrainState, batch) -> dict: ...
 
@@ -70,11 +72,12 @@ class Strategy(Protocol):
         ...
 
     def global_state(self, state: TrainState) -> TrainState:
-        """`state` as global arrays over every process's devices: what orbax saves."""
+        """`state` as global arrays over every process's devices, in the model's layer order
+        (`TrainState.layer_order` None): what orbax saves."""
         ...
 
     def host_state(self, state: TrainState) -> TrainState:
-        """The whole state as host numpy arrays."""
+        """The whole state as host numpy arrays, in the model's layer order."""
         ...
 
     def consolidate(self, state: TrainState) -> TrainState:

@@ -148,6 +148,9 @@ def reorder_state(state, order, *, stack_path: tuple[str, ...], num_layers: int)
         if path_str(path).startswith(prefix)
     }
 
+    # A leaf mirrors a stack parameter when its path ends with the parameter's, as in
+    # rules.mirror_specs; here by the leading layer axis, not the whole shape, so that factored
+    # moments (Adafactor's rows and columns) move with their layers too.
     def move(path, x):
         parts = path_str(path).split("/")
         mirrors = any("/".join(parts[i:]) in stacked for i in range(len(parts)))

@@ -1,6 +1,7 @@
 """Pipeline parallelism: GPipe and 1F1B over a stage axis, alone and with data, fsdp and tensor,
 train what one device trains; their bubbles never reach a result; 1F1B holds fewer activations."""
 
+import functools
 import math
 import re
 
@@ -166,9 +167,12 @@ def test_bubbles_never_reach_a_result(monkeypatch):
     assert results[0][1] == results[1][1] and np.isfinite(results[1][1]).all()
 
 
-def loop_collectives(trainer, batch):
-    """(collectives inside the micro-batch loop, collectives outside every loop) of the
-    compiled step, as (kind, bytes, device groups)."""
+@functools.cache
+def compiled_step(mesh, schedule, microbatches, repeats=1):
+    """({computation name: HLO text} of the compiled step, the loop over ticks' body, {loop
+    body: the computations it reaches}) of `pipeline_trainer(...)`: compiled once per module."""
+    trainer = pipeline_trainer(mesh, schedule, microbatches, repeats=repeats)
+    batch = token_batches(size=BATCH)[0]
     state = trainer.init(seed=0, sample_batch=batch)
     text = trainer.strategy.lower_train_step(state, trainer.place_batch(batch).arrays)
     comps = hlo.computations(text.compile().as_text())
@@ -178,7 +182,13 @@ def loop_collectives(trainer, batch):
         (b for b in bodies if any("collective-permute(" in comps[c] for c in reach[b])),
         key=lambda b: len(reach[b]),
     )
+    return comps, ticks, reach
 
+
+def loop_collectives(*program):
+    """(collectives inside the micro-batch loop, collectives outside every loop) of the
+    compiled step of `pipeline_trainer(*program)`, as (kind, bytes, device groups)."""
+    comps, ticks, reach = compiled_step(*program)
     inside = [op for name in reach[ticks] for op in hlo.collectives_with_groups(comps[name])]
     in_loops = set().union(*reach.values())
     outside = [
@@ -191,8 +201,7 @@ def test_only_neighbouring_stages_talk_inside_the_micro_batch_loop():
     """data:2,stage:2: inside the loop over ticks, exactly two collective-permutes (activations
     forward, cotangents back) of one micro-batch's activations, between the devices of each
     data replica's two stages; the gradient all-reduce over data happens once, after the loop."""
-    trainer = pipeline_trainer("data:2,stage:2", "1f1b", 4)
-    inside, outside = loop_collectives(trainer, token_batches(size=BATCH)[0])
+    inside, outside = loop_collectives("data:2,stage:2", "1f1b", 4)
     rows = BATCH // 2 // 2 // 4  # per replica, per accumulation step, per micro-batch
     activation = rows * 16 * 32 * 4  # rows x sequence x width, float32
     stage_pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}  # devices [[0, 1], [2, 3]]: (data, stage)
@@ -206,10 +215,39 @@ def test_interleaved_stages_hold_their_groups_so_no_layer_crosses_stages():
     """stage:2 with 2 groups per stage: the stages trade activations and cotangents inside the
     loop (collective-permutes, around the ring), and no parameter or gradient of the stack
     crosses the stages in the step: no all-to-all and no all-gather anywhere."""
-    trainer = pipeline_trainer("stage:2", "1f1b", 4, repeats=2)
-    inside, outside = loop_collectives(trainer, token_batches(size=BATCH)[0])
+    inside, outside = loop_collectives("stage:2", "1f1b", 4, 2)
     assert {k for k, _, _ in inside} == {"collective-permute"}
     assert not {k for k, _, _ in inside + outside} & {"all-to-all", "all-gather"}
+
+
+def operands_of(computation: str) -> dict[str, set[str]]:
+    """{instruction: the instructions of `computation` (HLO text) it reads}."""
+    lines = re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\s[\w\-]+\((.*)$", computation, re.M)
+    names = {name for name, _ in lines}
+    return {name: set(re.findall(r"%([\w.\-]+)", rest)) & names for name, rest in lines}
+
+
+@pytest.mark.parametrize("program", [("data:2,stage:2", "1f1b", 4), ("stage:2", "1f1b", 4, 2)])
+def test_a_stage_sends_only_once_its_whole_tick_is_done(program):
+    """In a steady 1F1B tick one stage runs a forward and its neighbour a backward. Each send
+    is a rendezvous with the neighbour; issued as soon as the forward is done, it would hold the
+    stage there, its thread taken, until the neighbour's backward had run, and the two would
+    take turns (1F1B's step took 1.2x GPipe's on 2 one-core devices). So in the loop's body
+    every collective-permute reads, through its operands, every conditional (the forward and
+    each backward half): plain 1F1B (backward in two ticks) and interleaved."""
+    comps, ticks, _ = compiled_step(*program)
+    body = comps[ticks]
+    reads = operands_of(body)
+    conditionals = {n for n in reads if re.search(rf"%{re.escape(n)} = .* conditional\(", body)}
+    sends = {n for n in reads if re.search(rf"%{re.escape(n)} = .* collective-permute\(", body)}
+    assert len(sends) == 2 and len(conditionals) == (3 if len(program) == 3 else 2), body
+    for send in sends:
+        seen, todo = set(), [send]
+        while todo:
+            for operand in reads[todo.pop()] - seen:
+                seen.add(operand)
+                todo.append(operand)
+        assert conditionals <= seen, (send, conditionals - seen)
 
 
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():

@@ -374,6 +374,7 @@ class Pipeline:
                 send_b = jnp.where(op == BACKWARD_LOW, send_b_low, send_b)
             # To the next stage; with chunks, around a ring (the last stage's output goes on
             # to the first stage's next chunk, cotangents the other way).
+            send_f, send_b = after_each_other(send_f, send_b, op >= 0)
             received_f = lax.ppermute(send_f, axis, forward_pairs)
             received_b = lax.ppermute(send_b, axis, [(j, i) for i, j in forward_pairs])
             slot_f, slot_b = tables["arrive_forward"][t, stage], tables["arrive_backward"][t, stage]
@@ -401,6 +402,19 @@ class Pipeline:
         # The replicated parts' gradients and the metrics live on the first and last stage.
         grad_rest, metrics = lax.psum((carry["grad_rest"], carry["metrics"]), axis)
         return (carry["grads"], grad_rest), metrics
+
+
+def after_each_other(a, b, always):
+    """(a, b), each computed only once both are: `always` is true, but only known at run time.
+
+    A send is a rendezvous with the neighbour that holds its thread until the neighbour
+    arrives. Issued as soon as its own value is ready, a stage's forward send would wait there
+    for the neighbour's forward while the stage's own backward waits for a thread (XLA:CPU runs
+    a device's operations on a pool of one thread per core): a stage running a forward and its
+    neighbour a backward in one tick, 1F1B's every steady tick, would take turns instead of
+    running at once. `lax.optimization_barrier` orders nothing here: XLA:CPU schedules by
+    the buffers an operation reads, and the barrier's outputs are its inputs' buffers."""
+    return jnp.where(always, a, b), jnp.where(always, b, a)
 
 
 def _vjp_with_aux(fn, *primals):

@@ -10,16 +10,17 @@ the bubble each implies, and what scan_layers saves in compile time.
   device, the timetable's bubble. The 8 devices share 2 cores, so an idle stage frees a core
   for the others: the bubble does not show in wall time here (it would on real devices), only
   the extra work of the pipeline.
-- `cores`: 2 devices with one core each (XLA's intra-op threading off), stage:2 against ddp on
-  the same 2 devices, M in {2, 4, 8}: here a stage that idles leaves its core idle, so the
-  slowdown can be held against the bubble formula's (M + S - 1) / M. Against two baselines:
-  ddp with the blocks one by one, and the same model without a stage axis, its blocks as one
-  scan as the stages run them (`vs_formula` is the slowdown against this one over the
-  formula's; their difference is what XLA:CPU's loop costs, not the pipeline).
+- `cores`: 2 devices with one core each (XLA's intra-op threading off), a GPT of 4 layers,
+  stage:2 against ddp on the same 2 devices, M in {2, 4, 8}: here a stage that idles leaves its
+  core idle, so the slowdown can be held against the bubble formula's (M + S - 1) / M. The
+  formula compares a pipeline with the same work done without bubbles, so `vs_formula` is the
+  slowdown against ddp in M / 2 accumulation steps (each device's micro-batches the size of the
+  pipeline's: smaller ones run faster per row here) over the formula's; `plain_vs_formula` the
+  same against plain ddp. Both run their blocks one by one, as the stages do.
 - `interleaved`: the same 2 devices, a GPT of 8 layers (2 per layer group: the backward in two
   ticks), stage:2 with repeats 1 and 2 (1F1B, M in {2, 4, 8}; GPipe's circular form at M = 4)
-  against the same model without a stage axis, its blocks as one scan: the slowdown held
-  against the interleaved bubble formula's (V M + S - 1) / (V M).
+  against the same references: the slowdown held against the interleaved bubble formula's
+  (V M + S - 1) / (V M).
 - `compile`: gpt_124m's train step compiled on one device with its 12 blocks one by one and as
   one scan (scan_layers).
 Writes bench_results/pipeline.json and bench_results/pipeline.png (step time and peak memory
@@ -49,6 +50,7 @@ def gpt_trainer(
     devices=None,
     scan=False,
     repeats=1,
+    accumulation=1,
 ):
     import jax
     import optax
@@ -79,6 +81,7 @@ def gpt_trainer(
         pipeline=pipeline,
         devices=devices or jax.devices(),
         log_grad_norm=False,
+        grad_accum_steps=accumulation,
     )
 
 
@@ -103,29 +106,31 @@ def measure(variants, batch, repeats, steps):
     return rows, timings
 
 
-def pipeline_rows(variants, rows, timings, baseline, same_model, steps):
-    """Rows with each variant's slowdown against `baseline` and against `same_model` (the
-    baseline's model with its blocks as one scan, as the pipeline's stages run them), and the
-    latter over the bubble formula's."""
+def pipeline_rows(variants, rows, timings, plain, matched, steps):
+    """Rows with each variant's slowdown against `plain` (the model without a stage axis) and
+    that over the bubble formula's (`plain_vs_formula`), its slowdown against `matched[M]` (the
+    same model run in micro-batches of the pipeline's size) and that over the formula's
+    (`vs_formula`)."""
     from experiments.bench import common
 
     out = []
     for name, trainer in variants.items():
         row = rows[name] | {"step_s": timings[name]["median_sec"] / steps}
-        if name != baseline:
-            row["measured_slowdown"] = common.paired_ratio(timings, baseline, name)
+        if name != plain:
+            row["measured_slowdown"] = common.paired_ratio(timings, plain, name)
         pipeline = trainer.strategy.pipeline
         if pipeline:
             bubble = pipeline.schedule.bubble(pipeline.layers_per_chunk)
-            vs_same = common.paired_ratio(timings, same_model, name)
+            same = common.paired_ratio(timings, matched[pipeline.schedule.microbatches], name)
             row |= {
                 "schedule": pipeline.schedule.name,
                 "M": pipeline.schedule.microbatches,
                 "repeats": pipeline.schedule.repeats,
                 "bubble": bubble,
                 "predicted_slowdown": 1 / (1 - bubble),
-                "slowdown_vs_same_model": vs_same,
-                "vs_formula": vs_same * (1 - bubble),
+                "plain_vs_formula": row["measured_slowdown"] * (1 - bubble),
+                "slowdown_same_microbatches": same,
+                "vs_formula": same * (1 - bubble),
             }
         out.append(row)
     return out
@@ -139,8 +144,9 @@ def simulated(repeats, steps):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 512, (64, 65)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    plain = "no stage: data:2,fsdp:4"
     variants = {
-        "no stage: data:2,fsdp:4": gpt_trainer(8, 256, "data:2,fsdp:4", "zero1"),
+        plain: gpt_trainer(8, 256, "data:2,fsdp:4", "zero1"),
         "no stage, blocks as one scan": gpt_trainer(8, 256, "data:2,fsdp:4", "zero1", scan=True),
     }
     for schedule in ("gpipe", "1f1b"):
@@ -149,50 +155,64 @@ def simulated(repeats, steps):
                 8, 256, "stage:4,data:2", "zero1", schedule, m
             )
     rows, timings = measure(variants, batch, repeats, steps)
-    return pipeline_rows(
-        variants, rows, timings, "no stage: data:2,fsdp:4", "no stage, blocks as one scan", steps
-    )
+    return pipeline_rows(variants, rows, timings, plain, dict.fromkeys((4, 8, 16), plain), steps)
+
+
+def two_core_references(layers, microbatch_counts):
+    """{M: (name, trainer)}: the model without a stage axis on the 2 devices (ddp, blocks one by
+    one) in M / 2 accumulation steps, so that each device runs micro-batches of the size a
+    pipeline of M micro-batches runs: on this CPU a step in smaller micro-batches runs faster
+    (by up to a tenth), which is not the pipeline's doing."""
+    return {
+        m: (
+            "ddp" if m == 2 else f"ddp, {m // 2} accumulation steps",
+            gpt_trainer(layers, 256, None, "ddp", accumulation=m // 2),
+        )
+        for m in sorted(set(microbatch_counts))
+    }
+
+
+def two_core_rows(layers, pipelines, repeats, steps):
+    """`pipelines` ({name: (M, trainer on stage:2 in M micro-batches)}) measured against
+    `two_core_references`, on a global batch of 32 sequences of 64 tokens."""
+    import jax
+    import numpy as np
+
+    assert jax.device_count() == 2
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    references = two_core_references(layers, [2, *(m for m, _ in pipelines.values())])
+    variants = dict(references.values()) | {name: t for name, (_, t) in pipelines.items()}
+    rows, timings = measure(variants, batch, repeats, steps)
+    matched = {m: name for m, (name, _) in references.items()}
+    return pipeline_rows(variants, rows, timings, matched[2], matched, steps)
 
 
 def cores(repeats, steps):
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    assert jax.device_count() == 2
-    # The blocks as one scan, as a pipeline's stage runs them: what XLA:CPU's loop costs alone.
-    variants = {
-        "ddp on 2 devices": gpt_trainer(4, 256, None, "ddp"),
-        "ddp, blocks as one scan": gpt_trainer(4, 256, None, "ddp", scan=True),
+    pipelines = {
+        f"{schedule} M={m}": (m, gpt_trainer(4, 256, "stage:2", "zero1", schedule, m))
+        for schedule in ("gpipe", "1f1b")
+        for m in (2, 4, 8)
     }
-    for schedule in ("gpipe", "1f1b"):
-        for m in (2, 4, 8):
-            variants[f"{schedule} M={m}"] = gpt_trainer(4, 256, "stage:2", "zero1", schedule, m)
-    rows, timings = measure(variants, batch, repeats, steps)
-    return pipeline_rows(
-        variants, rows, timings, "ddp on 2 devices", "ddp, blocks as one scan", steps
-    )
+    return two_core_rows(4, pipelines, repeats, steps)
 
 
 def interleaved(repeats, steps):
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 512, (32, 65)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    assert jax.device_count() == 2
-    same_model = "ddp, 8 blocks as one scan"
-    variants = {same_model: gpt_trainer(8, 256, None, "ddp", scan=True)}
-    for v, schedule, m in [(1, "1f1b", 4), (2, "1f1b", 2), (2, "1f1b", 4), (2, "1f1b", 8)]:
-        variants[f"{schedule} v={v} M={m}"] = gpt_trainer(
-            8, 256, "stage:2", "zero1", schedule, m, repeats=v
+    pipelines = {
+        f"{schedule} v={v} M={m}": (
+            m,
+            gpt_trainer(8, 256, "stage:2", "zero1", schedule, m, repeats=v),
         )
-    variants["gpipe v=2 M=4"] = gpt_trainer(8, 256, "stage:2", "zero1", "gpipe", 4, repeats=2)
-    rows, timings = measure(variants, batch, repeats, steps)
-    return pipeline_rows(variants, rows, timings, same_model, same_model, steps)
+        for v, schedule, m in [
+            (1, "1f1b", 4),
+            (2, "1f1b", 2),
+            (2, "1f1b", 4),
+            (2, "1f1b", 8),
+            (2, "gpipe", 4),
+        ]
+    }
+    return two_core_rows(8, pipelines, repeats, steps)
 
 
 def compile_times():
@@ -241,7 +261,7 @@ def plot(rows, path):
         mine = [r for r in rows if r.get("schedule") == schedule]
         ms = [r["M"] for r in mine]
         line = time_axis.plot(
-            ms, [r["slowdown_vs_same_model"] for r in mine], "o-", label=f"{schedule}"
+            ms, [r["slowdown_same_microbatches"] for r in mine], "o-", label=schedule
         )[0]
         time_axis.plot(
             ms,
@@ -249,7 +269,7 @@ def plot(rows, path):
             "o:",
             color=line.get_color(),
             alpha=0.5,
-            label=f"{schedule} vs ddp unrolled",
+            label=f"{schedule} vs plain ddp",
         )
         memory_axis.plot(ms, [r["peak_MiB"] for r in mine], "o-", label=schedule)
     predicted = [r for r in rows if r.get("schedule") == "gpipe"]
@@ -261,7 +281,7 @@ def plot(rows, path):
     )
     time_axis.set(
         xlabel="micro-batches M",
-        ylabel="step time / same model, no stage axis",
+        ylabel="step time / ddp, same micro-batches",
         title="2 devices, one core each",
     )
     memory_axis.set(

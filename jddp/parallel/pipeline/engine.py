@@ -8,7 +8,7 @@ schedule's ticks does, on every stage at once, what the timetable says (jddp/par
 schedule.py): a forward keeps each layer's `jax.vjp` residuals (less its weights, which every
 micro-batch shares) in a stash slot, a backward calls the layers' pullbacks, the last first, on
 the cotangent from the next stage; activations go forward and cotangents back by one `ppermute`
-each per tick.
+each per tick, both once the stage's whole tick is done (`after_each_other`).
 Nothing is recomputed: the stash holds what an ordinary backward pass would, for the
 micro-batches in flight (GPipe: all M; 1F1B: at most S).
 

@@ -227,8 +227,14 @@ def operands_of(computation: str) -> dict[str, set[str]]:
     return {name: set(re.findall(r"%([\w.\-]+)", rest)) & names for name, rest in lines}
 
 
-@pytest.mark.parametrize("program", [("data:2,stage:2", "1f1b", 4), ("stage:2", "1f1b", 4, 2)])
-def test_a_stage_sends_only_once_its_whole_tick_is_done(program):
+@pytest.mark.parametrize(
+    "program,conditionals",
+    [
+        (("data:2,stage:2", "1f1b", 4), 3),  # 2 layers a stage: forward, two backward halves
+        (("stage:2", "1f1b", 4, 2), 2),  # interleaved, 1 layer a group: forward, backward
+    ],
+)
+def test_a_stage_sends_only_once_its_whole_tick_is_done(program, conditionals):
     """In a steady 1F1B tick one stage runs a forward and its neighbour a backward. Each send
     is a rendezvous with the neighbour; issued as soon as the forward is done, it would hold the
     stage there, its thread taken, until the neighbour's backward had run, and the two would
@@ -238,16 +244,16 @@ def test_a_stage_sends_only_once_its_whole_tick_is_done(program):
     comps, ticks, _ = compiled_step(*program)
     body = comps[ticks]
     reads = operands_of(body)
-    conditionals = {n for n in reads if re.search(rf"%{re.escape(n)} = .* conditional\(", body)}
+    branches = {n for n in reads if re.search(rf"%{re.escape(n)} = .* conditional\(", body)}
     sends = {n for n in reads if re.search(rf"%{re.escape(n)} = .* collective-permute\(", body)}
-    assert len(sends) == 2 and len(conditionals) == (3 if len(program) == 3 else 2), body
+    assert len(sends) == 2 and len(branches) == conditionals, body
     for send in sends:
         seen, todo = set(), [send]
         while todo:
             for operand in reads[todo.pop()] - seen:
                 seen.add(operand)
                 todo.append(operand)
-        assert conditionals <= seen, (send, conditionals - seen)
+        assert branches <= seen, (send, branches - seen)
 
 
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():

@@ -410,7 +410,7 @@ def after_each_other(a, b, always):
     A send is a rendezvous with the neighbour that holds its thread until the neighbour
     arrives. Issued as soon as its own value is ready, a stage's forward send would wait there
     for the neighbour's forward while the stage's own backward waits for a thread (XLA:CPU runs
-    a device's operations on a pool of one thread per core): a stage running a forward and its
+    every device's operations on one pool of a thread per core): a stage running a forward and its
     neighbour a backward in one tick, 1F1B's every steady tick, would take turns instead of
     running at once. `lax.optimization_barrier` orders nothing here: XLA:CPU schedules by
     the buffers an operation reads, and the barrier's outputs are its inputs' buffers."""

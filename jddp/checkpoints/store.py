@@ -73,7 +73,7 @@ class Checkpoints:
         )
         self._saving = None  # (step, bytes) of the save in flight
         self._failed = False
-        _mute_reported_write_failures()
+        _mute_reported_failures()
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -160,6 +160,7 @@ class Checkpoints:
         checkpoints where they are.
         """
         _drop_closed_loop_reports()
+        _reported_reads.add(self.directory + os.sep)
         steps = sorted(self.steps(), reverse=True)
         if step is not None:
             if step not in steps:
@@ -367,25 +368,33 @@ def _first_line(error: Exception, limit: int = 200) -> str:
     return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
-class _ReportedWriteFailures(std_logging.Filter):
+# Checkpoint directories `restore_latest` reads: it reports every failure to read them, damage
+# in a warning and the rest in a CheckpointError.
+_reported_reads: set[str] = set()
+
+
+class _ReportedFailures(std_logging.Filter):
     def filter(self, record) -> bool:
         from_orbax = "/orbax/" in record.pathname or record.name == "asyncio"
         if not from_orbax or record.levelno < std_logging.ERROR:
             return True
         error = record.exc_info[1] if record.exc_info else None
         failed_write = error is not None and write_failure(error) is not None
-        return not (failed_write or "os_error_code=" in record.getMessage())
+        text = f"{record.getMessage()} {error}"
+        failed_read = any(directory in text for directory in _reported_reads)
+        return not (failed_write or failed_read or "os_error_code=" in record.getMessage())
 
 
-def _mute_reported_write_failures() -> None:
+def _mute_reported_failures() -> None:
     """orbax logs a failed write, traceback and all, from each thread it passes through, and
-    asyncio reports the same failure once more for each of orbax's write tasks nobody awaited
-    ("Task exception was never retrieved"); the CheckpointError that `Checkpoints` raises says
-    it once, in one line."""
+    asyncio reports a failed write or read once more for each of orbax's tasks nobody awaited
+    ("Task exception was never retrieved", when the garbage collector gets to them). The
+    CheckpointError that `Checkpoints` raises, or its warning about a damaged checkpoint, says it
+    once, in one line."""
     for name in ("absl", "asyncio"):
         logger = std_logging.getLogger(name)
-        if not any(isinstance(f, _ReportedWriteFailures) for f in logger.filters):
-            logger.addFilter(_ReportedWriteFailures())
+        if not any(isinstance(f, _ReportedFailures) for f in logger.filters):
+            logger.addFilter(_ReportedFailures())
 
 
 def _drop_closed_loop_reports() -> None:

@@ -23,19 +23,25 @@ from jddp.parallel.pipeline.schedule import (
     make_schedule,
 )
 from tests.reference import SmallNet, make_batches, per_example_ce
-from tests.tiny_gpt import check_against_reference, gpt_trainer, run, token_batches
+from tests.tiny_gpt import (
+    SEQ,
+    WIDTH,
+    check_against_reference,
+    gpt_trainer,
+    run,
+    token_batches,
+)
 
 LAYERS, BATCH = 4, 32  # 4 layers split into 2 or 4 stages; 32 rows: 16 micro-batches x 2 steps
 
 
-def pipeline_trainer(mesh, schedule, microbatches, strategy="zero1", repeats=1, **kwargs):
+def pipeline_trainer(
+    mesh, schedule, microbatches, strategy="zero1", repeats=1, remat="dots", **kwargs
+):
+    pipeline = PipelineOptions(microbatches, schedule, repeats, remat)
+    layers = kwargs.pop("layers", LAYERS)
     return gpt_trainer(
-        strategy,
-        mesh,
-        layers=kwargs.pop("layers", LAYERS),
-        pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule, repeats=repeats),
-        grad_accum_steps=2,
-        **kwargs,
+        strategy, mesh, layers=layers, pipeline=pipeline, grad_accum_steps=2, **kwargs
     )
 
 
@@ -77,6 +83,14 @@ INTERLEAVED = [  # 1F1B with one-layer groups on stage:2: the data:2 case below
     ("data:2,stage:2", "1f1b", 2, 4, 4, "zero1"),
     ("stage:2,fsdp:2", "gpipe", 2, 8, 4, "zero3"),
 ]
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_every_remat_policy_matches_one_device(remat):
+    """What a stage keeps for its backward changes what it recomputes, not the result (the
+    default, `dots`, is every other test's)."""
+    trainer = pipeline_trainer("stage:2", "1f1b", 4, remat=remat)
+    check_against_reference(trainer, token_batches(size=BATCH), layers=LAYERS)
 
 
 @pytest.mark.parametrize("mesh,schedule,repeats,layers,microbatches,strategy", INTERLEAVED)
@@ -256,28 +270,48 @@ def test_a_stage_sends_only_once_its_whole_tick_is_done(program, conditionals):
         assert branches <= seen, (send, branches - seen)
 
 
+@functools.cache
+def peak_and_kernel(schedule, microbatches, remat="dots"):
+    """(compiled peak bytes per device, the stacked fc kernel) of stage:2 over the 4-layer tiny
+    GPT in `microbatches` micro-batches of 4 rows."""
+    batch = token_batches(steps=1, size=4 * microbatches)[0]
+    trainer = gpt_trainer(
+        "zero1",
+        "stage:2",
+        layers=LAYERS,
+        pipeline=PipelineOptions(microbatches, schedule, 1, remat),
+    )
+    state = trainer.init(seed=0, sample_batch=batch)
+    peak = trainer.memory_report(state, batch)["peak_bytes_per_device"]
+    return peak, state.params["blocks"]["mlp"]["fc"]["kernel"]
+
+
+def kept_per_microbatch(remat):
+    """What GPipe's peak grows by per micro-batch from M = 4 to 8: one micro-batch's stash."""
+    return (peak_and_kernel("gpipe", 8, remat)[0] - peak_and_kernel("gpipe", 4, remat)[0]) / 4
+
+
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():
     """stage:2 with micro-batches of 4 rows: every device holds 2 of the 4 layers. At M = 4S = 8
     micro-batches GPipe keeps all 8 micro-batches' activations for the backward, 1F1B at most
-    2: its compiled peak is lower by about 6 micro-batches' worth, a micro-batch's worth
-    measured as what GPipe's peak grows by per micro-batch from M = 4 to 8."""
-    peaks = {}
-    for schedule, microbatches in (("gpipe", 4), ("gpipe", 8), ("1f1b", 8)):
-        batch = token_batches(steps=1, size=4 * microbatches)[0]
-        trainer = gpt_trainer(
-            "zero1",
-            "stage:2",
-            layers=LAYERS,
-            pipeline=PipelineOptions(microbatches=microbatches, schedule=schedule),
-        )
-        state = trainer.init(seed=0, sample_batch=batch)
-        peaks[schedule, microbatches] = trainer.memory_report(state, batch)["peak_bytes_per_device"]
-    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
+    2: its compiled peak is lower by about 6 micro-batches' worth."""
+    kernel = peak_and_kernel("1f1b", 8)[1]
     assert kernel.shape[0] == LAYERS
     assert {s.data.shape[0] for s in kernel.addressable_shards} == {LAYERS // 2}
-    per_microbatch = (peaks["gpipe", 8] - peaks["gpipe", 4]) / 4
-    saved = peaks["gpipe", 8] - peaks["1f1b", 8]
-    assert per_microbatch > 0 and saved == pytest.approx(6 * per_microbatch, rel=0.25), peaks
+    per_microbatch = kept_per_microbatch("dots")
+    saved = peak_and_kernel("gpipe", 8)[0] - peak_and_kernel("1f1b", 8)[0]
+    assert per_microbatch > 0 and saved == pytest.approx(6 * per_microbatch, rel=0.25)
+
+
+def test_remat_full_keeps_each_layers_input_and_dots_less_than_a_third_of_everything():
+    """A micro-batch's share of the peak on a stage of 2 layers: under `full` each layer's input
+    (an activation: 4 rows x SEQ tokens x WIDTH float32s), one more activation in an inbox slot
+    and the micro-batch's tokens; `dots` keeps the matmuls' outputs too, under a third of what
+    `none` keeps (the GELU's, softmax's and norms' intermediates as well)."""
+    activation, tokens = 4 * SEQ * WIDTH * 4, 2 * 4 * SEQ * 4
+    full, dots, none = map(kept_per_microbatch, ("full", "dots", "none"))
+    assert full == pytest.approx(3 * activation + tokens, rel=0.02)
+    assert full < dots < none / 3, (full, dots, none)
 
 
 def small_gpt_trainer(mesh, **options):
@@ -294,6 +328,7 @@ def small_gpt_trainer(mesh, **options):
         (lambda: small_gpt_trainer("stage:2", microbatches=3), "batch slices x micro-batches"),
         (lambda: PipelineOptions(schedule="zigzag"), "unknown parallel.pipeline.schedule"),
         (lambda: PipelineOptions(repeats=0), "repeats=0 must be an integer >= 1"),
+        (lambda: PipelineOptions(remat="selective"), "unknown parallel.pipeline.remat"),
         (
             lambda: small_gpt_trainer("stage:2", layers=6, repeats=2, microbatches=4),
             "6 layers do not split into stage=2 x repeats=2",

@@ -87,11 +87,13 @@ def default_config() -> ml_collections.ConfigDict:
     # A mesh with a context axis: how attention sees the whole sequence, ring | all_gather.
     c.parallel.context_attention = "ring"
     c.parallel.allow_cross_host_context = False  # a context axis spanning processes is refused
-    # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats.
+    # A mesh with a stage axis: micro-batches per pipeline (0 = stages), 1f1b | gpipe, repeats,
+    # what a stage keeps of each layer's forward for its backward (dots | none | full).
     c.parallel.pipeline = ml_collections.ConfigDict()
     c.parallel.pipeline.microbatches = PipelineOptions.microbatches
     c.parallel.pipeline.schedule = PipelineOptions.schedule
     c.parallel.pipeline.repeats = PipelineOptions.repeats
+    c.parallel.pipeline.remat = PipelineOptions.remat
     # How gradients cross devices (jddp/parallel/compression.py): float32 | bfloat16 on the
     # wire; grad_compression none | powersgd (ddp only): rank-r factors with error feedback,
     # uncompressed for the first powersgd_start_step steps.

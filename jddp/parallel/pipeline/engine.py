@@ -9,8 +9,11 @@ schedule.py): a forward keeps each layer's `jax.vjp` residuals (less its weights
 micro-batch shares) in a stash slot, a backward calls the layers' pullbacks, the last first, on
 the cotangent from the next stage; activations go forward and cotangents back by one `ppermute`
 each per tick, both once the stage's whole tick is done (`after_each_other`).
-Nothing is recomputed: the stash holds what an ordinary backward pass would, for the
-micro-batches in flight (GPipe: all M; 1F1B: at most S).
+The stash holds, for the micro-batches in flight (GPipe: all M; 1F1B: at most S), what the
+`remat` policy keeps (jddp/parallel/pipeline/options.py `REMAT`); by default each layer's
+matmul outputs, the elementwise work between them recomputed in the backward. Keeping
+everything (`none`) makes the stash 3-4 times larger for a GPT block, and its copies in and out
+cost more time than the recomputation on CPU (docs/benchmarks.md).
 
 Gradients are summed over micro-batches on each stage, the replicated parts' summed over the
 stages, and returned unreduced over the batch axes: the strategy reduces them once per step.
@@ -18,6 +21,7 @@ stages, and returned unreduced over the batch axes: the strategy reduces them on
 
 import jax
 import jax.numpy as jnp
+from jax import checkpoint_policies as policies
 from jax import lax
 
 from jddp.core import row_keys
@@ -36,6 +40,9 @@ from jddp.parallel.pipeline.schedule import (
 # What idle slots hold and idle sends carry. 0.0; the bubble test sets NaN to prove that no
 # idle value ever reaches a result.
 BUBBLE_FILL = 0.0
+
+# jax.checkpoint's policy for each `remat` (None: no checkpoint, everything is kept).
+REMAT_POLICIES = {"dots": policies.dots_saveable, "none": None, "full": policies.nothing_saveable}
 
 
 def split_stack(params, path):
@@ -63,8 +70,8 @@ def join_stack(rest, stacked, path):
 class Pipeline:
     """The gradients of `task` on a replica's batch, over `schedule` on mesh axis `axis`."""
 
-    def __init__(self, task: Task, schedule: Schedule, axis: str):
-        self.task, self.schedule, self.axis = task, schedule, axis
+    def __init__(self, task: Task, schedule: Schedule, axis: str, remat: str = "dots"):
+        self.task, self.schedule, self.axis, self.remat = task, schedule, axis, remat
         self.stack = task.stack  # where the stacked layers are, and how many
         self.repeats = schedule.repeats  # layer groups (chunks) per stage
         self.layers_per_chunk = self.stack.num_layers // (schedule.stages * schedule.repeats)
@@ -79,6 +86,7 @@ class Pipeline:
             "pipeline_stages": sched.stages,
             "pipeline_microbatches": sched.microbatches,
             "pipeline_repeats": sched.repeats,
+            "pipeline_remat": self.remat,
             "pipeline_bubble": bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
         }
 
@@ -189,11 +197,15 @@ class Pipeline:
 
         def layer_vjp(x, layer_key, m, r, i):
             """(output, residuals to stash) of layer `i` of chunk `r` on `x`: the pullback's
-            leaves less the layer's own parameters, which every micro-batch shares (stashed,
-            they would copy the stage's weights into every slot)."""
+            leaves (what the remat policy keeps) less the layer's own parameters, which every
+            micro-batch shares (stashed, they would copy the stage's weights into every
+            slot)."""
             own = at(params, r, i)
             index = (r * S + stage) * L + i  # in the whole stack
-            y, pullback = jax.vjp(lambda p, x: self._layer(p, x, key(m), layer_key, index), own, x)
+            fn = lambda p, x: self._layer(p, x, key(m), layer_key, index)  # noqa: E731
+            if REMAT_POLICIES[self.remat] is not None:
+                fn = jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
+            y, pullback = jax.vjp(fn, own, x)
             ids = {id(p): n for n, p in enumerate(jax.tree.leaves(own))}
             leaves, tree = jax.tree.flatten(pullback)
             which = [ids.get(id(leaf)) for leaf in leaves]

@@ -5,16 +5,26 @@ import dataclasses
 from jddp.errors import ConfigError
 from jddp.parallel.pipeline.schedule import SCHEDULES, make_schedule
 
+# What a stage keeps of each layer's forward for its backward (`remat`), as jax.checkpoint
+# policies name it: the rest is recomputed in the backward, layer by layer.
+REMAT = {
+    "dots": "the matmuls' outputs and the layer's input (elementwise work recomputed)",
+    "none": "everything the backward reads (nothing recomputed)",
+    "full": "the layer's input only (its whole forward recomputed)",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """`microbatches` per pipeline (0: as many as stages), `schedule` (`1f1b` or `gpipe`),
     `repeats` (layer groups per device: V > 1 interleaves them, stage s running groups s,
-    s + S, ...; see docs/pipeline.md)."""
+    s + S, ...; see docs/pipeline.md), `remat` (what a stage keeps of each layer's forward for
+    its backward, `REMAT`)."""
 
     microbatches: int = 0
     schedule: str = "1f1b"
     repeats: int = 1
+    remat: str = "dots"
 
     def __post_init__(self):
         self.check()
@@ -34,6 +44,11 @@ class PipelineOptions:
             raise ConfigError(
                 f"parallel.pipeline.repeats={self.repeats!r} must be an integer >= 1 (1: one "
                 "layer group per stage)"
+            )
+        if self.remat not in REMAT:
+            raise ConfigError(
+                f"unknown parallel.pipeline.remat {self.remat!r}; choose one of "
+                f"{', '.join(REMAT)} (what a stage keeps of each layer's forward)"
             )
 
     def engine(self, task, mesh):
@@ -71,4 +86,4 @@ class PipelineOptions:
         # forward's cost each, so that no stage waits for another (schedule.py).
         split = layers // (stages * self.repeats) >= 2
         schedule = make_schedule(self.schedule, stages, microbatches, split, self.repeats)
-        return Pipeline(task, schedule, "stage")
+        return Pipeline(task, schedule, "stage", self.remat)

@@ -24,6 +24,7 @@ from jddp.parallel.pipeline.schedule import (
 )
 from tests.reference import SmallNet, make_batches, per_example_ce
 from tests.tiny_gpt import (
+    HEADS,
     SEQ,
     WIDTH,
     check_against_reference,
@@ -271,24 +272,20 @@ def test_a_stage_sends_only_once_its_whole_tick_is_done(program, conditionals):
 
 
 @functools.cache
-def peak_and_kernel(schedule, microbatches, remat="dots"):
+def peak_and_kernel(schedule, microbatches, remat="dots", model_remat=False):
     """(compiled peak bytes per device, the stacked fc kernel) of stage:2 over the 4-layer tiny
-    GPT in `microbatches` micro-batches of 4 rows."""
+    GPT (with its own `remat` as `model_remat`) in `microbatches` micro-batches of 4 rows."""
     batch = token_batches(steps=1, size=4 * microbatches)[0]
-    trainer = gpt_trainer(
-        "zero1",
-        "stage:2",
-        layers=LAYERS,
-        pipeline=PipelineOptions(microbatches, schedule, 1, remat),
-    )
+    pipeline = PipelineOptions(microbatches, schedule, 1, remat)
+    trainer = gpt_trainer("zero1", "stage:2", layers=LAYERS, pipeline=pipeline, remat=model_remat)
     state = trainer.init(seed=0, sample_batch=batch)
     peak = trainer.memory_report(state, batch)["peak_bytes_per_device"]
     return peak, state.params["blocks"]["mlp"]["fc"]["kernel"]
 
 
-def kept_per_microbatch(remat):
+def kept_per_microbatch(*remat):
     """What GPipe's peak grows by per micro-batch from M = 4 to 8: one micro-batch's stash."""
-    return (peak_and_kernel("gpipe", 8, remat)[0] - peak_and_kernel("gpipe", 4, remat)[0]) / 4
+    return (peak_and_kernel("gpipe", 8, *remat)[0] - peak_and_kernel("gpipe", 4, *remat)[0]) / 4
 
 
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():
@@ -303,15 +300,20 @@ def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe
     assert per_microbatch > 0 and saved == pytest.approx(6 * per_microbatch, rel=0.25)
 
 
-def test_remat_full_keeps_each_layers_input_and_dots_less_than_a_third_of_everything():
-    """A micro-batch's share of the peak on a stage of 2 layers: under `full` each layer's input
-    (an activation: 4 rows x SEQ tokens x WIDTH float32s), one more activation in an inbox slot
-    and the micro-batch's tokens; `dots` keeps the matmuls' outputs too, under a third of what
-    `none` keeps (the GELU's, softmax's and norms' intermediates as well)."""
+def test_remat_keeps_what_the_planner_counts_for_a_gpt_block():
+    """A micro-batch's share of the peak on a stage of 2 layers, besides one more activation in
+    an inbox slot and its tokens: under `full` each layer's input (an activation: 4 rows x SEQ
+    tokens x WIDTH float32s); under `dots` also the matmuls' outputs, s b h (20 + 2 a s / h)
+    16-bit bytes a layer (jddp/planner/memory_model.py), under a third of what `none` keeps
+    (the GELU's, softmax's and norms' intermediates as well). A model's own remat keeps each
+    layer's input under `dots` too: the policy only adds recomputation."""
     activation, tokens = 4 * SEQ * WIDTH * 4, 2 * 4 * SEQ * 4
     full, dots, none = map(kept_per_microbatch, ("full", "dots", "none"))
     assert full == pytest.approx(3 * activation + tokens, rel=0.02)
-    assert full < dots < none / 3, (full, dots, none)
+    dots_per_layer = activation / 2 * (20 + 2 * HEADS * SEQ / WIDTH)
+    assert dots == pytest.approx(2 * dots_per_layer + activation + tokens, rel=0.02)
+    assert dots < none / 3, (dots, none)
+    assert kept_per_microbatch("dots", True) == pytest.approx(full, abs=64)
 
 
 def small_gpt_trainer(mesh, **options):

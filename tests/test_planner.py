@@ -82,17 +82,35 @@ def test_pipeline_sends_by_hand():
 
 def test_activation_bytes_by_hand():
     """4 stages of 2 layers, 8 micro-batches of 64 / (2 x 8) = 4 rows x 16 tokens x width 64,
-    float32 (Korthikanti's 16-bit bytes x 2): 1F1B keeps 4 micro-batches in flight. Per layer
+    float32 (Korthikanti's 16-bit bytes x 2): 1F1B keeps 4 micro-batches in flight, everything
+    of them (a pipeline's remat=none). Per layer
     s b h (34 + 5 a s / h) = 4,096 x 39 x 2 bytes; with remat only the layers' inputs
     (4,096 x 4 bytes) per micro-batch in flight, and one layer's activations while it is
     recomputed, once. Plus the float32 logits and their gradient."""
     t = Transformer(8, 64, 4, 256, 128, 16)
     w = Workload("w", transformer_params(t), 64, 1.0, transformer=t, microbatches=8)
+    w = dataclasses.replace(w, pipeline_remat="none")
     layout = Layout("zero3", fsdp=2, stage=4)
     per_layer, logits = 4096 * 39 * 2, 2 * 4 * 16 * 128 * 4
     assert memory.activation_bytes(w, layout) == 2 * per_layer * 4 + logits
     remat = dataclasses.replace(w, recompute=1.0)
     assert memory.activation_bytes(remat, layout) == 2 * 4096 * 4 * 4 + per_layer + logits
+
+
+def test_a_pipelines_remat_sets_what_its_stages_keep():
+    """The layout above with jddp's pipeline (`none` the test above): `dots` keeps s b h (20 +
+    2 a s / h) x 2 bytes a layer (a s / h = 1), and one layer's whole activations while it is
+    recomputed; `full` what the model's remat keeps, and its forward is computed twice."""
+    t = Transformer(8, 64, 4, 256, 128, 16)
+    w = Workload("w", transformer_params(t), 64, t.train_flops(64), transformer=t, microbatches=8)
+    layout = Layout("zero3", fsdp=2, stage=4)
+    per_layer, logits = 4096 * 39 * 2, 2 * 4 * 16 * 128 * 4
+    dots = dataclasses.replace(w, pipeline_remat="dots")
+    assert memory.activation_bytes(dots, layout) == 2 * 4096 * 22 * 2 * 4 + per_layer + logits
+    full = dataclasses.replace(w, pipeline_remat="full")
+    assert memory.activation_bytes(full.on(layout), layout) == 2 * 4096 * 4 * 4 + per_layer + logits
+    assert full.on(layout).hardware_flops() > w.hardware_flops()
+    assert full.on(Layout("zero3", fsdp=8)) == full  # no stages: nothing recomputed
 
 
 # ------------------------------------------------------------------------ the step's time

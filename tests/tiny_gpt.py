@@ -74,6 +74,7 @@ def gpt_trainer(
     dropout=0.0,
     seq=SEQ,
     context_attention="ring",
+    remat=False,
     **kwargs,
 ):
     """A Trainer of the tiny GPT (with `dropout`, for sequences of `seq` tokens) on `mesh`
@@ -102,6 +103,7 @@ def gpt_trainer(
             max_seq_len=seq,
             context_axis=device_mesh.context_axis,
             context_attention=context_attention,
+            remat=remat,
         )
     return jddp.Trainer(
         model,

@@ -20,7 +20,8 @@ the bubble each implies, and what scan_layers saves in compile time.
 - `interleaved`: the same 2 devices, a GPT of 8 layers (2 per layer group: the backward in two
   ticks), stage:2 with repeats 1 and 2 (1F1B, M in {2, 4, 8}; GPipe's circular form at M = 4)
   against the same references: the slowdown held against the interleaved bubble formula's
-  (V M + S - 1) / (V M).
+  (V M + S - 1) / (V M). At V = 2, M = 4 both schedules also with `remat=none` (every
+  intermediate stashed) against the default `dots`.
 - `compile`: gpt_124m's train step compiled on one device with its 12 blocks one by one and as
   one scan (scan_layers).
 Writes bench_results/pipeline.json and bench_results/pipeline.png (step time and peak memory
@@ -51,6 +52,7 @@ def gpt_trainer(
     scan=False,
     repeats=1,
     accumulation=1,
+    remat="dots",
 ):
     import jax
     import optax
@@ -62,7 +64,7 @@ def gpt_trainer(
 
     objective = OBJECTIVES["language_model"]
     staged = mesh is not None and "stage" in mesh
-    pipeline = PipelineOptions(microbatches, schedule, repeats) if staged else None
+    pipeline = PipelineOptions(microbatches, schedule, repeats, remat) if staged else None
     model = GPT(
         512,
         num_layers=layers,
@@ -126,6 +128,7 @@ def pipeline_rows(variants, rows, timings, plain, matched, steps):
                 "schedule": pipeline.schedule.name,
                 "M": pipeline.schedule.microbatches,
                 "repeats": pipeline.schedule.repeats,
+                "remat": pipeline.remat,
                 "bubble": bubble,
                 "predicted_slowdown": 1 / (1 - bubble),
                 "plain_vs_formula": row["measured_slowdown"] * (1 - bubble),
@@ -203,16 +206,18 @@ def cores(repeats, steps):
 
 def interleaved(repeats, steps):
     pipelines = {
-        f"{schedule} v={v} M={m}": (
+        f"{schedule} v={v} M={m}" + (f" remat={remat}" if remat != "dots" else ""): (
             m,
-            gpt_trainer(8, 256, "stage:2", "zero1", schedule, m, repeats=v),
+            gpt_trainer(8, 256, "stage:2", "zero1", schedule, m, repeats=v, remat=remat),
         )
-        for v, schedule, m in [
-            (1, "1f1b", 4),
-            (2, "1f1b", 2),
-            (2, "1f1b", 4),
-            (2, "1f1b", 8),
-            (2, "gpipe", 4),
+        for v, schedule, m, remat in [
+            (1, "1f1b", 4, "dots"),
+            (2, "1f1b", 2, "dots"),
+            (2, "1f1b", 4, "dots"),
+            (2, "1f1b", 8, "dots"),
+            (2, "gpipe", 4, "dots"),
+            (2, "1f1b", 4, "none"),  # the stash holding everything: what remat=dots saves
+            (2, "gpipe", 4, "none"),
         ]
     }
     return two_core_rows(8, pipelines, repeats, steps)

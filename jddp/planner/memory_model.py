@@ -9,6 +9,13 @@ every layer recomputed (only the layer's input is kept) plus one layer's worth w
 recomputed, once (any recomputation is planned this way: only layer inputs are kept). Scaled by
 bytes per activation / 2; the float32 logits (and their gradient) added.
 
+A pipeline's stages keep what `parallel.pipeline.remat` says: `none` as above; `full` only each
+layer's input, as with recompute; `dots` (the default) the layer's input and the matmuls'
+outputs, s b h (4 + 16/t + 2 a s / (h t)) (the input and the out-projection's output whole over
+tensor; the query/key/value, scores, attention output and MLP's first matmul split; measured for
+jddp's GPT block: tests/test_planner.py), plus one layer's whole activations while its backward
+recomputes the rest.
+
 With a context axis of size C each device holds s / C of every sequence's tokens (s above becomes
 s / C), and attention (jddp/parallel/context.py) keeps instead of the s x s probabilities:
     ring        the diagonal block's scores (s/C x s/C: the term 5 a s / h with s / C keys);
@@ -85,27 +92,35 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
     keys = t.seq_len  # how many keys each query's kept probabilities span
     if layout.context > 1 and layout.context_attention == "ring":
         keys = tokens
-    heads_term = 0 if t.fused_attention else 5 * t.heads * keys / t.width
-    tensor = layout.tensor
-    if tensor == 1:
-        per_layer = sbh * (34 + heads_term)
-    elif layout.sequence_parallel:
-        per_layer = sbh * (34 + heads_term) / tensor
-    else:
-        per_layer = sbh * (10 + 24 / tensor + heads_term / tensor)
-    per_layer *= workload.compute_bytes / 2
+    scores = 0 if t.fused_attention else t.heads * keys / t.width  # a s / h
+    per_layer = _per_layer(sbh, 10, 24, 5 * scores, layout) * workload.compute_bytes / 2
     gathered_kv, ring_message = context_kv_bytes(workload, layout, rows)
     per_layer += gathered_kv
     layers = t.layers // layout.stage
     in_flight = min(m, layout.stage)  # 1F1B: the first stage holds S micro-batches
+    tensor = layout.tensor
     if workload.recompute:  # only each layer's input is kept (split over tensor with SP);
         # one layer's activations exist while it is recomputed, for one micro-batch at a time
         kept_input = sbh * workload.compute_bytes / (tensor if layout.sequence_parallel else 1)
         kept = layers * kept_input * in_flight + per_layer
+    elif layout.stage > 1 and workload.pipeline_remat == "dots":  # the matmuls' outputs, and
+        # the rest of one layer's while its backward recomputes them
+        dots = _per_layer(sbh, 4, 16, 2 * scores, layout) * workload.compute_bytes / 2
+        kept = layers * (dots + gathered_kv) * in_flight + per_layer
     else:
         kept = layers * per_layer * in_flight
     logits = 2 * rows * tokens * t.vocab / tensor * 4
     return int(kept + ring_message + logits)
+
+
+def _per_layer(sbh: float, replicated: float, split: float, scores: float, layout) -> float:
+    """s b h (replicated + split / t + scores / t) 16-bit bytes of one layer: `replicated` the
+    terms tensor parallelism leaves whole (unless with sequence parallelism), `split` those it
+    splits, `scores` the attention's (already times a s / h)."""
+    t = layout.tensor
+    if layout.sequence_parallel:
+        return sbh * (replicated + split + scores) / t
+    return sbh * (replicated + split / t + scores / t)
 
 
 def context_kv_bytes(workload: Workload, layout: Layout, rows: int) -> tuple[float, float]:

@@ -77,6 +77,7 @@ class PublishedRun:
             grad_accum_steps=1 if staged else (self.microbatches or 1),
             virtual_stages=self.virtual_stages,
             lockstep_pipeline=False,
+            pipeline_remat="none",  # another framework's stages: `recompute` says what it redoes
             regather_in_backward=self.regather_in_backward,
             recompute_drops_output=self.recompute_drops_output,
             gathers_whole_model=False,  # FSDP frameworks gather layer by layer

@@ -84,6 +84,7 @@ def plan_row(
     exposed_axes: tuple[str, ...] = (),
 ) -> dict:
     """One layout's predicted memory and time (the `--json` row)."""
+    workload = workload.on(layout)
     state = state_bytes(workload, layout)
     activations = activation_bytes(workload, layout)
     total = state.total + (activations or 0) + gathered_bytes(workload, layout)

@@ -169,11 +169,20 @@ class Workload:
     virtual_stages: int = 1  # pipeline chunks per device (the interleaved schedule)
     # jddp's timetable (gpipe | 1f1b: the same ticks and sends)
     pipeline_schedule: str = PipelineOptions.schedule
+    # What a stage keeps of each layer's forward (dots | none | full: full recomputes it)
+    pipeline_remat: str = PipelineOptions.remat
     lockstep_pipeline: bool = True  # jddp's engine; False: Megatron-LM's (jddp/planner/stages.py)
     vocab_parallel_loss: bool = False  # jddp's language-model loss and accuracy over tensor
     regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute
     recompute_drops_output: bool = True  # XLA skips a recomputed layer's last reduction
     gathers_whole_model: bool = True  # jddp's zero3 gathers every parameter at once
+
+    def on(self, layout) -> "Workload":
+        """This workload as `layout` runs it: on a stage axis `pipeline_remat=full` recomputes
+        every layer's forward in the backward, as the model's own remat does."""
+        if layout.stage > 1 and self.pipeline_remat == "full" and not self.recompute:
+            return dataclasses.replace(self, recompute=1.0)
+        return self
 
     @property
     def param_count(self) -> int:
@@ -307,4 +316,5 @@ def from_config(config) -> Workload:
         microbatches=config.parallel.pipeline.microbatches,
         pipeline_schedule=config.parallel.pipeline.schedule,
         virtual_stages=config.parallel.pipeline.repeats,
+        pipeline_remat=config.parallel.pipeline.remat,
     )

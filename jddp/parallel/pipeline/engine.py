@@ -11,7 +11,8 @@ the cotangent from the next stage; activations go forward and cotangents back by
 each per tick, both once the stage's whole tick is done (`after_each_other`).
 The stash holds, for the micro-batches in flight (GPipe: all M; 1F1B: at most S), what the
 `remat` policy keeps (jddp/parallel/pipeline/options.py `REMAT`); by default each layer's
-matmul outputs, the elementwise work between them recomputed in the backward. Keeping
+matmul outputs, the elementwise work between them recomputed in the backward (a layer that keeps
+less by itself, a model's own remat, is left as it is). Keeping
 everything (`none`) makes the stash 3-4 times larger for a GPT block, and its copies in and out
 cost more time than the recomputation on CPU (docs/benchmarks.md).
 
@@ -203,8 +204,8 @@ class Pipeline:
             own = at(params, r, i)
             index = (r * S + stage) * L + i  # in the whole stack
             fn = lambda p, x: self._layer(p, x, key(m), layer_key, index)  # noqa: E731
-            if REMAT_POLICIES[self.remat] is not None:
-                fn = jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])
+            if shared["policy"] is not None:
+                fn = jax.checkpoint(fn, policy=shared["policy"])
             y, pullback = jax.vjp(fn, own, x)
             ids = {id(p): n for n, p in enumerate(jax.tree.leaves(own))}
             leaves, tree = jax.tree.flatten(pullback)
@@ -225,11 +226,25 @@ class Pipeline:
         self._find_call(rest, take(0), key(0))
         # Shapes of what moves and what is kept, from one abstract micro-batch.
         x_shape = jax.eval_shape(self._pre, rest, take(0), key(0))
-        shared = {}  # "layer": (for each pullback leaf, the parameter it is or None; treedef)
+        # "policy": jax.checkpoint's around each layer; "layer": for each pullback leaf, the
+        # parameter it is or None, and the pullback's treedef.
+        shared = {}
         layer_key_shape = jax.eval_shape(lambda: self._capture(rest, take(0), key(0)).layer_key)
-        residual_shapes = jax.eval_shape(
-            lambda x, k: layer_vjp(x, k, 0, 0, 0)[1], x_shape, layer_key_shape
-        )
+
+        def kept(policy):  # (residual shapes, their bytes) of a layer under `policy`
+            shared.clear()
+            shared["policy"] = policy
+            shapes = jax.eval_shape(
+                lambda x, k: layer_vjp(x, k, 0, 0, 0)[1], x_shape, layer_key_shape
+            )
+            return shapes, sum(r.size * r.dtype.itemsize for r in shapes)
+
+        # The policy only adds recomputation: a layer that keeps less by itself (a model's
+        # own remat, which an outer policy would override) is left as it is.
+        own_bytes = kept(None)[1]
+        residual_shapes, policy_bytes = kept(REMAT_POLICIES[self.remat])
+        if policy_bytes >= own_bytes:
+            residual_shapes, _ = kept(None)
 
         # The big buffers (stash, gradients) go through a tick's conditionals and are updated
         # in place, one layer at a time, by the branch that computes (XLA leaves a buffer that

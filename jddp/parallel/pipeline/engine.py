@@ -10,11 +10,11 @@ micro-batch shares) in a stash slot, a backward calls the layers' pullbacks, the
 the cotangent from the next stage; activations go forward and cotangents back by one `ppermute`
 each per tick, both once the stage's whole tick is done (`after_each_other`).
 The stash holds, for the micro-batches in flight (GPipe: all M; 1F1B: at most S), what the
-`remat` policy keeps (jddp/parallel/pipeline/options.py `REMAT`); by default each layer's
-matmul outputs, the elementwise work between them recomputed in the backward (a layer that keeps
-less by itself, a model's own remat, is left as it is). Keeping
-everything (`none`) makes the stash 3-4 times larger for a GPT block, and its copies in and out
-cost more time than the recomputation on CPU (docs/benchmarks.md).
+`remat` policy keeps (jddp/parallel/pipeline/options.py `REMAT`): by default each layer's input
+and matmul outputs, the elementwise work between them recomputed in the backward (a layer that
+keeps less by itself, under a model's own remat, is left as it is). Keeping everything (`none`)
+makes the stash 3-4 times larger for a GPT block, and its copies in and out cost more time than
+the recomputation (docs/benchmarks.md).
 
 Gradients are summed over micro-batches on each stage, the replicated parts' summed over the
 stages, and returned unreduced over the batch axes: the strategy reduces them once per step.

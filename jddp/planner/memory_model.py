@@ -13,7 +13,7 @@ A pipeline's stages keep what `parallel.pipeline.remat` says: `none` as above; `
 layer's input, as with recompute; `dots` (the default) the layer's input and the matmuls'
 outputs, s b h (4 + 16/t + 2 a s / (h t)) (the input and the out-projection's output whole over
 tensor; the query/key/value, scores, attention output and MLP's first matmul split; measured for
-jddp's GPT block: tests/test_planner.py), plus one layer's whole activations while its backward
+jddp's GPT block: tests/test_pipeline.py), plus one layer's whole activations while its backward
 recomputes the rest.
 
 With a context axis of size C each device holds s / C of every sequence's tokens (s above becomes

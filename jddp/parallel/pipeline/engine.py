@@ -231,20 +231,22 @@ class Pipeline:
         shared = {}
         layer_key_shape = jax.eval_shape(lambda: self._capture(rest, take(0), key(0)).layer_key)
 
-        def kept(policy):  # (residual shapes, their bytes) of a layer under `policy`
+        def residuals(policy):  # a layer's residual shapes under `policy`, recorded in `shared`
             shared.clear()
             shared["policy"] = policy
-            shapes = jax.eval_shape(
+            return jax.eval_shape(
                 lambda x, k: layer_vjp(x, k, 0, 0, 0)[1], x_shape, layer_key_shape
             )
-            return shapes, sum(r.size * r.dtype.itemsize for r in shapes)
+
+        def nbytes(shapes):
+            return sum(r.size * r.dtype.itemsize for r in shapes)
 
         # The policy only adds recomputation: a layer that keeps less by itself (a model's
         # own remat, which an outer policy would override) is left as it is.
-        own_bytes = kept(None)[1]
-        residual_shapes, policy_bytes = kept(REMAT_POLICIES[self.remat])
-        if policy_bytes >= own_bytes:
-            residual_shapes, _ = kept(None)
+        policy = REMAT_POLICIES[self.remat]
+        if policy is not None and nbytes(residuals(policy)) >= nbytes(residuals(None)):
+            policy = None
+        residual_shapes = residuals(policy)  # the last trace: what `shared` keeps
 
         # The big buffers (stash, gradients) go through a tick's conditionals and are updated
         # in place, one layer at a time, by the branch that computes (XLA leaves a buffer that

@@ -338,7 +338,7 @@ class _Loop:
         """Logs the run's shape, sets up the speed report and returns the memory report (for
         the first record), all known once the first batch is placed."""
         trainer = self.trainer
-        global_batch_size = self.rows[0] * trainer.batch_part[1]
+        global_batch_size = self.rows[0] * trainer.row_block[1]
         logging.info(
             "%d parameters, strategy %s on %d devices (mesh %s), global batch %d (%d per batch "
             "slice x %d accumulation steps)",
@@ -347,7 +347,7 @@ class _Loop:
             trainer.num_devices,
             ",".join(f"{a}:{n}" for a, n in trainer.strategy.mesh.shape.items()),
             global_batch_size,
-            global_batch_size // (trainer.batch_shards * trainer.task.grad_accum_steps),
+            global_batch_size // (trainer.batch_slices * trainer.task.grad_accum_steps),
             trainer.task.grad_accum_steps,
         )
         self.throughput = _throughput(

@@ -19,7 +19,7 @@ from jddp.data.padding import pad_batch
 from jddp.errors import ConfigError, ShapeError, UsageError
 from jddp.observe import hlo
 from jddp.observe.memory import peak_bytes, state_bytes_per_device
-from jddp.parallel.compression import GradComm
+from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.mesh import DDP_AXIS, DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
@@ -71,7 +71,7 @@ class Trainer:
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
     ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
-    `jddp/parallel/compression.py`.
+    `jddp/parallel/grad_reduction.py`.
     """
 
     def __init__(
@@ -155,18 +155,18 @@ class Trainer:
         return pipeline.schedule.microbatches if pipeline else 1
 
     @property
-    def batch_shards(self) -> int:
+    def batch_slices(self) -> int:
         """Into how many slices each global batch is split (devices along `tensor` share one)."""
-        return self.device_mesh.batch_shards
+        return self.device_mesh.batch_slices
 
     @property
-    def batch_part(self) -> tuple[int, int]:
-        """(part, parts): the rows of every global batch this process passes to `step`,
-        `place_batch` and `evaluate` are block `part` of `parts` equal consecutive blocks.
+    def row_block(self) -> tuple[int, int]:
+        """(block, blocks): the rows of every global batch this process passes to `step`,
+        `place_batch` and `evaluate` are block `block` of `blocks` equal consecutive blocks.
         Usually (process index, process count); processes that differ only along tensor or
         stage (pipeline stages on different hosts) hold the same batch slices, so they pass the
-        same block: a stage:2 mesh over 2 processes has parts = 1, and both read every row."""
-        return self.strategy.batch_part()
+        same block: a stage:2 mesh over 2 processes has blocks = 1, and both read every row."""
+        return self.strategy.row_block()
 
     def init(self, seed: int | jax.Array, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
         """The initial state from `seed` (an int or a JAX key), placed on the devices (one
@@ -251,15 +251,15 @@ class Trainer:
         initialized)."""
         self.abstract_state(sample_batch)
         if global_batch_size is not None:
-            parts, accum = self.batch_shards * self.microbatches, self.task.grad_accum_steps
+            parts, accum = self.batch_slices * self.microbatches, self.task.grad_accum_steps
             if self.microbatches > 1:
                 check_divisible(global_batch_size, parts, accum, "batch slices x micro-batches")
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        global_rows = self._check_entries(batch) * self.batch_part[1]
+        global_rows = self._check_entries(batch) * self.row_block[1]
         check_divisible(
-            global_rows, self.batch_shards * self.microbatches, self.task.grad_accum_steps
+            global_rows, self.batch_slices * self.microbatches, self.task.grad_accum_steps
         )
         return PlacedBatch(self.strategy.place_batch(batch))
 
@@ -296,7 +296,7 @@ class Trainer:
                     "attention mask another name, such as 'attention_mask'"
                 )
             if padded_size is None:
-                padded_size = -(-size // self.batch_shards) * self.batch_shards
+                padded_size = -(-size // self.batch_slices) * self.batch_slices
             placed = self.strategy.place_batch(pad_batch(batch, padded_size))
             with _axis_names_checked():
                 sums.append(self.strategy.eval_step(state, placed))

@@ -46,7 +46,7 @@ def main(strategy: str, out: str, more_options: str = "{}") -> None:
         grad_accum_steps=2,
         **options,
     )
-    part, parts = trainer.batch_part
+    part, parts = trainer.row_block
     batches = make_batches()
     rows = len(batches[0]["label"]) // parts
 

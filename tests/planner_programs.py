@@ -9,7 +9,7 @@ from jddp.core.task import init_compiler_options
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.planner.workload import model_workload
 from jddp.run.objectives import OBJECTIVES
@@ -36,7 +36,7 @@ def tiny_workload(
         np.zeros((1, SEQ), np.int32),
         BATCH,
         adamw(),
-        rules_for=lambda mesh: fit_preset(TENSOR_PARALLEL_RULES, mesh),
+        rules_for=lambda mesh: adapt_preset(TENSOR_PARALLEL_RULES, mesh),
         min_shard_size=1,
         microbatches=microbatches,
         grad_comm_bytes=2 if grad_comm_dtype == "bfloat16" else 0,
@@ -57,7 +57,7 @@ def compiled_text(
         names, shape = ["data"], [layout.devices]
     else:
         mesh = device_mesh_for(layout.strategy, layout.mesh_spec, devices)
-        rules = fit_preset(TENSOR_PARALLEL_RULES, mesh)
+        rules = adapt_preset(TENSOR_PARALLEL_RULES, mesh)
         kwargs = {"mesh": mesh, "rules": rules, "min_shard_size": 1}
         if mesh.stage_axis:
             kwargs["pipeline"] = PipelineOptions(microbatches=microbatches, schedule=SCHEDULE)

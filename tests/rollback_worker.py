@@ -27,7 +27,7 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 def main(out: str, workdir: str) -> None:
     trainer = jddp.Trainer(SmallNet(), per_example_ce, optimizer_for(clip=True))
-    part, parts = trainer.batch_part
+    part, parts = trainer.row_block
     batches = make_batches()
     rows = len(batches[0]["label"]) // parts
     mine = [{k: v[part * rows : (part + 1) * rows].copy() for k, v in b.items()} for b in batches]

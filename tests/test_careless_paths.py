@@ -22,7 +22,7 @@ import jddp
 from jddp import data
 from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError, ShapeError, WorkdirError
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.run.experiment import train_and_evaluate
 from tests.helpers import (
     REPO,
@@ -280,7 +280,7 @@ def test_a_presets_rules_may_match_nothing(tmp_path):
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
 
     trainer = rules_trainer(())
-    preset = fit_preset(TENSOR_PARALLEL_RULES, trainer.device_mesh)
+    preset = adapt_preset(TENSOR_PARALLEL_RULES, trainer.device_mesh)
     rules_trainer(preset).abstract_state(make_batches()[0])
     config = small_config()
     config.parallel.strategy, config.parallel.rules = "zero3", (("hiden_0/kernel", "replicate"),)

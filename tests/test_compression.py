@@ -1,5 +1,5 @@
 """Compressed gradient communication on 8 simulated devices: bfloat16 reductions within the
-rounding bound derived in jddp/parallel/compression.py, under every strategy; PowerSGD equal to
+rounding bound derived in jddp/parallel/grad_reduction.py, under every strategy; PowerSGD equal to
 a single-device reference of the algorithm written here from the paper; collective bytes read
 from compiled HLO; PowerSGD's state restored onto another device count; bad settings refused."""
 

@@ -24,7 +24,7 @@ from jddp.models import Llama
 from jddp.observe.hlo import collective_ops
 from jddp.parallel import context
 from jddp.parallel.mesh import check_within_processes
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.experiment import train_and_evaluate
 from tests import tiny_gpt
@@ -145,7 +145,7 @@ def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device():
         input_key="inputs",
         strategy="zero3",
         mesh=mesh,
-        rules=fit_preset(jddp.models.tensor_rules("llama", model, 2), mesh),
+        rules=adapt_preset(jddp.models.tensor_rules("llama", model, 2), mesh),
         min_shard_size=1,
     )
     batches = tiny_gpt.token_batches(steps=steps, seq=seq)

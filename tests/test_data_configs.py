@@ -8,7 +8,7 @@ from experiments.configs import cifar10_cnn, imagenet_cnn
 from jddp import data, losses, models
 from jddp.core.task import Task
 from jddp.run.experiment import train_and_evaluate
-from jddp.run.model_fit import check_model_fits
+from jddp.run.input_check import check_model_takes_data
 from tests import fake_files
 from tests.helpers import assert_accuracy_over
 
@@ -38,7 +38,7 @@ def test_imagenet_cnn_loads_through_worker_processes_and_fits_its_model(tmp_path
     dataset = data.open_dataset(spec, data.DataOptions.from_config(config.data))
     model = models.create_model(config.model, spec.num_classes, **config.model_args)
     task = Task(model, losses.softmax_cross_entropy, optax.sgd(0.1))
-    check_model_fits(task, dataset.sample_batch(), config.model, config.dataset)
+    check_model_takes_data(task, dataset.sample_batch(), config.model, config.dataset)
     size = config.data.image_size
     batches = data.train_batches(
         dataset.train, dataset.transform, global_batch_size=8, seed=0, workers=1

@@ -18,7 +18,7 @@ from jddp.data import text
 from jddp.data.shakespeare import TEST_WORKS
 from jddp.errors import ConfigError, DataError
 from jddp.models import create_model
-from jddp.run.model_fit import check_model_fits
+from jddp.run.input_check import check_model_takes_data
 from tests import fake_files
 from tests.helpers import assert_one_line, requires_data
 
@@ -255,10 +255,10 @@ def make_task(model_name, num_classes, **model_args):
 
 def test_models_that_cannot_take_the_inputs_are_one_line(tmp_path):
     digits = data.open_dataset(data.get_dataset("digits")).sample_batch()
-    check_model_fits(make_task("cnn", 10), digits, "cnn", "digits")  # fits: no error
+    check_model_takes_data(make_task("cnn", 10), digits, "cnn", "digits")  # fits: no error
     too_deep = make_task("cnn", 10, channels=(8, 8, 8, 8, 8))  # pools 8x8 down to nothing
     with pytest.raises(DataError) as error:
-        check_model_fits(too_deep, digits, "cnn", "digits")
+        check_model_takes_data(too_deep, digits, "cnn", "digits")
     assert_one_line(
         error, "model 'cnn' cannot take the 'image' of digits", "(8, 8, 1)", "8x8 images"
     )
@@ -269,7 +269,7 @@ def test_models_that_cannot_take_the_inputs_are_one_line(tmp_path):
     task = make_task("cnn", spec.num_classes)
     task = Task(task.model, task.loss_fn, task.optimizer, input_key="inputs")
     with pytest.raises(DataError) as error:
-        check_model_fits(task, tokens, "cnn", "text_file")
+        check_model_takes_data(task, tokens, "cnn", "text_file")
     assert_one_line(
         error, "model 'cnn' cannot take the 'inputs' of text_file", "int32 (32,)", "sequences"
     )

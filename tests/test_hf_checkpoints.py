@@ -15,9 +15,9 @@ import transformers
 import jddp
 from jddp import models as jddp_models
 from jddp.checkpoints import hf
+from jddp.core import layer_stacks
 from jddp.models import tensor_rules
-from jddp.parallel.pipeline import stage_layouts
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import safetensors_in, tiny_llama_config
 from tests.reference import assert_trees_close, plain_training
@@ -118,7 +118,7 @@ def _trainer(path, layout):
         input_key="inputs",
         strategy=strategy,
         mesh=device_mesh,
-        rules=fit_preset(rules, device_mesh),
+        rules=adapt_preset(rules, device_mesh),
         min_shard_size=1,
     )
 
@@ -129,7 +129,7 @@ def _plain(model):
 
 
 def _per_layer(params):
-    return stage_layouts.to_per_layer(jax.tree.map(np.asarray, params))
+    return layer_stacks.to_per_layer(jax.tree.map(np.asarray, params))
 
 
 CASES = [

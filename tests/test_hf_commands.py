@@ -99,9 +99,9 @@ def pipelined_run(llama_dir):
 
 def _final_params(workdir):
     from jddp.checkpoints import weights
-    from jddp.parallel.pipeline import stage_layouts
+    from jddp.core import layer_stacks
 
-    return stage_layouts.to_per_layer(weights.load_params(str(workdir)))
+    return layer_stacks.to_per_layer(weights.load_params(str(workdir)))
 
 
 def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):

@@ -10,7 +10,7 @@ import pytest
 
 import jddp
 from jddp.models import Llama, llama
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import param_count
 from tests.tiny_gpt import mesh_devices, token_batches
@@ -49,7 +49,7 @@ def test_bfloat16_compute_with_sequence_parallelism_and_one_kv_head_learns():
         input_key="inputs",
         strategy="zero3",
         mesh=mesh,
-        rules=fit_preset(llama.tensor_parallel_rules(model.kv_heads, 2), mesh),
+        rules=adapt_preset(llama.tensor_parallel_rules(model.kv_heads, 2), mesh),
         min_shard_size=1,
         compute_dtype="bfloat16",
     )

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jddp.checkpoints.weights import load_params
-from jddp.parallel.pipeline import stage_layouts as layouts
+from jddp.core import layer_stacks
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.run.experiment import train_and_evaluate
 from tests.helpers import save_and_restore
@@ -54,7 +54,7 @@ def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path, source, 
     reader = trainer_for(*target)
     _, state, _ = save_and_restore(writer, state, reader, batches[0], str(tmp_path / "ckpt"))
     stacked = "blocks" in reader.host_state(state).params
-    same_layout = layouts.to_stacked if stacked else layouts.to_per_layer
+    same_layout = layer_stacks.to_stacked if stacked else layer_stacks.to_per_layer
     jax.tree.map(np.testing.assert_array_equal, reader.host_state(state), same_layout(saved))
     for batch in batches[10:]:
         state, _ = reader.step(state, batch)
@@ -74,7 +74,7 @@ def test_an_interleaved_state_evaluates_and_takes_weights_in_the_models_order():
     params = trainer.host_state(state).params
     one = gpt_trainer("ddp", None, layers=LAYERS, devices=jax.devices()[:1])
     one_state = one.init(seed=1, sample_batch=batches[0])
-    one_state = one.replace_state(one_state, params=layouts.to_per_layer(params))
+    one_state = one.replace_state(one_state, params=layer_stacks.to_per_layer(params))
     expected = one.evaluate(one_state, batches[2:4])
     assert state.layer_order == (2, 2)
     for candidate in (
@@ -115,7 +115,9 @@ def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(tmp_path):
     train_and_evaluate(config, str(gpipe))
     for source, target in ((pipelined, ddp), (ddp, gpipe)):
         source_params, target_params = (load_params(str(d / "export")) for d in (source, target))
-        as_target = layouts.to_stacked if "blocks" in target_params else layouts.to_per_layer
+        as_target = (
+            layer_stacks.to_stacked if "blocks" in target_params else layer_stacks.to_per_layer
+        )
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-25),
             target_params,

@@ -219,7 +219,7 @@ def test_non_matmul_traffic_by_hand():
     w = Workload("gpt", transformer_params(t), 8, 1e12, transformer=t)
     tokens = 8 * 128 / 2  # over data:2
     expected = tokens * 2 * (whole + split) * 4 * 3
-    assert w.elementwise_bytes(1, False, batch_shards=2, stages=1) == expected
+    assert w.elementwise_bytes(1, False, batch_slices=2, stages=1) == expected
     p = timing.predict(w, Layout("zero3", data=2), PROFILE, 8)
     assert p.compute_s == pytest.approx(1e12 / 2 / 50e12 + expected / 1e12)
 

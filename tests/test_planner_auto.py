@@ -15,7 +15,7 @@ from jddp.core.task import init_compiler_options
 from jddp.models import MLP
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.observe.hlo import bytes_by_axes, collective_ops
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.planner import auto, collective, comm, devices, search
 from jddp.planner.layouts import Layout, candidates
@@ -44,7 +44,7 @@ def compiled_step(layout: Layout, model_name: str, rows_per_device: int):
     MLP or the tiny GPT (Megatron's rules, every tensor split however small)."""
     devices_ = jax.devices()[: layout.devices]
     mesh = device_mesh_for("auto", layout.mesh_spec, devices_)
-    rows = rows_per_device * layout.batch_shards
+    rows = rows_per_device * layout.batch_slices
     if model_name == "mlp":
         batch = {"image": np.zeros((rows, FEATURES), np.float32), "label": np.zeros(rows, int)}
         model, loss, kwargs = mlp(), jddp.losses.softmax_cross_entropy, {"input_key": "image"}
@@ -52,7 +52,7 @@ def compiled_step(layout: Layout, model_name: str, rows_per_device: int):
     else:
         batch = {"inputs": np.zeros((rows, SEQ), np.int32), "targets": np.zeros((rows, SEQ), int)}
         model, loss, optimizer = tiny_model(heads=4), LM.loss_fn, adamw()
-        rules = fit_preset(TENSOR_PARALLEL_RULES, mesh)
+        rules = adapt_preset(TENSOR_PARALLEL_RULES, mesh)
         kwargs = {"input_key": "inputs", "rules": rules, "min_shard_size": 1}
     trainer = jddp.Trainer(model, loss, optimizer, strategy="auto", mesh=mesh, **kwargs)
     state = trainer.abstract_state(batch)
@@ -124,7 +124,7 @@ def test_mlp_bytes_per_axis_equal_the_compiled_hlo(programs, case):
     layout, rows_per_device = case
     text, names, ids = programs(layout, rows_per_device)
     compiled = bytes_by_axes(collective_ops(text), ids, names)
-    workload = mlp_workload(rows_per_device * layout.batch_shards)
+    workload = mlp_workload(rows_per_device * layout.batch_slices)
     modelled = comm.step_collectives(workload, layout, partitioner_reduce_scatter=False)
     assert collective.bytes_by_axes(modelled) == compiled
     moved = any(c.choice == auto.ACTIVATIONS for c in auto.choices(workload, layout))

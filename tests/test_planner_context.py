@@ -15,7 +15,7 @@ from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.observe.memory import peak_bytes
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.planner import collective, comm, devices, search, timing
 from jddp.planner.layouts import Layout
@@ -42,7 +42,7 @@ def tiny_workload(layers: int = 1):
         np.zeros((1, SEQ), np.int32),
         BATCH,
         adamw(),
-        rules_for=lambda mesh: fit_preset(TENSOR_PARALLEL_RULES, mesh),
+        rules_for=lambda mesh: adapt_preset(TENSOR_PARALLEL_RULES, mesh),
         min_shard_size=1,
     )
 
@@ -60,7 +60,7 @@ def compiled(layout: Layout, layers: int = 1):
     trainer = jddp.Trainer(
         tiny_model(layers, mesh, layout.context_attention), lm.loss_fn, adamw(),
         metrics=dict(lm.metrics), input_key="inputs", strategy=layout.strategy, mesh=mesh,
-        rules=fit_preset(TENSOR_PARALLEL_RULES, mesh), min_shard_size=1,
+        rules=adapt_preset(TENSOR_PARALLEL_RULES, mesh), min_shard_size=1,
     )  # fmt: skip
     batch = token_batches(steps=1, seq=SEQ)[0]
     state = trainer.abstract_state(batch)

@@ -249,11 +249,11 @@ def test_a_tensor_axis_across_processes_is_detected(axes, crosses):
 )
 def test_each_process_reads_the_rows_its_devices_hold(axes, devices_per_process, parts):
     mesh = fake_mesh(axes, devices_per_process)
-    assert [mesh.batch_part(p) for p in range(len(parts))] == parts
+    assert [mesh.row_block(p) for p in range(len(parts))] == parts
 
 
 def test_a_mesh_whose_processes_share_parts_of_blocks_is_refused():
     """data:3,stage:2 over 2 processes x 3 devices: process 0 holds data slices 0 and 1,
     process 1 slices 1 and 2; no split of the rows feeds both."""
     with pytest.raises(ConfigError, match=r"process 1 batch slices \[1, 2\]"):
-        fake_mesh({"data": 3, "stage": 2}, 3).batch_part(0)
+        fake_mesh({"data": 3, "stage": 2}, 3).row_block(0)

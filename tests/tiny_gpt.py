@@ -11,7 +11,7 @@ import jddp
 from jddp.core.task import jit_init
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.objectives import OBJECTIVES
 from tests.reference import assert_trees_close, plain_training
@@ -89,7 +89,7 @@ def gpt_trainer(
         device_mesh = device_mesh_for(strategy, mesh, mesh_devices(mesh))
         layout = {
             "mesh": device_mesh,
-            "rules": fit_preset(TENSOR_PARALLEL_RULES, device_mesh),
+            "rules": adapt_preset(TENSOR_PARALLEL_RULES, device_mesh),
             "min_shard_size": 1,
         }
         model = tiny_gpt(

@@ -76,7 +76,7 @@ def make_trainer(strategy: str, mesh: str | None, devices):
     from jddp.models import GPT
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
     from jddp.parallel.pipeline import PipelineOptions
-    from jddp.parallel.rules import fit_preset
+    from jddp.parallel.rules import adapt_preset
     from jddp.parallel.strategies import device_mesh_for
     from jddp.run.objectives import OBJECTIVES
 
@@ -90,7 +90,7 @@ def make_trainer(strategy: str, mesh: str | None, devices):
     return jddp.Trainer(
         model, lm.loss_fn, optax.adamw(1e-3), metrics=dict(lm.metrics), input_key="inputs",
         strategy=strategy, mesh=device_mesh, log_grad_norm=False,
-        rules=fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else (),
+        rules=adapt_preset(TENSOR_PARALLEL_RULES, device_mesh) if tensor_axis else (),
         pipeline=PipelineOptions(microbatches=MICROBATCHES, schedule=SCHEDULE),
     )  # fmt: skip
 
@@ -100,7 +100,7 @@ def workload():
 
     from jddp.models import GPT
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
-    from jddp.parallel.rules import fit_preset
+    from jddp.parallel.rules import adapt_preset
     from jddp.planner.workload import model_workload
 
     model = GPT(VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ)
@@ -110,7 +110,7 @@ def workload():
         GLOBAL_BATCH,
         optax.adamw(1e-3),
         name="GPT 4x256",
-        rules_for=lambda m: fit_preset(TENSOR_PARALLEL_RULES, m) if m.size("tensor") > 1 else (),
+        rules_for=lambda m: adapt_preset(TENSOR_PARALLEL_RULES, m) if m.size("tensor") > 1 else (),
         microbatches=MICROBATCHES,
         pipeline_schedule=SCHEDULE,
     )
@@ -205,7 +205,7 @@ def worker(strategy: str, mesh: str | None, repeats: int, steps: int) -> None:
     from jax.experimental import multihost_utils
 
     trainer = make_trainer(strategy, mesh, jax.devices())
-    part, parts = trainer.batch_part  # a stage axis across the processes: both read all rows
+    part, parts = trainer.row_block  # a stage axis across the processes: both read all rows
     rows = GLOBAL_BATCH // parts
     local = {k: v[part * rows : (part + 1) * rows] for k, v in batch().items()}
     state = trainer.init(seed=0, sample_batch=local)

@@ -32,7 +32,7 @@ from experiments.bench import common
 from jddp.models import GPT, MLP
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.observe import hlo
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.cli import fail
 
@@ -132,7 +132,7 @@ def jddp_run(model_name: str, strategy: str, mesh: str | None, rows: int):
     if name != "ddp":
         layout = {"mesh": device_mesh}
         if device_mesh.tensor_axis:
-            layout["rules"] = fit_preset(TENSOR_PARALLEL_RULES, device_mesh)
+            layout["rules"] = adapt_preset(TENSOR_PARALLEL_RULES, device_mesh)
     trainer = jddp.Trainer(
         model,
         loss_fn,

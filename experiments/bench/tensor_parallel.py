@@ -31,7 +31,7 @@ from experiments.bench import common
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
 from jddp.observe.hlo import collectives, ring_bytes
-from jddp.parallel.rules import fit_preset, spec_axes
+from jddp.parallel.rules import adapt_preset, spec_axes
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.objectives import OBJECTIVES
 
@@ -54,7 +54,7 @@ def make_trainer(strategy, mesh, sp, devices):
     fields = dict(num_layers=LAYERS, num_heads=HEADS, embed_dim=WIDTH, max_seq_len=SEQ)
     device_mesh = device_mesh_for(strategy, mesh, devices)
     # ddp replicates every parameter: it takes no rules.
-    rules = fit_preset(TENSOR_PARALLEL_RULES, device_mesh) if strategy != "ddp" else ()
+    rules = adapt_preset(TENSOR_PARALLEL_RULES, device_mesh) if strategy != "ddp" else ()
     layout = {"mesh": device_mesh, "rules": rules}
     model = GPT(VOCAB, **fields, tensor_axis=device_mesh.tensor_axis, sequence_parallel=sp)
     return jddp.Trainer(

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 
 from jddp.checkpoints import hf_files, hf_models
+from jddp.core import layer_stacks
 from jddp.core.state import arranged_like
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import CheckpointError, ConfigError
-from jddp.parallel.pipeline import stage_layouts as layouts
 
 PREFIX = "hf:"
 
@@ -120,13 +120,13 @@ def lazy_params(reader: hf_files.Reader, model, params):
     `reader` when indexed; a CheckpointError first (headers only) if a tensor is missing or of
     another shape."""
     shapes = _shapes(params)
-    stacked = layouts.is_stacked(shapes)
-    per_layer = layouts.per_layer_shapes(shapes) if stacked else shapes
+    stacked = layer_stacks.is_stacked(shapes)
+    per_layer = layer_stacks.per_layer_shapes(shapes) if stacked else shapes
     tensors = _tensors(model)
     reader.check(tensors, per_layer)
     dtype = jax.tree.leaves(params)[0].dtype
     tree = nest_paths({t.path: reader.lazy(t, per_layer[t.path], dtype) for t in tensors})
-    return layouts.to_stacked(tree) if stacked else tree
+    return layer_stacks.to_stacked(tree) if stacked else tree
 
 
 def _shapes(tree) -> dict[str, tuple]:
@@ -135,7 +135,7 @@ def _shapes(tree) -> dict[str, tuple]:
 
 def hf_tensors(params, model) -> dict[str, np.ndarray]:
     """`params` (any layout; device or host arrays) as Hugging Face tensors by name."""
-    per_layer = layouts.to_per_layer(jax.tree.map(np.asarray, params))
+    per_layer = layer_stacks.to_per_layer(jax.tree.map(np.asarray, params))
     flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(per_layer)}
     tensors = _tensors(model)
     unmapped = sorted(flat.keys() - {t.path for t in tensors})

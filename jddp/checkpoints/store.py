@@ -8,7 +8,7 @@ and the data iterator's state). The state is saved as global arrays, so restorin
 strategy or device count is restoring into other shardings: orbax reshards on load.
 
 Whether a checkpoint's state fits the trainer's (another model is refused, never set aside as
-damage): jddp/checkpoints/fits.py. Weights to start a run from, found in these and in other
+damage): jddp/checkpoints/compatibility.py. Weights to start a run from, found in these and in other
 programs' checkpoints: jddp/checkpoints/weights.py.
 """
 
@@ -26,11 +26,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jddp.checkpoints.fits import check_state_fits, is_misfit
+from jddp.checkpoints.compatibility import check_state_matches, is_misfit
+from jddp.core import layer_stacks
 from jddp.core.tree_paths import path_str
 from jddp.errors import CheckpointError, ShapeError, WorkdirError
 from jddp.observe.memory import format_bytes
-from jddp.parallel.pipeline import stage_layouts as layouts
 from jddp.runtime.fs import is_damage, write_failure
 from jddp.runtime.quiet import drop_unraisable, library_warnings_muted
 
@@ -182,7 +182,7 @@ class Checkpoints:
             if check is not None:
                 check(meta, saved_shapes)
             source = f"checkpoint {os.path.join(self.directory, str(step))}"
-            check_state_fits(abstract_state, saved_tree, source, fix)
+            check_state_matches(abstract_state, saved_tree, source, fix)
             target, convert = (
                 layout(abstract_state, saved_shapes) if layout else (abstract_state, None)
             )
@@ -270,8 +270,8 @@ def model_mismatch(abstract_state, saved_shapes: dict, source: str) -> str | Non
     `abstract_state`, layer by layer (stacked and per-layer blocks compare equal); None if it
     fits."""
     return first_mismatch(
-        layouts.per_layer_shapes(shapes_by_path(abstract_state)),
-        layouts.per_layer_shapes(saved_shapes),
+        layer_stacks.per_layer_shapes(shapes_by_path(abstract_state)),
+        layer_stacks.per_layer_shapes(saved_shapes),
         source,
     )
 
@@ -312,12 +312,16 @@ def restore_layout(abstract_state, saved_shapes):
     """(what to restore into, a function to this run's layout or None): a checkpoint whose
     layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
     its own layout and converted on the devices, into this run's shardings."""
-    ours = layouts.is_stacked(shapes_by_path(abstract_state))
-    if layouts.is_stacked(saved_shapes) == ours:
+    ours = layer_stacks.is_stacked(shapes_by_path(abstract_state))
+    if layer_stacks.is_stacked(saved_shapes) == ours:
         return abstract_state, None
-    target = layouts.to_per_layer(abstract_state) if ours else layouts.to_stacked(abstract_state)
+    target = (
+        layer_stacks.to_per_layer(abstract_state)
+        if ours
+        else layer_stacks.to_stacked(abstract_state)
+    )
     shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-    convert = layouts.to_stacked if ours else layouts.to_per_layer
+    convert = layer_stacks.to_stacked if ours else layer_stacks.to_per_layer
     return target, jax.jit(convert, out_shardings=shardings)
 
 

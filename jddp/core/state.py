@@ -20,10 +20,10 @@ class TrainState(struct.PyTreeNode):
     `loss_scale` is float16 training's dynamic loss scale (`{"scale", "good_steps"}`, see
     jddp/core/loss_scale.py), an empty dict otherwise.
     `comm_state` is the gradient communication's own state (PowerSGD's error feedback and
-    warm-started factors, see jddp/parallel/compression.py), an empty dict without compression.
+    warm-started factors, see jddp/parallel/grad_reduction.py), an empty dict without compression.
     `layer_order` (static): None when a `Pipelined` stack's layers (and their optimizer state)
     are in the model's order; (S, V) when an interleaved pipeline of S stages and V repeats
-    holds them in its stages' order (jddp/parallel/pipeline/stage_layouts.py).
+    holds them in its stages' order (jddp/core/layer_stacks.py).
     `Trainer.host_state` and checkpoints always give the model's order.
     """
 

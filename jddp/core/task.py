@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jddp.core import row_keys
+from jddp.core import layer_stacks, row_keys
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 from jddp.errors import ConfigError, ShapeError, UsageError
-from jddp.parallel.pipeline import stage_layouts
 from jddp.parallel.pipeline.layers import finding_stacks
 
 Batch = Mapping[str, jax.Array]
@@ -126,7 +125,7 @@ class Task:
             # (layers block_i/...) and stack it, so the same seed gives the same parameters.
             # Under jit the stacked initialization above only told where the stack is.
             unrolled = as_functional(self.model.clone(scan_layers=False), self.axis_aliases)
-            params, model_state = stage_layouts.to_stacked(
+            params, model_state = layer_stacks.to_stacked(
                 unrolled.init({"params": params_key, "dropout": dropout_key}, args, kwargs)
             )
         object.__setattr__(self, "stack", stacks[0] if stacks else None)

@@ -4,7 +4,7 @@ Training order: epoch e is the permutation of the split drawn from (seed, e); th
 concatenated and cut into consecutive global batches of G examples. Process p of P reads only rows
 [p*G/P, (p+1)*G/P) of each global batch, so the global batch at step s is the same whatever the
 number of processes and devices, and resuming at step s is reading batch s. (p, P) is the
-trainer's `batch_part`: the process index and count, unless processes share batch slices, as
+trainer's `row_block`: the process index and count, unless processes share batch slices, as
 pipeline stages on different hosts do; those pass the same p and read the same rows. Example i
 of epoch e is augmented with the key of (seed, e, i) (augment.py), so its augmentation does not
 depend on where it lands either.

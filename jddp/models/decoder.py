@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
-from jddp.models import tensor_parallel
+from jddp.models import sequence_parallel
 from jddp.parallel import context as context_parallel
 from jddp.parallel.pipeline.layers import Pipelined
 
@@ -60,9 +60,9 @@ class Linear(nn.Module):
         if self.tensor_axis is None or self.split is None:
             y = x @ kernel
         elif self.split == "column":
-            return tensor_parallel.column_parallel(x, kernel, bias, self.tensor_axis)
+            return sequence_parallel.column_parallel(x, kernel, bias, self.tensor_axis)
         else:
-            y = tensor_parallel.row_parallel(x, kernel, self.tensor_axis)
+            y = sequence_parallel.row_parallel(x, kernel, self.tensor_axis)
         return y if bias is None else y + bias
 
 
@@ -237,7 +237,7 @@ class Decoder(nn.Module):
         tensor_size = jax.sharding.get_abstract_mesh().shape[tensor_axis] if tensor_axis else 1
         sequence_axis = self._sequence_axis(tensor_axis, seq_len)
         if sequence_axis:  # the residual stream is split along the sequence from here on
-            x = tensor_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
+            x = sequence_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
         else:
             x = embed(tokens)
         if self.positions == "learned":
@@ -265,7 +265,7 @@ class Decoder(nn.Module):
         x = norm(name="ln_f")(x)
         init = nn.initializers.normal(INIT_STD)
         if self.tie_embeddings and sequence_axis:
-            logits = tensor_parallel.column_parallel(x, embed.embedding.T, None, sequence_axis)
+            logits = sequence_parallel.column_parallel(x, embed.embedding.T, None, sequence_axis)
         elif self.tie_embeddings:
             logits = embed.attend(x)
         else:
@@ -305,7 +305,7 @@ class Decoder(nn.Module):
         by hand), the sequence over `tensor` under sequence parallelism."""
         if not tensor_axis:
             return None
-        return P(tensor_parallel.row_axes(tensor_axis) or None, sequence_axis, None)
+        return P(sequence_parallel.row_axes(tensor_axis) or None, sequence_axis, None)
 
     def _sequence_axis(self, tensor_axis: str | None, seq_len: int) -> str | None:
         """The tensor axis when the sequence is split over it (sequence parallelism)."""

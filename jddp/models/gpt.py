@@ -11,7 +11,7 @@ Tensor parallelism is Megatron-LM's (Shoeybi et al., 2019): `TENSOR_PARALLEL_RUL
 and `fc` by columns and `out` and `proj` by rows, the embedding and head by vocabulary; XLA's
 partitioner adds the two all-reduces per block forward (and two backward). With
 `sequence_parallel` the activations between those matmuls are split along the sequence too
-(jddp/models/tensor_parallel.py).
+(jddp/models/sequence_parallel.py).
 """
 
 import functools
@@ -34,7 +34,7 @@ from jddp.models.decoder import (
 POSITIONS = ("learned", "rotary")
 
 # Megatron's layout, written for a mesh with fsdp and tensor axes (axes a mesh lacks are
-# dropped: jddp.parallel.rules.fit_preset). Rows or columns not split over tensor go over fsdp.
+# dropped: jddp.parallel.rules.adapt_preset). Rows or columns not split over tensor go over fsdp.
 TENSOR_PARALLEL_RULES = (
     (r"token_embed/embedding$", "tensor,fsdp"),  # vocabulary-parallel embedding
     (r"attn/qkv/kernel$", "fsdp,tensor"),  # column split: whole heads per rank

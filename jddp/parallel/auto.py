@@ -49,7 +49,7 @@ class AutoStrategy(ZeroStrategy):
                 "gradients in bfloat16, or leave grad_comm_dtype=float32"
             )
         super().__init__(task, mesh, name="auto", **options)
-        self._slices = Slices(self.batch_axes, mesh.batch_shards)
+        self._slices = Slices(self.batch_axes, mesh.batch_slices)
 
     def _train(self, state: TrainState, batch):
         grads, totals, model_state = self.task.local_grads(

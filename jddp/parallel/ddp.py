@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jddp.core.state import TrainState
 from jddp.core.task import Task, check_rows_divide, init_key, jit_init
 from jddp.errors import ConfigError
-from jddp.parallel.compression import GradComm
+from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.mesh import DDP_AXIS as AXIS
 from jddp.parallel.mesh import DeviceMesh
 
@@ -108,7 +108,7 @@ class DDP:
         with one local device per process (jax 0.10.2)."""
         return jax.device_put(jax.device_get(state), self._replicated)
 
-    def batch_part(self) -> tuple[int, int]:
+    def row_block(self) -> tuple[int, int]:
         return jax.process_index(), jax.process_count()  # every device has its own slice
 
     def place_batch(self, batch):

@@ -123,19 +123,19 @@ class DeviceMesh:
         return "context" if "context" in self.mesh.shape else None
 
     @property
-    def batch_shards(self) -> int:
+    def batch_slices(self) -> int:
         """Into how many slices every global batch is split."""
         return math.prod(self.size(a) for a in self.batch_axes)
 
     def describe(self) -> str:
         return ",".join(f"{name}:{size}" for name, size in self.mesh.shape.items())
 
-    def batch_part(self, process_index: int | None = None) -> tuple[int, int]:
-        """(part, parts): every global batch is cut into `parts` equal consecutive blocks of
+    def row_block(self, process_index: int | None = None) -> tuple[int, int]:
+        """(block, blocks): every global batch is cut into `blocks` equal consecutive blocks of
         rows, and the devices of process `process_index` (default: this one) hold the slices
-        of block `part`, so that block is the rows the process reads. Processes that differ
+        of block `block`, so that block is the rows the process reads. Processes that differ
         only along tensor, stage or context (pipeline stages on different hosts) hold the same
-        slices and read the same rows; with the batch axes across processes, parts = processes."""
+        slices and read the same rows; with the batch axes across processes, blocks = processes."""
         process = jax.process_index() if process_index is None else process_index
         batch_dims = [self.axis_names.index(a) for a in self.batch_axes]
         batch_shape = [self.mesh.devices.shape[d] for d in batch_dims]
@@ -160,7 +160,7 @@ class DeviceMesh:
                     "process, so no split of the rows feeds them; order or size the axes so each "
                     "process holds whole blocks (e.g. 'stage:2,data:3', not 'data:3,stage:2')"
                 )
-        return held[0] // count, self.batch_shards // count
+        return held[0] // count, self.batch_slices // count
 
     def crosses_processes(self, role: str) -> bool:
         """Whether some group of devices along the `role` axis spans several processes (tensor's

@@ -16,7 +16,7 @@ keep parameters whole over `fsdp` and shard only the optimizer state and gradien
 
 Every rule of your own must decide at least one parameter: a regex that matches no path, or only
 paths an earlier rule already took, is a ConfigError naming it (a typo would otherwise leave the
-weight to the default layout without a word). A model's preset (`fit_preset`) may match nothing:
+weight to the default layout without a word). A model's preset (`adapt_preset`) may match nothing:
 it names layers a model may not have (GPT's biases, its learned position table).
 """
 
@@ -99,7 +99,7 @@ def _parse_explicit(spec: str, rule: Rule, mesh: DeviceMesh) -> P:
 
 
 class PresetRule(tuple):
-    """A `(regex, spec)` rule of a model's preset (`fit_preset` gives these): it may match no
+    """A `(regex, spec)` rule of a model's preset (`adapt_preset` gives these): it may match no
     parameter, where a rule of the user's own must match one."""
 
 
@@ -171,7 +171,7 @@ def validate_rules(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
     return tuple(checked)
 
 
-def fit_preset(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
+def adapt_preset(rules: Sequence[Rule], mesh: DeviceMesh) -> tuple[Rule, ...]:
     """A preset's rules (written for a mesh with fsdp and tensor) for `mesh`: axes it lacks are
     dropped from the specs, so one preset serves `tensor:8` and `data:2,fsdp:2,tensor:2` alike."""
     fitted = []

@@ -2,7 +2,7 @@
 
 A run builds its mesh first (`device_mesh_for`), then the model (which takes its axis names from
 the mesh), then the strategy (`make_strategy`). What callers may use of a strategy is the
-`Strategy` protocol in jddp/parallel/strategy.py.
+`Strategy` protocol in jddp/parallel/protocol.py.
 """
 
 import functools
@@ -13,8 +13,8 @@ import jax
 from jddp.core.task import Task
 from jddp.errors import ConfigError
 from jddp.parallel.auto import AutoStrategy
-from jddp.parallel.compression import GradComm
 from jddp.parallel.ddp import DDP
+from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.mesh import (
     BATCH_ROLES,
     DDP_AXIS,
@@ -24,8 +24,8 @@ from jddp.parallel.mesh import (
     parse_mesh_spec,
 )
 from jddp.parallel.pipeline.options import PipelineOptions
+from jddp.parallel.protocol import Strategy
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
-from jddp.parallel.strategy import Strategy
 from jddp.parallel.zero import STAGE_OF, ZeroStrategy, check_mesh_for, default_mesh_spec
 
 STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid, auto
@@ -102,7 +102,7 @@ def make_strategy(
 ) -> Strategy:
     """The strategy `name` for `task` on `mesh` (from `device_mesh_for`); `rules` and
     `min_shard_size` lay out the mesh strategies' parameters; `pipeline` says how a stage axis
-    is used; `grad_comm` how gradients cross devices (jddp/parallel/compression.py)."""
+    is used; `grad_comm` how gradients cross devices (jddp/parallel/grad_reduction.py)."""
     _check_name(name)
     grad_comm = grad_comm or GradComm()
     if grad_comm.powersgd and name != "ddp":

@@ -32,16 +32,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp.core import layer_stacks
+from jddp.core.layer_stacks import join_stack, split_stack
 from jddp.core.state import TrainState
 from jddp.core.task import Task, check_rows_divide, init_compiler_options, init_key
 from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
 from jddp.parallel import context
 from jddp.parallel.collectives import fused_pmean, gather
-from jddp.parallel.compression import GradComm
+from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.mesh import DeviceMesh
-from jddp.parallel.pipeline import stage_layouts
-from jddp.parallel.pipeline.engine import join_stack, split_stack
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import (
     DEFAULT_MIN_SHARD_SIZE,
@@ -115,7 +115,7 @@ class ZeroStrategy:
         self.pipeline = None  # the engine, when the mesh has a stage axis (set by prepare)
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(self.batch_axes or None))
-        self._batch_part = mesh.batch_part()  # checked now: a mesh that cannot be fed fails here
+        self._row_block = mesh.row_block()  # checked now: a mesh that cannot be fed fails here
 
     @property
     def num_devices(self) -> int:
@@ -165,7 +165,7 @@ class ZeroStrategy:
         self._fsdp_params = part(self._specs.params, self.batch_axes)
         self._fsdp_grads = part(self._grad_specs, self.batch_axes)
         self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
-        # An interleaved pipeline holds its stack in its stages' order (stage_layouts): each
+        # An interleaved pipeline holds its stack in its stages' order (core/layer_stacks.py): each
         # stage's layer groups at rest where it runs them; checkpoints get the model's order.
         schedule = self.pipeline.schedule if self.pipeline else None
         self._order = (
@@ -173,7 +173,7 @@ class ZeroStrategy:
         )
         held = self._state_shardings.replace(layer_order=self._order)
         reorder = functools.partial(
-            stage_layouts.reorder_state,
+            layer_stacks.reorder_state,
             stack_path=stack.path if stack else (),
             num_layers=stack.num_layers if stack else 0,
         )
@@ -276,7 +276,7 @@ class ZeroStrategy:
     @property
     def _contributions(self) -> int:
         """How many per-device gradients make one step's: a batch slice's, a sequence chunk's."""
-        return self.device_mesh.batch_shards * self.device_mesh.size("context")
+        return self.device_mesh.batch_slices * self.device_mesh.size("context")
 
     def _pmean(self, tree):
         return fused_pmean(tree, self.mean_axes) if self.mean_axes else tree
@@ -319,7 +319,7 @@ class ZeroStrategy:
                 params = self._gather_params(params, over_stages=True)
             if state.layer_order:  # every stage's groups, in the model's order
                 stacked, rest = split_stack(params, self.task.stack.path)
-                in_order = lambda x: stage_layouts.in_model_order(x, *state.layer_order)  # noqa: E731
+                in_order = lambda x: layer_stacks.in_model_order(x, *state.layer_order)  # noqa: E731
                 params = join_stack(rest, jax.tree.map(in_order, stacked), self.task.stack.path)
             sums = self.task.eval_sums(params, model_state, self._own_tokens(batch))
             sums = lax.psum(sums, self.batch_axes) if self.batch_axes else sums
@@ -345,19 +345,19 @@ class ZeroStrategy:
         equal an unsharded initialization from the same seed."""
         return self._init.lower(init_key(seed), sample_input)
 
-    def batch_part(self) -> tuple[int, int]:
-        return self._batch_part
+    def row_block(self) -> tuple[int, int]:
+        return self._row_block
 
     def place_batch(self, batch):
-        """This process's rows of a global batch (its `batch_part`), as global arrays split over
+        """This process's rows of a global batch (its `row_block`), as global arrays split over
         the batch axes."""
-        _, parts = self.batch_part()
-        local_slices = self.device_mesh.batch_shards // parts
+        _, blocks = self.row_block()
+        local_slices = self.device_mesh.batch_slices // blocks
 
         def place(x):
             x = np.asarray(x)
             check_rows_divide(x.shape[0], local_slices)
-            global_shape = (x.shape[0] * parts, *x.shape[1:])
+            global_shape = (x.shape[0] * blocks, *x.shape[1:])
             return jax.make_array_from_process_local_data(self._batch_sharding, x, global_shape)
 
         return jax.tree.map(place, batch)

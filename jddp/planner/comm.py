@@ -64,7 +64,7 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
     def reduce(kind, axes, nbytes, count, what):  # a gradient reduction
         if not workload.grad_comm_bytes:
             return add(kind, axes, nbytes, count, BACKWARD, what)
-        # bfloat16 crosses as bit patterns (jddp/parallel/compression.py): an all-to-all of
+        # bfloat16 crosses as bit patterns (jddp/parallel/grad_reduction.py): an all-to-all of
         # the whole gradient and a float32 sum of the slice each device keeps ...
         if kind == "reduce-scatter":  # (`nbytes` is that slice)
             whole = nbytes * math.prod(layout.sizes[a] for a in axes)
@@ -108,7 +108,7 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
         return []
     tensor = ("tensor",)
     micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
-    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    rows = workload.global_batch // (layout.batch_slices * micro_steps)
     tokens_held = t.seq_len // layout.context  # a context rank's share of each sequence
     activation = rows * tokens_held * t.width * workload.compute_bytes
     layers = t.layers // layout.stage
@@ -165,7 +165,7 @@ def context_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     if layout.context == 1 or t is None:
         return []
     micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
-    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    rows = workload.global_batch // (layout.batch_slices * micro_steps)
     kv_width = (t.kv_heads or t.heads) * t.head_dim // layout.tensor
     block = rows * (t.seq_len // layout.context) * kv_width * 4
     layers = t.layers // layout.stage * micro_steps

@@ -41,7 +41,7 @@ class Layout:
         return math.prod(self.sizes.values())
 
     @property
-    def batch_shards(self) -> int:
+    def batch_slices(self) -> int:
         """Into how many slices each global batch is split (data x fsdp)."""
         return self.data * self.fsdp
 

@@ -86,7 +86,7 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
     if layout.strategy == "auto" and auto.feature_split(workload, layout):
         layout = dataclasses.replace(layout, fsdp=1)  # the batch whole over fsdp
     m = microbatches(workload, layout) * workload.grad_accum_steps
-    rows = workload.global_batch // (layout.batch_shards * m)
+    rows = workload.global_batch // (layout.batch_slices * m)
     tokens = t.seq_len // layout.context  # a context rank's share of each sequence
     sbh = tokens * rows * t.width
     keys = t.seq_len  # how many keys each query's kept probabilities span

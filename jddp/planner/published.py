@@ -107,9 +107,9 @@ def _megatron_rules(mesh):
     """jddp's GPT layout; a multi-query model's queries split like `qkv`, its single key and
     value head replicated over tensor (the default rule)."""
     from jddp.models.gpt import TENSOR_PARALLEL_RULES
-    from jddp.parallel.rules import fit_preset
+    from jddp.parallel.rules import adapt_preset
 
-    return fit_preset((("attn/q/kernel$", "fsdp,tensor"), *TENSOR_PARALLEL_RULES), mesh)
+    return adapt_preset((("attn/q/kernel$", "fsdp,tensor"), *TENSOR_PARALLEL_RULES), mesh)
 
 
 def _megatron(name, h, layers, heads, tp, pp, mbs, gbs, gpus, percent, vpp_layers=0, **kw):

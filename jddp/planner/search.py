@@ -17,7 +17,7 @@ from jddp.planner.workload import Workload
 def why_not(workload: Workload, layout: Layout) -> str | None:
     """Why `workload` cannot run under `layout` (None if it can)."""
     t = workload.transformer
-    parts = layout.batch_shards * workload.grad_accum_steps
+    parts = layout.batch_slices * workload.grad_accum_steps
     if workload.global_batch % parts:
         return f"global batch {workload.global_batch} does not split into {parts}"
     if reason := check_stages(workload, layout):

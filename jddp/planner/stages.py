@@ -42,7 +42,7 @@ def microbatches(workload: Workload, layout: Layout) -> int:
         return 1
     if workload.microbatches:
         return workload.microbatches
-    rows = workload.global_batch // (layout.batch_shards * workload.grad_accum_steps)
+    rows = workload.global_batch // (layout.batch_slices * workload.grad_accum_steps)
     limit = MICROBATCHES_PER_STAGE * layout.stage
     return max(m for m in range(1, min(rows, limit) + 1) if rows % m == 0)
 
@@ -68,7 +68,7 @@ def stage_collectives(workload: Workload, layout: Layout):
         return []
     m = microbatches(workload, layout)
     accum = workload.grad_accum_steps
-    rows = workload.global_batch // (layout.batch_shards * m * accum)
+    rows = workload.global_batch // (layout.batch_slices * m * accum)
     activation = rows * t.seq_len * t.width * workload.compute_bytes
     if not workload.lockstep_pipeline:  # Megatron: forward and backward per chunk boundary
         sends = 2 * workload.virtual_stages * m * accum
@@ -105,7 +105,7 @@ def check_stages(workload: Workload, layout: Layout) -> str | None:
         return "only transformers are planned with a stage axis"
     if t.layers % (stages * workload.virtual_stages):
         return f"{t.layers} layers do not split into {stages} stages"
-    rows = workload.global_batch // (layout.batch_shards * workload.grad_accum_steps)
+    rows = workload.global_batch // (layout.batch_slices * workload.grad_accum_steps)
     m = microbatches(workload, layout)
     if rows % m:
         return f"{rows} rows per replica do not split into {m} micro-batches"

@@ -108,7 +108,7 @@ def memory_traffic(workload: Workload, layout: Layout) -> tuple[float, float]:
     """(non-matmul ops, optimizer update): the bytes one device reads and writes per step, as
     the planner counts them: each element read and written once per op."""
     elementwise = workload.elementwise_bytes(  # a context rank holds 1 / C of the tokens
-        layout.tensor, layout.sequence_parallel, layout.batch_shards * layout.context, layout.stage
+        layout.tensor, layout.sequence_parallel, layout.batch_slices * layout.context, layout.stage
     )
     state = state_bytes(workload, layout)
     return elementwise, 2 * (state.params + state.optimizer) + state.grads
@@ -215,7 +215,7 @@ def ring_hop_seconds(workload: Workload, layout: Layout, rate: float) -> dict[st
     if layout.context == 1 or layout.context_attention != "ring" or t is None:
         return {}
     micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
-    rows = workload.global_batch // (layout.batch_shards * micro_steps)
+    rows = workload.global_batch // (layout.batch_slices * micro_steps)
     n = t.seq_len // (2 * layout.context)
     forward = 2 * 2 * rows * 2 * n * n * t.attention_width / layout.tensor / rate
     return {comm.RING_FORWARD: forward, comm.RING_BACKWARD: 2.5 * forward}

@@ -205,7 +205,7 @@ class Workload:
         return head + blocks * (3 + self.recompute) / 3
 
     def elementwise_bytes(
-        self, tensor: int, sequence_parallel: bool, batch_shards: int, stages: int
+        self, tensor: int, sequence_parallel: bool, batch_slices: int, stages: int
     ) -> float:
         """Bytes one device moves per step in the blocks' non-matmul ops
         (`Transformer.elementwise_elements`): the forward's, again in the recomputed forward,
@@ -213,7 +213,7 @@ class Workload:
         t = self.transformer
         if t is None:
             return 0.0
-        tokens = self.global_batch * t.seq_len / batch_shards
+        tokens = self.global_batch * t.seq_len / batch_slices
         per_pass = tokens * t.layers / stages * t.elementwise_elements(tensor, sequence_parallel)
         return per_pass * self.compute_bytes * (3 + self.recompute)
 

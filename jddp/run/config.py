@@ -13,7 +13,7 @@ import ml_collections
 
 from jddp.data.datasets import DataOptions
 from jddp.errors import ConfigError
-from jddp.parallel.compression import GradComm
+from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 
@@ -94,7 +94,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.pipeline.schedule = PipelineOptions.schedule
     c.parallel.pipeline.repeats = PipelineOptions.repeats
     c.parallel.pipeline.remat = PipelineOptions.remat
-    # How gradients cross devices (jddp/parallel/compression.py): float32 | bfloat16 on the
+    # How gradients cross devices (jddp/parallel/grad_reduction.py): float32 | bfloat16 on the
     # wire; grad_compression none | powersgd (ddp only): rank-r factors with error feedback,
     # uncompressed for the first powersgd_start_step steps.
     c.parallel.grad_comm_dtype = GradComm.dtype

@@ -22,7 +22,7 @@ from jddp.errors import ConfigError
 from jddp.observe import goodput
 from jddp.run import config as config_lib
 from jddp.run import elastic, factory, optim, resume
-from jddp.run.model_fit import check_model_fits
+from jddp.run.input_check import check_model_takes_data
 from jddp.runtime import processes as runtime
 from jddp.runtime import workdir as workdir_lib
 from jddp.runtime.rollback import RollbackPolicy
@@ -106,27 +106,27 @@ def train_and_evaluate(
     saved_meta = _newest_checkpoint_meta(workdir, config)
     accum = elastic.accumulation(
         config.global_batch_size,
-        trainer.batch_shards * trainer.microbatches,
+        trainer.batch_slices * trainer.microbatches,
         config.grad_accum_steps,
         saved_meta,
     )
     if accum.steps != config.grad_accum_steps:  # fewer devices than the run began with
         trainer = factory.build_trainer(config, dataset, schedule, grad_accum_steps=accum.steps)
     objective = factory.objective(dataset)
-    check_divisible(config.global_batch_size, trainer.batch_shards, accum.steps)
+    check_divisible(config.global_batch_size, trainer.batch_slices, accum.steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
-    check_eval_batch_size(eval_batch_size, trainer.batch_shards)
+    check_eval_batch_size(eval_batch_size, trainer.batch_slices)
 
     # ------------------------------------------- data (a missing or bad dataset leaves no workdir)
     data_options = data.DataOptions.from_config(config.data)
     splits = data.open_dataset(dataset, data_options)
     sample_batch = factory.sample_batch(config, dataset, splits)
-    check_model_fits(trainer.task, sample_batch, config.model, config.dataset, dataset)
+    check_model_takes_data(trainer.task, sample_batch, config.model, config.dataset, dataset)
     trainer.check_layout(sample_batch, config.global_batch_size)
     # Each process reads only its block of every global batch (see jddp/data/loader.py):
-    # block `part` of `parts`; pipeline stages on other hosts read the same block.
-    part, parts = trainer.batch_part
-    processes = {"process_index": part, "process_count": parts}
+    # block `block` of `blocks`; pipeline stages on other hosts read the same block.
+    block, blocks = trainer.row_block
+    processes = {"process_index": block, "process_count": blocks}
     batches = data.train_batches(
         splits.train,
         splits.transform,

@@ -18,7 +18,7 @@ from jddp.core.task import compute_dtype_of
 from jddp.parallel import context, strategies
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
-from jddp.parallel.rules import fit_preset
+from jddp.parallel.rules import adapt_preset
 from jddp.run import objectives, optim
 from jddp.run.objectives import Objective
 from jddp.trainer import Trainer
@@ -96,7 +96,7 @@ def partition_rules(config, device_mesh: DeviceMesh, model) -> tuple:
     )
     if device_mesh.tensor_axis and not rules:
         preset = models.tensor_rules(config.model, model, device_mesh.size("tensor"))
-        rules = fit_preset(preset, device_mesh)
+        rules = adapt_preset(preset, device_mesh)
     return rules
 
 

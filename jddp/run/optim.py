@@ -3,8 +3,8 @@
 import jax
 import optax
 
+from jddp.core.layer_stacks import STACKED
 from jddp.errors import ConfigError
-from jddp.parallel.pipeline.stage_layouts import STACKED
 
 OPTIMIZERS = ("adamw", "sgd")
 

@@ -11,11 +11,11 @@ import jax
 from absl import logging
 
 from jddp import models
-from jddp.checkpoints import fits, hf, weights
+from jddp.checkpoints import compatibility, hf, weights
 from jddp.checkpoints import store as checkpoint
+from jddp.core import layer_stacks
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
 from jddp.models import user_models
-from jddp.parallel.pipeline import stage_layouts as layouts
 
 # Keys a resumed run may change without it counting as a config change: they decide how the run
 # is logged, evaluated, checkpointed, profiled, read from disk or placed on devices (checkpoints
@@ -169,7 +169,7 @@ def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> 
     changes = check_resumable(
         meta, checkpoint.shapes_by_path(saved_tree), config, abstract, directory
     )
-    fits.check_state_fits(
+    compatibility.check_state_matches(
         abstract, saved_tree, f"the checkpoints in {directory}", "or pass a new --workdir"
     )
     step = int(meta["step"])
@@ -283,8 +283,8 @@ def _init_from(trainer, state, config, sample_batch):
             "%s holds no batch statistics: the model's start from their initial values",
             saved.source,
         )
-    stacked = layouts.is_stacked(checkpoint.shapes_by_path(state.params))
-    convert = layouts.to_stacked if stacked else layouts.to_per_layer
+    stacked = layer_stacks.is_stacked(checkpoint.shapes_by_path(state.params))
+    convert = layer_stacks.to_stacked if stacked else layer_stacks.to_per_layer
     state = trainer.replace_state(
         state,
         params=convert(saved.params),

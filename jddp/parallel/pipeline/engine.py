@@ -26,6 +26,7 @@ from jax import checkpoint_policies as policies
 from jax import lax
 
 from jddp.core import row_keys
+from jddp.core.layer_stacks import join_stack, split_stack
 from jddp.core.task import Task, cast_floats
 from jddp.errors import ShapeError
 from jddp.parallel.pipeline import layers
@@ -44,28 +45,6 @@ BUBBLE_FILL = 0.0
 
 # jax.checkpoint's policy for each `remat` (None: no checkpoint, everything is kept).
 REMAT_POLICIES = {"dots": policies.dots_saveable, "none": None, "full": policies.nothing_saveable}
-
-
-def split_stack(params, path):
-    """(the stacked parameters at `path`, every other parameter)."""
-    rest = dict(params)
-    node = rest
-    for key in path[:-1]:
-        node[key] = dict(node[key])
-        node = node[key]
-    stacked = node.pop(path[-1])
-    return stacked, rest
-
-
-def join_stack(rest, stacked, path):
-    """`rest` with `stacked` put back at `path`."""
-    tree = dict(rest)
-    node = tree
-    for key in path[:-1]:
-        node[key] = dict(node[key])
-        node = node[key]
-    node[path[-1]] = stacked
-    return tree
 
 
 class Pipeline:

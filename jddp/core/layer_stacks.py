@@ -1,6 +1,7 @@
 """Per-layer and stacked parameter layouts, and conversion between them, so that checkpoints
 move between pipelined (stacked) runs and plain ones; and the order in which an interleaved
-pipeline's stages hold a stack's layers.
+pipeline's stages hold a stack's layers; and taking a stack out of a parameter tree and putting it
+back (`split_stack`, `join_stack`).
 
 A model's blocks are either per layer, `block_0/...`, `block_1/...` (GPT's default), or stacked
 along a leading layer axis under `blocks/...` (`scan_layers`, and always under a `stage` axis).
@@ -164,3 +165,25 @@ def reorder_state(state, order, *, stack_path: tuple[str, ...], num_layers: int)
         jax.tree_util.tree_map_with_path(move, tree) for tree in (state.params, state.opt_state)
     )
     return state.replace(params=params, opt_state=opt_state, layer_order=order)
+
+
+def split_stack(params, path):
+    """(the stacked parameters at `path`, every other parameter)."""
+    rest = dict(params)
+    node = rest
+    for key in path[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    stacked = node.pop(path[-1])
+    return stacked, rest
+
+
+def join_stack(rest, stacked, path):
+    """`rest` with `stacked` put back at `path`."""
+    tree = dict(rest)
+    node = tree
+    for key in path[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    node[path[-1]] = stacked
+    return tree

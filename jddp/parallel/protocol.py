@@ -47,13 +47,13 @@ class Strategy(Protocol):
 
     def lower_init(self, seed: int, sample_input) -> jax.stages.Lowered: ...
 
-    def batch_part(self) -> tuple[int, int]:
-        """(part, parts): this process reads block `part` of `parts` equal consecutive blocks
+    def row_block(self) -> tuple[int, int]:
+        """(block, blocks): this process reads block `block` of `blocks` equal consecutive blocks
         of rows of every global batch (processes along tensor or stage read the same block)."""
         ...
 
     def place_batch(self, batch) -> Any:
-        """This process's rows of a global batch (its `batch_part`), on the devices as
+        """This process's rows of a global batch (its `row_block`), on the devices as
         `train_step` takes them."""
         ...
 

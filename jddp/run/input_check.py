@@ -21,7 +21,7 @@ from jddp.errors import ConfigError, DataError, JddpError
 from jddp.models.user_models import OUTPUT_FIELD, is_import_path
 
 
-def check_model_fits(
+def check_model_takes_data(
     task: Task, sample_batch, model_name: str, dataset_name: str, dataset: DatasetSpec | None = None
 ) -> None:
     """Raises ConfigError for a layer of no width, and DataError if `task`'s model cannot take

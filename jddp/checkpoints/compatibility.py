@@ -7,9 +7,9 @@ ShapeError this gives and moves nothing."""
 import jax
 import numpy as np
 
+from jddp.core import layer_stacks
 from jddp.core.tree_paths import path_str
 from jddp.errors import ShapeError
-from jddp.parallel.pipeline import stage_layouts as layouts
 
 # Per part of the state: what its entries are called, and how a differing one is put right.
 _PARTS = {
@@ -43,12 +43,12 @@ def state_layout(tree) -> dict[str, tuple | None]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]:
         text = path_str(path)
         entry = None if _is_empty(leaf) else (tuple(leaf.shape), _dtype_name(leaf.dtype))
-        head, stacked, tail = f"/{text}".partition(f"/{layouts.STACKED}/")
+        head, stacked, tail = f"/{text}".partition(f"/{layer_stacks.STACKED}/")
         if not stacked or (entry is not None and not entry[0]):  # a scalar is no stack
             layout[text] = entry
         elif entry is not None:  # an empty node of a stack has no layer count: left out
             for i in range(entry[0][0]):
-                layout[f"{head}/{layouts.PER_LAYER}{i}/{tail}".lstrip("/")] = (
+                layout[f"{head}/{layer_stacks.PER_LAYER}{i}/{tail}".lstrip("/")] = (
                     entry[0][1:],
                     entry[1],
                 )
@@ -111,7 +111,7 @@ def state_mismatch(abstract_state, saved_tree, source: str) -> tuple[str, str] |
     return None
 
 
-def check_state_fits(abstract_state, saved_tree, source: str, fix: str | None = None) -> None:
+def check_state_matches(abstract_state, saved_tree, source: str, fix: str | None = None) -> None:
     """A one-line ShapeError naming the first path where the saved state differs from
     `abstract_state` (structure, shape or dtype), ending with `fix` (how to go on instead)."""
     found = state_mismatch(abstract_state, saved_tree, source)

@@ -1,21 +1,30 @@
-# One-line entry points. Each creates .venv on first use (Python >= 3.11 as $(PYTHON)).
+# One-line entry points on a fresh clone. Each creates .venv on first use (Python >= 3.11 as
+# $(PYTHON)) and installs what it needs: the library for `train`, the test and docs tools for
+# the rest. An existing .venv is kept (e.g. one with JAX's CUDA build already installed).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+LIBRARY := $(VENV)/.installed-library
+TOOLS := $(VENV)/.installed
 
-.PHONY: setup train test lint bench docs clean
+.PHONY: setup train test bench docs clean
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(LIBRARY): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(TOOLS): $(LIBRARY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-setup: $(VENV)/.installed
+## The library and the tools the tests and the docs use (pytest, ruff, mkdocs, torch's CPU wheel).
+setup: $(TOOLS)
 
 ## Train the default experiment (or: make train ARGS="--config=... --workdir=...").
-train: setup
+train: $(LIBRARY)
 	$(PY) -m experiments.train $(ARGS)
 
 ## Lint, then run the whole test suite on 8 simulated CPU devices.

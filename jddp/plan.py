@@ -21,7 +21,6 @@ import sys
 
 from absl import app, flags
 
-from jddp.planner.devices import CALIBRATE
 from jddp.run.cli import NUMBER, ConfigFlag, fail, parse_amount
 from jddp.runtime.quiet import quiet_library_logs
 
@@ -60,9 +59,6 @@ _COMPILE = flags.DEFINE_enum(
     "Compile each step for N simulated CPU devices for its exact peak (auto: up to 8 devices).",
 )  # fmt: skip
 _PUBLISHED = flags.DEFINE_bool("published", False, "Reproduce published large-scale runs.")
-_CALIBRATE = flags.DEFINE_bool(
-    "calibrate", False, "Moved: measuring this machine is `python -m experiments.calibrate`."
-)
 
 _TIME_UNITS = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
@@ -267,10 +263,6 @@ def main(argv: list[str]) -> None:
         fail(f"--devices_per_host={per_host} must divide --devices={_DEVICES.value}")
     if _TOP.value < 0:
         fail(f"--top={_TOP.value} must be a number of plans to show, or 0 for all of them")
-    if _CALIBRATE.value:
-        # The measuring programs and their scipy fit live in the repository's experiments/,
-        # not in the installed library.
-        fail(f"--calibrate moved: run `{CALIBRATE}` from a jddp checkout")
     quiet_library_logs()
     if _PUBLISHED.value:
         run_published()

@@ -25,10 +25,10 @@ from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.strategies import device_mesh_for, make_strategy
 
-# Programs dispatched ahead of the host before it waits. Unbounded dispatch of collective
-# programs deadlocked XLA:CPU (8 simulated devices, one process, after ~300 steps) and gloo
-# across processes (2 processes of 2 CPU devices, after ~40 steps); a small bound costs nothing,
-# since the host runs ahead anyway.
+# Programs dispatched ahead of the host before it waits. Unbounded dispatch of programs with
+# collectives can deadlock XLA:CPU, both across simulated devices in one process and across
+# processes over gloo (tens of steps in flight are enough); a small bound costs nothing, since the
+# host stays ahead of the devices anyway.
 MAX_STEPS_IN_FLIGHT = 4
 
 

@@ -35,7 +35,7 @@ MARKER = re.compile(r"<!--\s*([\w-]+):start\s*-->")
 FILE = re.compile(r"<!--\s*file:\s*(\S+)\s*-->")
 PAGE_CWD = "<!-- shell-cwd: page -->"
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
-README_MAX_LINES = 300
+README_MAX_LINES = 200  # a front page; the rest is in docs/
 # jddp's command lines, as a page writes them: [VAR=value ...] python -m MODULE ...
 JDDP_MODULES = (
     "experiments.train",
@@ -50,7 +50,8 @@ SCRIPTS = {
     "jddp-train": "jddp.run.train",
     "jddp-export": "jddp.run.export",
 }
-PYTHONS = ("python", "python3", ".venv/bin/python")
+PYTHONS = ("python", "python3")
+VENV_BIN = ".venv/bin/"  # the environment `make` creates, named where it is not activated
 # Flags naming a run's directory or a file the page wrote: under the page's temporary directory,
 # where the Python examples' relative paths land too. `jddp-export`'s WORKDIR and OUT as well.
 RUN_DIR_FLAGS = (
@@ -119,6 +120,8 @@ def shell_commands(code: str) -> list[str]:
 def jddp_argv(words: list[str], tmp_path) -> list[str] | None:
     """`words` (one command, environment assignments already taken off) as this interpreter
     runs it, workdirs under `tmp_path`; None if it is not a jddp command."""
+    if words and words[0].startswith(VENV_BIN):
+        words = [words[0].removeprefix(VENV_BIN), *words[1:]]
     if words and words[0] in SCRIPTS:
         words = ["python", "-m", SCRIPTS[words[0]], *words[1:]]
     if len(words) < 3 or words[0] not in PYTHONS or words[1] != "-m":

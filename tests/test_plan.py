@@ -179,16 +179,6 @@ def test_a_negative_top_is_refused_in_one_line():
     )
 
 
-def test_calibrate_moved_to_experiments_in_one_line():
-    """Measuring this machine is `python -m experiments.calibrate` (its programs and scipy fit
-    are not in the installed library): `--calibrate` says so in one line, exit code 2."""
-    result = run_plan("--calibrate")
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == (
-        "error: --calibrate moved: run `python -m experiments.calibrate` from a jddp checkout"
-    )
-
-
 def test_the_planner_counts_float16_as_2_bytes_as_the_trainer_computes():
     """The planner's bytes per activation element come from the factory's dtype rule, the one
     the trainer computes in: float16 is 2 bytes (it was once counted as 4)."""

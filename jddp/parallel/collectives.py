@@ -36,10 +36,11 @@ def scatter_sum(x, spec: P):
 
 
 # Across processes, a tensor at least this large crosses as its own buffer; smaller ones are
-# concatenated into one. gloo pays ~3-5 ms per buffer, while concatenating and splitting large
-# tensors costs more than that on XLA:CPU (gloo, 2 processes: an MLP's 42 MB of gradients take
-# 260-320 ms a step as one flat buffer, 170-220 ms with its 8-16 MB kernels apart; a 7.4 MB
-# MLP's take 15 ms flat, 20 ms with its 3-4 MB kernels apart).
+# concatenated into one. gloo pays ~3-5 ms per buffer whatever its size, so small tensors are
+# worth joining; concatenating and splitting a tensor of several MB on XLA:CPU is a per-element
+# copy that costs more than the buffer it saves (gloo, 2 processes: a 42 MB gradient reduces
+# ~1/3 faster with its 8-16 MB kernels apart than as one flat buffer, while a 7.4 MB gradient
+# of 3-4 MB kernels is faster flat).
 OWN_BUFFER_BYTES = 2**23
 
 

@@ -243,8 +243,8 @@ def _sum_received(x, axes, count: int):
     received. The rows are added one by one: XLA:CPU runs a reduce over the leading axis of the
     converted values 10x slower than these elementwise adds."""
     # Each destination's rows converted on their own: XLA:CPU splits an all-to-all's operand
-    # into one buffer per destination, and a conversion of the whole operand would be one more
-    # pass over the gradient (the communication benchmark's bfloat16 step: 2.4% faster so).
+    # into one buffer per destination anyway, so converting the whole operand first would be one
+    # more pass over the gradient.
     wire = jnp.concatenate([_to_wire(x[row : row + 1]) for row in range(count)])
     received = lax.all_to_all(wire, axes, 0, 0, tiled=True)
     total = _from_wire(received[0])

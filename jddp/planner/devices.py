@@ -65,8 +65,8 @@ class DeviceProfile:
     overhead_inter: float = 0.0
     # Measured profiles: (kind, intra bw, intra latency, inter bw, inter latency, intra
     # overhead, inter overhead) where a kind departs from the common link (XLA:CPU's all-gather
-    # is far slower per byte than its all-reduce: one fitted link per kind). Profiles stored
-    # before the overheads existed have 5 numbers: overheads 0.
+    # is far slower per byte than its all-reduce: one fitted link per kind). An entry of 5
+    # numbers has no per-op overheads (0).
     per_kind: tuple[tuple, ...] = ()
     # Measured profiles: a matmul's rate by its smallest dimension, relative to a wide one's
     # ((dimension, relative rate), ...; empty: every shape at the full rate). On XLA:CPU a

@@ -3,10 +3,11 @@
 XLA's gloo TCP transport runs one event-loop thread per process that keeps polling its sockets
 while a collective is in flight. On a core that thread shares with the thread running the step
 (a process pinned to one core, or more processes than cores), Linux lets the poller run out its
-time slice before the woken step thread gets the core back, adding ~3 ms to every collective
-(gloo, 2 processes pinned to a core each: a 256 KB all-reduce 3.8 -> 2.4 ms, 7.4 MB 9.0 -> 5.8 ms
-at the lowest priority; experiments/bench/multiprocess.py). At the lowest priority (nice 19) the
-poller still runs whenever the step thread waits for data, and yields to it otherwise.
+time slice before the woken step thread gets the core back, which adds a millisecond or more to
+every collective (gloo, 2 processes pinned to a core each: ~1.4 ms on a 256 KB all-reduce that
+otherwise takes 2.4 ms; experiments/bench/multiprocess.py measures it). At the lowest priority
+(nice 19) the poller still runs whenever the step thread waits for data, and yields to it
+otherwise.
 """
 
 import os

@@ -27,11 +27,11 @@ setup: $(TOOLS)
 train: $(LIBRARY)
 	$(PY) -m experiments.train $(ARGS)
 
-## Lint, then run the whole test suite on 8 simulated CPU devices.
+## Lint, then run the whole test suite on 8 simulated CPU devices (or: make test ARGS=tests/FILE.py).
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile $(ARGS)
 
 ## Build the documentation site into site/; a broken link or API reference fails (--strict).
 docs: setup

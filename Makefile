@@ -20,7 +20,8 @@ $(TOOLS): $(LIBRARY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-## The library and the tools the tests and the docs use (pytest, ruff, mkdocs, torch's CPU wheel).
+## The library and the tools the tests and the docs use (pytest, ruff, mkdocs, PyTorch for the
+## Hugging Face tests).
 setup: $(TOOLS)
 
 ## Train the default experiment (or: make train ARGS="--config=... --workdir=...").

@@ -14,22 +14,21 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jddp"
-# The layers of docs/design.md, bottom first: a module imports from its own layer or below. A
-# module belongs to the package its name starts with (the longest match), so a new module of a
-# package is covered; a new package must be given a layer here and on the Design page.
-LAYERS = (
-    ("jddp.errors", "jddp.losses", "jddp.version"),
-    ("jddp.runtime",),
-    ("jddp.core",),
-    ("jddp.data", "jddp.parallel"),
-    ("jddp.models",),
-    ("jddp.observe",),
-    ("jddp.checkpoints", "jddp.trainer"),
-    ("jddp.loop",),
-    ("jddp.run",),
-    ("jddp.planner",),
-    ("jddp.plan", "jddp"),  # the root: the public API, gathered from every layer
-)
+
+
+def _design_layers() -> tuple[tuple[str, ...], ...]:
+    """The layers as docs/design.md's table writes them, bottom first: the packages named in the
+    second column of each numbered row (`| 3 | `jddp.core` | ... |`)."""
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", (ROOT / "docs" / "design.md").read_text(), re.M)
+    assert [int(number) for number, _ in rows] == list(range(1, len(rows) + 1)), rows
+    return tuple(tuple(re.findall(r"`(jddp[\w.]*)`", packages)) for _, packages in rows)
+
+
+# A module imports from its own layer or below. It belongs to the package its name starts with
+# (the longest match), so a new module of a package is covered; a new package must be given a
+# layer on the Design page. The root `jddp` is the public API, gathered from every layer.
+LAYERS = _design_layers()
+
 # Imports that still point up, each with the reason; the Design page names them too.
 UPWARD_EXCEPTIONS = {
     # Task finds a model's Pipelined stacks at init; the module is to move below the core.

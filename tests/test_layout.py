@@ -94,6 +94,18 @@ def test_the_library_never_imports_experiments():
     assert not {name: found for name, found in offenders.items() if found}
 
 
+def test_experiments_never_import_tests():
+    """Benchmarks and experiments stand on jddp and experiments/ only: what a benchmark shares
+    with the tests lives in experiments/ (the tests import it from there)."""
+    offenders = {}
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        found = _imports(_module_name(path), path)
+        offenders[str(path.relative_to(ROOT))] = sorted(
+            m for m in found if m.split(".")[0] == "tests"
+        )
+    assert not {path: found for path, found in offenders.items() if found}
+
+
 def test_layers_import_downward_only():
     """core, parallel, data and models sit below the run, the loop and the planner; the planner
     sits below the experiment runner and the loop."""

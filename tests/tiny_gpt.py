@@ -1,5 +1,6 @@
-"""The tiny GPT the tensor- and sequence-parallel tests train, its batches and optimizer, the
-meshes they cover, and the single-device reference they are held to."""
+"""The tiny GPT the tensor- and sequence-parallel tests train (its dimensions, batches and
+optimizer from experiments/bench/tiny_gpt.py, which the planner benchmark shares), the meshes they
+cover, and the single-device reference they are held to."""
 
 import hashlib
 
@@ -8,7 +9,7 @@ import numpy as np
 import optax
 
 import jddp
-from experiments.bench.tiny_gpt import (  # noqa: F401 (the tests take them from here too)
+from experiments.bench.tiny_gpt import (  # noqa: F401 (tests import them from here)
     BATCH,
     HEADS,
     LAYERS,

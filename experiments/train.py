@@ -7,13 +7,21 @@ suggested when --config names no file.
 
 import os
 
-from jddp.run.train import CONFIG, main, run
+from jddp.run import train
+from jddp.run.cli import ConfigFlag
 
 _CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-CONFIG.default_path = os.path.join(_CONFIGS, "digits_mlp.py")
-CONFIG.examples_dir = _CONFIGS
+CONFIG = ConfigFlag(os.path.join(_CONFIGS, "digits_mlp.py"), examples_dir=_CONFIGS)
 
-__all__ = ["CONFIG", "main", "run"]  # tests run `app.run(main, flags_parser=CONFIG.parse)`
+
+def main(argv: list[str]) -> None:
+    """absl's main (tests run `app.run(main, flags_parser=CONFIG.parse)`)."""
+    train.main(argv, config=CONFIG)
+
+
+def run() -> None:
+    train.run(CONFIG)
+
 
 if __name__ == "__main__":
     run()

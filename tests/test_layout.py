@@ -135,6 +135,18 @@ def test_the_library_never_imports_experiments_or_tests():
     assert not {name: found for name, found in offenders.items() if found}
 
 
+def test_experiments_never_import_tests():
+    """Benchmarks and experiments stand on jddp and experiments/ only: what a benchmark shares
+    with the tests lives in experiments/ (the tests import it from there)."""
+    offenders = {}
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        found = _imports(_module_name(path), path)
+        offenders[str(path.relative_to(ROOT))] = sorted(
+            m for m in found if m.split(".")[0] == "tests"
+        )
+    assert not {path: found for path, found in offenders.items() if found}
+
+
 def test_every_module_imports_from_its_layer_or_below():
     """Module by module, imports inside functions too: nothing imports a module on a higher
     layer (the runtime never the core, the core never a strategy, the trainer never the loop,

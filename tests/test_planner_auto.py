@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jddp
+from experiments.bench.planner_programs import tiny_model, tiny_workload
 from jddp.core.task import init_compiler_options
 from jddp.models import MLP
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
@@ -22,7 +23,6 @@ from jddp.planner.layouts import Layout, candidates
 from jddp.planner.memory_model import state_bytes
 from jddp.planner.workload import model_workload
 from jddp.run.objectives import OBJECTIVES
-from tests.planner_programs import tiny_model, tiny_workload
 from tests.tiny_gpt import SEQ, adamw
 
 LM = OBJECTIVES["language_model"]

@@ -8,10 +8,10 @@ devices (ddp and zero1 included)."""
 
 import pytest
 
+from experiments.bench.planner_programs import compiled_text, tiny_workload
 from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.planner import collective, comm
 from jddp.planner.layouts import Layout
-from tests.planner_programs import compiled_text, tiny_workload
 
 F32, BF16 = "float32", "bfloat16"
 CASES = [  # (layout, layers, micro-batches, gradients' dtype); every other layout: --bytes

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jddp.errors import CheckpointError, WorkdirError
+from jddp.run.cli import program_quiet
 from jddp.run.experiment import train_and_evaluate
 from tests.helpers import (
     REPO,
@@ -174,15 +175,18 @@ def abandon_a_failed_task(message: str) -> None:
 def test_asyncio_reports_of_a_damaged_checkpoints_reads_are_dropped(workdir, caplog):
     """Whether asyncio reports orbax's unawaited reads of the damaged checkpoint depends on when
     the garbage collector runs (once, in CI, the test above printed one); here such a report is
-    made on purpose, after the fallback restore, and one about another directory for contrast."""
+    made on purpose, after the fallback restore, and one about another directory for contrast.
+    In the CLI's process, which holds `program_quiet` to its end (the library holds it only
+    while a checkpoint manager is open: tests/test_process_state.py)."""
     for path in glob.glob(str(workdir / "checkpoints/10/state/**/d/*"), recursive=True):
         os.remove(path)
-    train_and_evaluate(small_config(num_train_steps=15, allow_config_change=True), workdir)
-    with caplog.at_level(logging.ERROR, logger="asyncio"):
-        abandon_a_failed_task(f"NOT_FOUND: reading {workdir}/checkpoints/10/state/d/0")
-        assert not [r for r in caplog.records if r.name == "asyncio"]
-        abandon_a_failed_task(f"NOT_FOUND: reading {workdir}/elsewhere/d/0")
-        (report,) = [r for r in caplog.records if r.name == "asyncio"]
+    with program_quiet().held():
+        train_and_evaluate(small_config(num_train_steps=15, allow_config_change=True), workdir)
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            abandon_a_failed_task(f"NOT_FOUND: reading {workdir}/checkpoints/10/state/d/0")
+            assert not [r for r in caplog.records if r.name == "asyncio"]
+            abandon_a_failed_task(f"NOT_FOUND: reading {workdir}/elsewhere/d/0")
+            (report,) = [r for r in caplog.records if r.name == "asyncio"]
     assert "never retrieved" in report.getMessage() and "elsewhere" in str(report.exc_info[1])
 
 

@@ -1,5 +1,6 @@
-"""The tiny GPT the tensor- and sequence-parallel tests train, its batches and optimizer, the
-meshes they cover, and the single-device reference they are held to."""
+"""The tiny GPT the tensor- and sequence-parallel tests train (its dimensions, batches and
+optimizer from experiments/bench/tiny_gpt.py, which the planner benchmark shares), the meshes they
+cover, and the single-device reference they are held to."""
 
 import hashlib
 
@@ -8,6 +9,17 @@ import numpy as np
 import optax
 
 import jddp
+from experiments.bench.tiny_gpt import (  # noqa: F401 (tests import them from here)
+    BATCH,
+    HEADS,
+    LAYERS,
+    SEQ,
+    STEPS,
+    VOCAB,
+    WIDTH,
+    adamw,
+    token_batches,
+)
 from jddp.core.task import jit_init
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
@@ -17,31 +29,6 @@ from jddp.run.objectives import OBJECTIVES
 from tests.reference import assert_trees_close, plain_training
 
 LM = OBJECTIVES["language_model"]
-VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, STEPS = 64, 32, 4, 2, 16, 16, 20
-
-
-def adamw():
-    # eps 1e-3, not 1e-8: Adam's first steps move a parameter by lr * g / (|g| + eps), which
-    # turns rounding noise in a near-zero gradient into a change up to lr / eps times as large.
-    # With eps 1e-8 even DDP on 8 devices differed from one device by 2e-3 relative; with 1e-4
-    # the out-projection bias of stage:2,fsdp:2,tensor:2 (1F1B) by 1.1e-5 after 20 steps on an
-    # AMD EPYC (3.9e-5 after the first: summation order's rounding, amplified). That is Adam's
-    # sensitivity, not the layout's; at 1e-3 the same case is within 2.1e-6, and a wrong
-    # gradient still moves parameters by orders of magnitude more than the 1e-5 the tests allow.
-    return optax.chain(
-        optax.clip_by_global_norm(0.5), optax.adamw(3e-3, eps=1e-3, weight_decay=0.1)
-    )
-
-
-def token_batches(seed=0, steps=STEPS, size=BATCH, seq=SEQ):
-    rng = np.random.default_rng(seed)
-    # Targets follow the inputs (a shifted copy with noise), so the model has something to learn.
-    out = []
-    for _ in range(steps):
-        inputs = rng.integers(0, VOCAB, (size, seq)).astype(np.int32)
-        targets = np.where(rng.random((size, seq)) < 0.7, (inputs + 1) % VOCAB, inputs)
-        out.append({"inputs": inputs, "targets": targets.astype(np.int32)})
-    return out
 
 
 def tiny_gpt(positions="learned", tie=True, layers=LAYERS, **fields):

@@ -259,10 +259,10 @@ def byte_check() -> list[dict]:
     """Every layout of the tiny test GPT on 8 devices: modelled bytes vs the HLO's."""
     import jax
 
+    from experiments.bench.planner_programs import compiled_text, tiny_workload
     from jddp.observe.hlo import bytes_by_axes, collective_ops
     from jddp.planner import collective, comm
     from jddp.planner.search import layouts_for
-    from tests.planner_programs import compiled_text, tiny_workload
 
     w = tiny_workload(heads=8)
     layouts, _ = layouts_for(w, 8, 8, stages=False)  # pipelines: tests/test_planner_comm.py

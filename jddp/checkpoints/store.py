@@ -14,6 +14,7 @@ programs' checkpoints: jddp/checkpoints/weights.py.
 
 import contextlib
 import datetime
+import gc
 import json
 import logging as std_logging
 import os
@@ -31,8 +32,8 @@ from jddp.core import layer_stacks
 from jddp.core.tree_paths import path_str
 from jddp.errors import CheckpointError, ShapeError, WorkdirError
 from jddp.observe.memory import format_bytes
+from jddp.runtime import quiet
 from jddp.runtime.fs import is_damage, write_failure
-from jddp.runtime.quiet import drop_unraisable, library_warnings_muted
 
 STATE, META = "state", "meta"
 
@@ -44,6 +45,9 @@ class Checkpoints:
     A save that fails to write (a full disk, a write error) raises CheckpointError, in one line
     naming the directory and the bytes it needs, from the call that finds out: `save`, `check`
     (cheap: call it every step) or `wait`. The checkpoints written before it stay as they were.
+
+    From construction to `close()`, the failures it reports itself are kept off the console
+    (`FAILURES_REPORTED`); `close()` gives the process back its hooks and filters.
     """
 
     def __init__(self, directory: str, *, every: int, max_to_keep: int | None):
@@ -73,7 +77,9 @@ class Checkpoints:
         )
         self._saving = None  # (step, bytes) of the save in flight
         self._failed = False
-        _mute_reported_failures()
+        self._read_failed = False
+        FAILURES_REPORTED.acquire()
+        self._quieting = True
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -117,9 +123,17 @@ class Checkpoints:
         self._saving = None
 
     def close(self) -> None:
-        if self._failed:  # orbax would raise the reported failure again: just let go
-            return
-        self._manager.close()
+        try:
+            if not self._failed:  # orbax would raise the reported failure again: just let go
+                self._manager.close()
+        finally:
+            if self._quieting:
+                if self._read_failed:
+                    # asyncio reports the failed read's abandoned tasks when the garbage
+                    # collector reaches them: now, while those reports are still dropped.
+                    gc.collect()
+                self._quieting = False
+                FAILURES_REPORTED.release()
 
     @contextlib.contextmanager
     def _write_failures(self, step: int | None = None, needed: int = 0):
@@ -159,7 +173,6 @@ class Checkpoints:
         file system), or damage to every checkpoint, is a CheckpointError that leaves the
         checkpoints where they are.
         """
-        _drop_closed_loop_reports()
         _reported_reads.add(self.directory + os.sep)
         steps = sorted(self.steps(), reverse=True)
         if step is not None:
@@ -221,6 +234,7 @@ class Checkpoints:
 
     def _set_aside(self, step: int, error: Exception) -> None:
         """Moves a damaged checkpoint aside; any other failure to read it is raised as is."""
+        self._read_failed = True
         source = os.path.join(self.directory, str(step))
         summary = f"{type(error).__name__}: {_first_line(error)}"
         if not is_damage(error):
@@ -355,8 +369,7 @@ def saved_tree(directory: str):
     """The array metadata tree of one saved item. Orbax warns when an item is read outside its
     step directory's manager (no step-level `_CHECKPOINT_METADATA` beside it); for a read-only
     peek that is expected, so its warnings are muted here."""
-    _drop_closed_loop_reports()  # a damaged item fails here first
-    with library_warnings_muted("orbax"):
+    with FAILURES_REPORTED.held(), quiet.library_warnings_muted("orbax"):  # damage fails here
         return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
 
 
@@ -378,6 +391,12 @@ _reported_reads: set[str] = set()
 
 
 class _ReportedFailures(std_logging.Filter):
+    """orbax logs a failed write, traceback and all, from each thread it passes through, and
+    asyncio reports a failed write or read once more for each of orbax's tasks nobody awaited
+    ("Task exception was never retrieved", when the garbage collector gets to them). The
+    CheckpointError that `Checkpoints` raises, or its warning about a damaged checkpoint, says it
+    once, in one line: these records are dropped."""
+
     def filter(self, record) -> bool:
         from_orbax = "/orbax/" in record.pathname or record.name == "asyncio"
         if not from_orbax or record.levelno < std_logging.ERROR:
@@ -389,25 +408,16 @@ class _ReportedFailures(std_logging.Filter):
         return not (failed_write or failed_read or "os_error_code=" in record.getMessage())
 
 
-def _mute_reported_failures() -> None:
-    """orbax logs a failed write, traceback and all, from each thread it passes through, and
-    asyncio reports a failed write or read once more for each of orbax's tasks nobody awaited
-    ("Task exception was never retrieved", when the garbage collector gets to them). The
-    CheckpointError that `Checkpoints` raises, or its warning about a damaged checkpoint, says it
-    once, in one line."""
-    for name in ("absl", "asyncio"):
-        logger = std_logging.getLogger(name)
-        if not any(isinstance(f, _ReportedFailures) for f in logger.filters):
-            logger.addFilter(_ReportedFailures())
-
-
-def _drop_closed_loop_reports() -> None:
+def _is_closed_loop(unraisable) -> bool:
     """After a failed read, tensorstore finishes the reads still in flight and hands each result
     to the event loop orbax has already closed; each hand-off ends in a `RuntimeError: Event loop
-    is closed` printed through `sys.unraisablehook`. Those (and only those) are dropped."""
+    is closed` printed through `sys.unraisablehook`."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
-    def is_closed_loop(unraisable) -> bool:
-        error = unraisable.exc_value
-        return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
-    drop_unraisable("closed event loop", is_closed_loop)
+# While held, the failures `Checkpoints` reports itself are not reported again on the console.
+FAILURES_REPORTED = quiet.together(
+    quiet.log_filter(("absl", "asyncio"), _ReportedFailures()),
+    quiet.drop_unraisable(_is_closed_loop),
+)

@@ -7,7 +7,7 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from jddp.errors import WorkdirError
-from jddp.runtime.quiet import drop_thread_errors, drop_unraisable
+from jddp.runtime import quiet
 
 
 class MetricsWriter:
@@ -71,9 +71,6 @@ class MetricsWriter:
             self._tensorboard.close()
         except OSError as e:
             logging.warning("could not finish writing %s: %s", self.path, e.strerror)
-            # tensorboardX retries at exit and its writer thread fails: nothing new to say.
-            drop_unraisable("tensorboardX", lambda u: _from_tensorboardx(u.object))
-            drop_thread_errors("tensorboardX", lambda args: _from_tensorboardx(args.thread))
 
 
 def _drop_records_after(path: str, step: int) -> None:
@@ -138,3 +135,12 @@ def _step_of(line: str) -> int | None:
 def _from_tensorboardx(thing) -> bool:
     module = getattr(thing, "__module__", "") or type(thing).__module__
     return module.startswith("tensorboardX")
+
+
+# After `close` warned that TensorBoard files could not be written, tensorboardX retries at exit
+# (an atexit callback) and its writer thread fails: nothing new to say. Those reports come after
+# the run, so only a program that owns its process holds this (jddp/run/cli.py).
+TENSORBOARDX_FAILURES = quiet.together(
+    quiet.drop_unraisable(lambda unraisable: _from_tensorboardx(unraisable.object)),
+    quiet.drop_thread_errors(lambda args: _from_tensorboardx(args.thread)),
+)

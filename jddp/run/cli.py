@@ -10,6 +10,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from jddp.runtime import quiet
+
 USAGE_EXIT_CODE = 2
 NUMBER = r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*"  # 450, 0.5, .5, 989e12, 3E-6
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
@@ -20,6 +22,22 @@ def fail(message: str) -> None:
     """Ends the program the way every user mistake ends: `error: ...`, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(USAGE_EXIT_CODE)
+
+
+def program_quiet() -> quiet.SharedChange:
+    """What jddp's programs keep off their console: orbax's and TFDS's INFO chatter, and the
+    reports of checkpoint and TensorBoard failures that jddp has reported itself in one line
+    (some come late: when the garbage collector reaches orbax's abandoned tasks, or at exit)."""
+    from jddp.checkpoints.store import FAILURES_REPORTED
+    from jddp.observe.metrics_writer import TENSORBOARDX_FAILURES
+
+    return quiet.together(quiet.LIBRARY_INFO_KEPT_OUT, FAILURES_REPORTED, TENSORBOARDX_FAILURES)
+
+
+def quiet_program() -> None:
+    """`program_quiet` held until the process ends: for jddp's own programs, which own their
+    process (the library holds these only within its calls)."""
+    quiet.hold_for_process(program_quiet())
 
 
 def parse_amount(flag: str, text: str) -> float:

@@ -9,7 +9,7 @@ import os
 
 from jddp.checkpoints.hf import EXPORT_DTYPES
 from jddp.errors import CheckpointError, ConfigError, JddpError
-from jddp.run.cli import fail, parse_amount
+from jddp.run.cli import fail, parse_amount, quiet_program
 
 FORMATS = ("hf",)
 
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     shard_bytes = int(parse_amount("max_shard_size", args.max_shard_size))
     if shard_bytes < 1:
         fail(f"--max_shard_size={args.max_shard_size!r} must be at least 1 byte; write e.g. 5GB")
+    quiet_program()
     try:
         source, copied = export_run(
             args.workdir, args.out, max_shard_bytes=shard_bytes, dtype=args.dtype

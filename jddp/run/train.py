@@ -3,13 +3,13 @@ jddp.run.train`, and `python -m experiments.train` in a checkout): one config tr
 parallelism, into a workdir it resumes from. `--help` prints `USAGE`."""
 
 import datetime
+import functools
 import os
 import sys
 
 from absl import app, flags, logging
 
-from jddp.run.cli import ConfigFlag, fail
-from jddp.runtime.quiet import quiet_library_logs
+from jddp.run.cli import ConfigFlag, fail, quiet_program
 
 USAGE = """jddp-train: train an experiment config with data parallelism.
 
@@ -59,7 +59,7 @@ _OWN_FLAGS = (
     _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _HEARTBEAT, _PREEMPTED_EXIT_CODE,
 )  # fmt: skip
 
-# Without --config: the packaged defaults (`python -m experiments.train` sets its own).
+# Without --config: the packaged defaults (`python -m experiments.train` passes its own flag).
 CONFIG = ConfigFlag(PACKAGED_CONFIG)
 
 
@@ -71,8 +71,8 @@ def _default_workdir(config_path: str) -> str:
     return os.path.join("runs", f"{name}-{stamp}")
 
 
-def main(argv: list[str]) -> None:
-    """absl's main: trains `CONFIG` (parsed by `CONFIG.parse`) into --workdir."""
+def main(argv: list[str], config: ConfigFlag = CONFIG) -> None:
+    """absl's main: trains the config `config` parsed (`config.parse`) into --workdir."""
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; flags look like --config.KEY=VALUE")
     # Before JAX starts its threads: XLA:CPU's step buffers then reuse freed host memory
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> None:
     from jddp.runtime import processes as runtime
     from jddp.runtime import supervise
 
-    workdir = _WORKDIR.value or _default_workdir(CONFIG.path)
-    quiet_library_logs()
+    workdir = _WORKDIR.value or _default_workdir(config.path)
+    quiet_program()
     processes = {
         "coordinator_address": _COORDINATOR.value,
         "num_processes": _NUM_PROCESSES.value,
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
         if jax.process_index() > 0:  # one voice in the log: process 0's
             logging.set_verbosity(logging.WARNING)
         # Goodput counts this process's whole life: its start, imports included.
-        summary = train_and_evaluate(CONFIG.value, workdir, started_at=goodput.process_start_time())
+        summary = train_and_evaluate(config.value, workdir, started_at=goodput.process_start_time())
     except JddpError as e:
         fail(str(e))
     except KeyboardInterrupt as e:  # Ctrl-C: jddp.fit saved at the end of the step, if it ran
@@ -135,15 +135,27 @@ def main(argv: list[str]) -> None:
     )
 
 
-def run() -> None:
-    """The `jddp-train` command: parses the command line (one line and exit code 2 for a
+def run(config: ConfigFlag = CONFIG) -> None:
+    """The `jddp-train` command, with `config` as its --config flag (another program passes its
+    own default config file this way): parses the command line (one line and exit code 2 for a
     mistake) and trains."""
-    # absl's --help prints the main module's docstring and key flags: this program's, whichever
-    # script started it (jddp-train's wrapper has neither).
-    sys.modules["__main__"].__doc__ = USAGE.format(defaults=PACKAGED_CONFIG)
+    # absl's --help lists the main program's key flags: these, whichever script started it.
     for holder in _OWN_FLAGS:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
-    app.run(main, flags_parser=CONFIG.parse)
+    app.run(functools.partial(main, config=config), flags_parser=functools.partial(_parse, config))
+
+
+def _parse(config: ConfigFlag, argv: list[str]) -> list[str]:
+    """`config.parse`, with USAGE as the text --help prints. absl prints the docstring of the
+    `__main__` module, whichever script started the program (jddp-train's wrapper has none): it
+    is lent USAGE for the parse, the only time --help is read, and given its own back."""
+    main_module = sys.modules["__main__"]
+    own = main_module.__doc__
+    main_module.__doc__ = USAGE.format(defaults=PACKAGED_CONFIG)
+    try:
+        return config.parse(argv)
+    finally:
+        main_module.__doc__ = own
 
 
 if __name__ == "__main__":

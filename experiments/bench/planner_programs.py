@@ -5,6 +5,7 @@ import jax
 import numpy as np
 
 import jddp
+from experiments.bench.tiny_gpt import BATCH, SEQ, VOCAB, WIDTH, adamw, token_batches
 from jddp.core.task import init_compiler_options
 from jddp.models import GPT
 from jddp.models.gpt import TENSOR_PARALLEL_RULES
@@ -13,7 +14,6 @@ from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.planner.workload import model_workload
 from jddp.run.objectives import OBJECTIVES
-from tests.tiny_gpt import BATCH, SEQ, VOCAB, WIDTH, adamw, token_batches
 
 LAYERS = 1  # one block shows every per-layer collective; fewer ops compile faster
 SCHEDULE = "1f1b"  # with a stage axis (GPipe runs the same ticks and sends)

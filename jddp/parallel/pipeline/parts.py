@@ -1,0 +1,61 @@
+"""The model in the three parts a pipeline runs apart: what comes before its `Pipelined` stack
+(embedding), one layer of the stack, what comes after (head, loss). Each part runs the model's
+own code (jddp/parallel/pipeline/layers.py stops the stack or feeds it its output)."""
+
+import jax
+import jax.numpy as jnp
+
+from jddp.core.task import Task
+from jddp.parallel.pipeline import layers
+
+
+class ModelParts:
+    """`task`'s model taken apart at its stack; the stack's block and extra arguments are
+    found once (`find_call`), at the first trace."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.call: layers.StackCall | None = None
+
+    def find_call(self, rest, batch, rng) -> layers.StackCall:
+        """How the model calls its stack in training (its block and arguments): traced once."""
+        if self.call is None:
+            with layers.capture_stack() as split:
+                jax.eval_shape(
+                    lambda rest, batch: self.task.forward(rest, {}, batch, train=True, rng=rng),
+                    rest,
+                    batch,
+                )
+            self.call = split.call
+        return self.call
+
+    def capture(self, rest, batch, rng) -> layers.StackCall:
+        """How the model calls its stack on a micro-batch: the stack's input (compute dtype;
+        embedding and whatever else comes before the stack) and its layers' key. What follows
+        the stack is traced but unused (XLA drops it)."""
+        with layers.capture_stack() as split:
+            self.task.forward(rest, {}, batch, train=True, rng=rng)
+        return split.call
+
+    def before(self, rest, batch, rng):
+        """The stack's input for a micro-batch."""
+        return self.capture(rest, batch, rng).inputs
+
+    def after(self, rest, outputs, batch, rng):
+        """(mean loss, metric means) of a micro-batch from the stack's output."""
+        with layers.inject_stack(outputs):
+            logits, _ = self.task.forward(rest, {}, batch, train=True, rng=rng)
+        values = self.task.per_example(logits, batch)
+        means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
+        return means["loss"], means
+
+    def layer(self, layer_params, x, rng, layer_key, index):
+        """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`: it
+        gets `fold_in(layer_key, index)` as its last argument when the model gave its stack a
+        key (see `Pipelined`)."""
+        call = self.call
+        args = call.args
+        if layer_key is not None:
+            args = (*args, jax.random.fold_in(layer_key, index))
+        key = jax.random.fold_in(rng, index)
+        return call.block.apply({"params": layer_params}, x, *args, rngs={"dropout": key})

@@ -327,4 +327,7 @@ def test_save_and_restore_onto_another_mesh_and_an_existing_step(tmp_path, caplo
     jax.tree.map(
         np.testing.assert_array_equal, reader.host_state(restored), writer.host_state(state)
     )
-    assert jddp.restore(str(tmp_path / "ckpt"), reader, batches[0], step=2) is not None
+    at_step = jddp.restore(str(tmp_path / "ckpt"), reader, batches[0], step=2)
+    jax.tree.map(
+        np.testing.assert_array_equal, reader.host_state(at_step), writer.host_state(state)
+    )

@@ -25,6 +25,7 @@ from jddp.run.experiment import train_and_evaluate
 from tests.helpers import (
     REPO,
     SMALL_FLAGS,
+    BeforeRerun,
     assert_one_line,
     checkout_env,
     run_cli,
@@ -82,9 +83,11 @@ def test_a_finished_run_run_again_changes_nothing(workdir):
 
 
 def test_an_allowed_change_continues_and_is_recorded_in_the_metrics(workdir):
-    first = records(workdir)
+    first, before = records(workdir), BeforeRerun(workdir)
+    assert before.resume_step == 10  # the finished run's last checkpoint
     config = small_config(num_train_steps=15, learning_rate=1e-3, allow_config_change=True)
     train_and_evaluate(config, str(workdir))
+    before.assert_resumed(log_every=5)
     after = records(workdir)
     assert after[: len(first)] == first and [r["step"] for r in after[len(first) :]] == [15]
     changes = {"learning_rate": [0.002, 0.001], "num_train_steps": [10, 15]}

@@ -2,7 +2,9 @@
 step and its row of the global batch only (jddp/core/row_keys.py), so training with dropout on 2,
 4 or 8 devices, under ddp, ZeRO-3, a tensor mesh, sequence or context parallelism, a pipeline or
 gradient accumulation, equals one device — and one device equals a plain optax loop that draws
-each step's masks from the row key of its whole batch."""
+each step's masks by the documented rule, written here with threefry itself (not jddp's row
+keys): element (row, position within the row) of a draw for the whole batch hashes those two
+counters under the step's key."""
 
 import flax.linen as nn
 import jax
@@ -11,6 +13,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
+from jax.extend import random as jex_random
 
 import jddp
 from jddp.core import row_keys
@@ -35,12 +39,39 @@ def train(trainer, batches):
     return initial, trainer.host_state(state).params, losses
 
 
+def _threefry(key_data):
+    return jax.random.wrap_key_data(key_data, impl="threefry2x32")
+
+
+def _rule_bits(key, bit_width, shape):
+    """The documented rule for one device holding the whole batch: element (r, i) of a draw led
+    by its rows is threefry2x32 of the counters (r, i) under the key, the two output words
+    xor-ed (jax's own draws hash the element's flat index instead)."""
+    rows = lax.broadcasted_iota(jnp.uint32, shape, 0).ravel()
+    position = jnp.arange(rows.size, dtype=jnp.uint32) % np.uint32(np.prod(shape[1:]))
+    hashed = jex_random.threefry_2x32(key, jnp.concatenate([rows, position]))
+    bits = hashed[: rows.size] ^ hashed[rows.size :]
+    return bits.reshape(shape).astype(f"uint{bit_width}")
+
+
+# Splits and fold-ins are threefry's: Linen's make_rng and NNX streams derive keys as usual.
+RULE_KEYS = jex_random.define_prng_impl(
+    key_shape=(2,),
+    seed=lambda seed: jax.random.key_data(jax.random.key(seed)),
+    split=lambda key, shape: jax.random.key_data(jax.random.split(_threefry(key), shape)),
+    random_bits=_rule_bits,
+    fold_in=lambda key, data: jax.random.key_data(jax.random.fold_in(_threefry(key), data)),
+    name="documented_rows_rule",
+    tag="dr",
+)
+
+
 def reference(model, loss_of, params, optimizer, batches, **apply_kwargs):
-    """A plain single-device optax loop whose step s draws from the row key of its whole batch."""
+    """A plain single-device optax loop whose step s draws its masks by the documented rule
+    from the step's key."""
 
     def loss_fn(params, model_state, batch):
-        step_key = jax.random.wrap_key_data(batch["key"])
-        key = row_keys.batch_key(step_key, 0, len(batch["label"]))
+        key = jax.random.wrap_key_data(batch["key"], impl=RULE_KEYS)
         outputs = model.apply({"params": params}, batch["x"], rngs={"dropout": key}, **apply_kwargs)
         return loss_of(outputs, batch).mean(), model_state
 

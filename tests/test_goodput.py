@@ -1,5 +1,6 @@
 """Goodput (jddp/observe/goodput.py): the ledger on a fake clock against a tally the test keeps
-itself, and a real training process SIGKILLed after a checkpoint and run again to the end."""
+itself, a real run whose saves are slowed by a known delay, and a real training process
+SIGKILLed after a checkpoint and run again to the end."""
 
 import json
 import logging
@@ -9,11 +10,21 @@ import subprocess
 import sys
 import time
 
+import orbax.checkpoint as ocp
 import pytest
 
+import jddp
 from jddp.errors import WorkdirError
 from jddp.observe import goodput
-from tests.helpers import REPO, BeforeRerun, checkout_env, committed_checkpoints, metrics_lines
+from tests.helpers import (
+    REPO,
+    BeforeRerun,
+    checkout_env,
+    committed_checkpoints,
+    metrics_lines,
+    small_net_trainer,
+)
+from tests.reference import make_batches
 
 # Durations that are exact in binary floating point: sums compare with ==.
 STEP, BATCH, SAVE, RESTORE, LOG = 0.25, 0.125, 0.5, 1.0, 0.0625
@@ -195,6 +206,33 @@ def test_the_summary_line():
     assert goodput.summary_line(fresh | {"starts": 1}).endswith(
         "save 1.1 s of 60.0 s wall over 1 start"
     )
+
+
+# ------------------------------------------------------ a real run with a known slow save
+SAVE_DELAY_SEC = 1.0
+
+
+def test_a_slow_save_is_booked_as_save_not_as_steps(tmp_path, monkeypatch):
+    """Each orbax save of a real `jddp.fit` run waits SAVE_DELAY_SEC before it starts (an
+    injected fault, like a slow file system): the save category holds every such wait, and the
+    steps category (ten small steps) holds less than one."""
+    real_save, delayed = ocp.CheckpointManager.save, []
+
+    def slow_save(manager, step, *args, **kwargs):
+        time.sleep(SAVE_DELAY_SEC)
+        delayed.append(step)
+        return real_save(manager, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", slow_save)
+    trainer = small_net_trainer(num_devices=1)
+    jddp.fit(
+        trainer, make_batches()[:10], workdir=str(tmp_path / "run"), num_steps=10,
+        checkpoint_every=5, log_every=5,
+    )  # fmt: skip
+    assert sorted(delayed) == [5, 10]
+    seconds = goodput.summary_of(str(tmp_path / "run"))["seconds"]
+    assert seconds["save"] >= len(delayed) * SAVE_DELAY_SEC, seconds
+    assert seconds["steps"] < SAVE_DELAY_SEC, seconds
 
 
 # ------------------------------------------------------------------- a real run, killed

@@ -14,7 +14,7 @@ import transformers
 
 import jddp
 from jddp import models as jddp_models
-from jddp.checkpoints import hf
+from jddp.checkpoints import hf, hf_files
 from jddp.core import layer_stacks
 from jddp.models import tensor_rules
 from jddp.parallel.rules import adapt_preset
@@ -240,3 +240,39 @@ def test_models_without_a_hugging_face_layout_are_refused_before_writing(tmp_pat
         hf.save({}, model, str(tmp_path / "out"))
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert not (tmp_path / "out").exists()
+
+
+class _CountedSlice:
+    """safetensors' lazy slice of one tensor, recording how many of its elements each read
+    returns (what indexing it reads from the file)."""
+
+    def __init__(self, source, reads: list):
+        self.source, self.reads = source, reads
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def __getitem__(self, index):
+        part = self.source[index]
+        self.reads.append(np.asarray(part).size)
+        return part
+
+
+def test_each_device_reads_only_its_shard_of_each_tensor(checkpoints, monkeypatch):
+    """Imported under fsdp:8 (every tensor split 8 ways): each tensor is read in 8 pieces of an
+    eighth, never whole, and the pieces together are the file's tensors once."""
+    path = checkpoints["llama"]
+    reads, sizes = {}, {}
+    real_slice = hf_files.Reader.slice
+
+    def counted_slice(reader, name):
+        source = real_slice(reader, name)
+        sizes[name] = int(np.prod(source.get_shape()))
+        return _CountedSlice(source, reads.setdefault(name, []))
+
+    monkeypatch.setattr(hf_files.Reader, "slice", counted_slice)
+    trainer = _trainer(path, "fsdp:8")
+    hf.load(trainer, trainer.abstract_state(_batch(_tokens(0))), path)
+    assert sorted(reads) == sorted(safetensors_in(path))
+    for name, pieces in reads.items():
+        assert pieces == [sizes[name] // 8] * 8, (name, sizes[name], pieces)

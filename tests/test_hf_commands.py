@@ -19,6 +19,7 @@ import transformers
 import jddp
 from jddp.checkpoints import hf
 from tests.helpers import (
+    BeforeRerun,
     assert_error_exit,
     checkout_env,
     safetensors_in,
@@ -164,10 +165,12 @@ def test_two_processes_import_their_shards_and_resume_after_the_checkpoint_moved
     )
     assert code == 0, output[-3000:]
     os.rename(llama_dir / "moving", llama_dir / "moved")
+    before = BeforeRerun(llama_dir / "two-processes")
+    assert before.resume_step == 2  # the end of the first launch
     more = "--config.allow_config_change=true"  # to train on past num_train_steps=2
     code, output = launch(2, 4, sys.executable, "-m", "jddp.run.train", *flags, more)
     assert code == 0, output[-3000:]
-    assert "resum" in output.lower()
+    before.assert_resumed(log_every=2)
     from tests.reference import assert_trees_close
 
     assert_trees_close(

@@ -63,7 +63,6 @@ def test_fit_and_the_cli_log_the_same_losses(tmp_path):
     # Imported here: the child processes below import this module, and need none of these.
     from experiments.configs import digits_mlp
     from jddp import data
-    from jddp.run import factory
     from jddp.run.experiment import train_and_evaluate
 
     config = digits_mlp.get_config()
@@ -71,10 +70,14 @@ def test_fit_and_the_cli_log_the_same_losses(tmp_path):
     config.checkpoint_every, config.warmup_steps = 3, 2
     train_and_evaluate(config, str(tmp_path / "cli"))
 
-    # A library user's objects: the trainer the config describes, the data reader, jddp.fit.
-    dataset = factory.dataset_spec(config)
-    trainer = factory.build_trainer(config, dataset)
-    splits = data.open_dataset(dataset)
+    # A library user's objects, written out by hand as the config describes them: the MLP,
+    # AdamW with warmup + cosine and decay on kernels only, ddp on every device, the data reader.
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup_steps=2, decay_steps=6)
+    kernels = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731
+    optimizer = optax.adamw(schedule, weight_decay=1e-4, mask=kernels)
+    model = jddp.models.MLP(num_classes=10, hidden_sizes=(256, 256))
+    trainer = jddp.Trainer(model, jddp.losses.softmax_cross_entropy, optimizer)
+    splits = data.open_dataset(data.get_dataset("digits"))
     batches = data.train_batches(
         splits.train,
         splits.transform,
@@ -327,4 +330,7 @@ def test_save_and_restore_onto_another_mesh_and_an_existing_step(tmp_path, caplo
     jax.tree.map(
         np.testing.assert_array_equal, reader.host_state(restored), writer.host_state(state)
     )
-    assert jddp.restore(str(tmp_path / "ckpt"), reader, batches[0], step=2) is not None
+    at_step = jddp.restore(str(tmp_path / "ckpt"), reader, batches[0], step=2)
+    jax.tree.map(
+        np.testing.assert_array_equal, reader.host_state(at_step), writer.host_state(state)
+    )

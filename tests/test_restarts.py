@@ -121,25 +121,30 @@ def test_max_restarts_brings_the_job_back_after_each_kill_bit_for_bit(tmp_path, 
     # tests.stalled_save: the first save stops before its commit until MARKER exists.
     stalling = [sys.executable, "-m", "tests.stalled_save", marker, *FLAGS]
     launcher = start(*launcher_command("--max_restarts=3"), *stalling, f"--workdir={workdir}")
-    rng, killed = random.Random(37), []
-    with killed_if_left(launcher):
-        # 1. Inside the first checkpoint save (process 0 writes it; either process is killed).
-        wait_for(launcher, lambda: os.path.exists(marker))
+    rng, killed, newest = random.Random(37), [], []
+
+    def kill_a_process():
+        """SIGKILLs either process, then waits for the next start's: by then every process of
+        the killed start has exited and none of the next has saved, so the newest committed
+        checkpoint is the one the next start must resume from."""
         pids = workers(launcher, 2)
         victim = rng.choice([0, 1])
         os.kill(pids[victim], signal.SIGKILL)
         killed.append(pids[victim])
+        wait_for(
+            launcher, lambda: (w := workers(launcher, 2)) and not set(w.values()) & set(killed)
+        )
+        newest.append(max(committed_checkpoints(workdir), default=None))
+
+    with killed_if_left(launcher):
+        # 1. Inside the first checkpoint save (process 0 writes it; either process is killed).
+        wait_for(launcher, lambda: os.path.exists(marker))
+        kill_a_process()
         # 2, 3. At random steps, each past the furthest step any start logged before.
         for _ in range(2):
-            wait_for(
-                launcher, lambda: (w := workers(launcher, 2)) and not set(w.values()) & set(killed)
-            )
             target = min(STEPS - 2, last_step(workdir) + rng.randint(3, 8))
             wait_for(launcher, lambda t=target: last_step(workdir) >= t)
-            pids = workers(launcher, 2)
-            victim = rng.choice([0, 1])
-            os.kill(pids[victim], signal.SIGKILL)
-            killed.append(pids[victim])
+            kill_a_process()
         output = finish(launcher)
     assert launcher.returncode == 0, output[-3000:]
     said = [line for line in output.splitlines() if line.startswith("[launcher]")]
@@ -147,8 +152,10 @@ def test_max_restarts_brings_the_job_back_after_each_kill_bit_for_bit(tmp_path, 
     assert [line.split("restart ")[1][:6] for line in said] == ["1 of 3", "2 of 3", "3 of 3"]
     assert "Traceback" not in output, output[output.index("Traceback") - 2000 :][:5000]
     resumed = re.findall(r"\[0\] .*resuming from the checkpoint at step (\d+)", output)
-    # The first restart starts afresh (the stalled save never committed); the others resume.
-    assert len(resumed) == 2 and all(int(step) >= 5 for step in resumed), resumed
+    # The first restart starts afresh (the stalled save never committed); the others resume
+    # from the newest checkpoint committed when they started.
+    assert newest[0] is None and None not in newest[1:], newest
+    assert [int(step) for step in resumed] == newest[1:], (resumed, newest)
     assert records(workdir) and losses(workdir) == losses(uninterrupted)  # bit for bit
     jax.tree.map(np.testing.assert_array_equal, load_params(workdir), load_params(uninterrupted))
 
@@ -162,17 +169,26 @@ def test_an_elastic_job_shrinks_while_a_slot_is_gone_and_grows_back(tmp_path, un
     with killed_if_left(launcher):
         wait_for(launcher, lambda: committed_checkpoints(workdir) and last_step(workdir) >= 8)
         slots.write_text("1")  # the slot goes, and its process with it
-        os.kill(workers(launcher, 2)[1], signal.SIGKILL)
-        wait_for(launcher, lambda: workers(launcher, 1))
+        before = workers(launcher, 2)
+        os.kill(before[1], signal.SIGKILL)
+        # Each next start's processes run once every process of the one before has exited, and
+        # before they save: the newest committed checkpoint then is where each must resume.
+        wait_for(launcher, lambda: (w := workers(launcher, 1)) and w[0] != before[0])
+        newest = [max(committed_checkpoints(workdir))]
         shrunk = last_step(workdir)
         wait_for(launcher, lambda: last_step(workdir) >= shrunk + 6)  # one process trains on
         slots.write_text("2")  # it is back: the job saves, stops and starts on two
+        wait_for(launcher, lambda: workers(launcher, 2))
+        newest.append(max(committed_checkpoints(workdir)))
         output = finish(launcher)
     assert launcher.returncode == 0, output[-3000:]
     said = [line for line in output.splitlines() if line.startswith("[launcher]")]
     assert "process 1 of 2 failed (killed by SIGKILL)" in said[0], said
     assert "1 of 2 processes this time (were 2)" in said[1], said
     assert "more slots are free" in said[2] and "2 of 2 processes this time (were 1)" in said[3]
+    resumed = re.findall(r"\[0\] .*resuming from the checkpoint at step (\d+)", output)
+    assert [int(step) for step in resumed] == newest, (resumed, newest)
+    assert newest[1] >= shrunk + 6  # the one-process start saved where it stopped
     # Each start on another device count says so in its first record: one device accumulates
     # two micro-batches of the 16 rows a device took at the start, the global batch stays 32.
     notes = [r["elastic"] for r in records(workdir) if "elastic" in r]

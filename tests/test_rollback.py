@@ -14,7 +14,7 @@ import pytest
 import jddp
 from jddp.checkpoints import store
 from jddp.errors import TrainingHalted
-from tests.helpers import assert_one_line, committed_checkpoints
+from tests.helpers import BeforeRerun, assert_one_line, committed_checkpoints
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -85,7 +85,10 @@ def test_a_nan_batch_is_rolled_back_and_skipped_and_a_resume_skips_it_too(tmp_pa
     data = poisoned(batches, 7)
     workdir = tmp_path / "run"
     fit(trainer, iter(data), workdir, num_steps=10)  # stops at step 10, the rollback behind it
+    before = BeforeRerun(workdir)
+    assert before.resume_step == 10
     state = fit(trainer, iter(data), workdir)  # resumes: a plain iterator is skipped by count
+    before.assert_resumed(log_every=1)
     assert_equals_reference(trainer, state, workdir, batches, [[5, 7]])
     (note,) = [r["rollback"] for r in metrics(workdir) if "rollback" in r]
     assert note == {

@@ -26,6 +26,7 @@ from jddp.run.experiment import train_and_evaluate
 from tests.helpers import (
     REPO,
     SMALL_FLAGS,
+    BeforeRerun,
     assert_one_line,
     checkout_env,
     run_cli,
@@ -83,9 +84,11 @@ def test_a_finished_run_run_again_changes_nothing(workdir):
 
 
 def test_an_allowed_change_continues_and_is_recorded_in_the_metrics(workdir):
-    first = records(workdir)
+    first, before = records(workdir), BeforeRerun(workdir)
+    assert before.resume_step == 10  # the finished run's last checkpoint
     config = small_config(num_train_steps=15, learning_rate=1e-3, allow_config_change=True)
     train_and_evaluate(config, str(workdir))
+    before.assert_resumed(log_every=5)
     after = records(workdir)
     assert after[: len(first)] == first and [r["step"] for r in after[len(first) :]] == [15]
     changes = {"learning_rate": [0.002, 0.001], "num_train_steps": [10, 15]}
@@ -191,19 +194,15 @@ def test_asyncio_reports_of_a_damaged_checkpoints_reads_are_dropped(workdir, cap
 
 
 # ------------------------------------------------------------------------------ 8: full disk
-def test_a_write_error_during_a_save_stops_there_in_one_line(workdir):
-    """Files may not grow past 128 KiB (RLIMIT_FSIZE, no privileges needed): the 1 MiB
-    checkpoint of step 15 fails to write, in orbax's background thread, like a full disk. (Orbax
-    splits a checkpoint into data files differently from save to save, but no file can be smaller
-    than the state's largest array, 256 KiB; at 512 KiB a split into small files once saved.)"""
-    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
+def train_with_files_limited(workdir) -> subprocess.CompletedProcess:
+    """The CLI trained on in `workdir` to step 40 where no file may grow past 128 KiB."""
     limited = (
         "import resource, runpy, sys; "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (2**17, 2**17)); "
         "sys.argv[0] = 'train'; runpy.run_module('experiments.train', run_name='__main__')"
     )
     flags = [f"--workdir={workdir}", *SMALL_FLAGS, "--config.num_train_steps=40"]
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", limited, *flags, "--config.allow_config_change=true"],
         cwd=REPO,
         capture_output=True,
@@ -211,6 +210,15 @@ def test_a_write_error_during_a_save_stops_there_in_one_line(workdir):
         timeout=300,
         env=checkout_env(),
     )
+
+
+def test_a_write_error_during_a_save_stops_there_in_one_line(workdir):
+    """Files may not grow past 128 KiB (RLIMIT_FSIZE, no privileges needed): the 1 MiB
+    checkpoint of step 15 fails to write, in orbax's background thread, like a full disk. (Orbax
+    splits a checkpoint into data files differently from save to save, but no file can be smaller
+    than the state's largest array, 256 KiB; at 512 KiB a split into small files once saved.)"""
+    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
+    result = train_with_files_limited(workdir)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -242,18 +250,35 @@ exit $code
 
 
 def test_a_full_disk_during_a_save_stops_there_in_one_line(workdir, tmp_path):
-    """A real full disk: a 4 MiB tmpfs holding the run and a ballast file."""
+    """A real full disk: a 4 MiB tmpfs holding the run and a ballast file. Where no mount
+    namespace can be made (a container without the privilege), files limited to 128 KiB stand
+    in: the same failed write of the save, which the OS calls "File too large"."""
+    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
     namespace = ["unshare", "--mount"]
     if os.geteuid() != 0:
         namespace[1:1] = ["--user", "--map-root-user"]
     probe = [*namespace, "mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(tmp_path)]
     if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
-        pytest.skip("no mount namespace here for a tmpfs (the write-error test covers the rest)")
+        result, reason = train_with_files_limited(workdir), "File too large"
+        left = workdir
+    else:
+        result, reason = train_on_a_full_tmpfs(workdir, tmp_path, namespace), "No space left"
+        left = tmp_path / "out"
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    for words in ("error: could not save the checkpoint of step 15", reason, "(newest: step 10)"):
+        assert words in last, last
+    after = snapshot(left)
+    assert {k: after.get(k) for k in kept} == kept
+
+
+def train_on_a_full_tmpfs(workdir, tmp_path, namespace) -> subprocess.CompletedProcess:
+    """The CLI trained on to step 40 in a copy of `workdir` on a 4 MiB tmpfs with 64 KiB free,
+    mounted in `namespace`; what it left in checkpoints/ is copied to tmp_path/out."""
     (tmp_path / "disk").mkdir()
     (tmp_path / "out").mkdir()
-    kept = {k: v for k, v in snapshot(workdir).items() if k.startswith("checkpoints/")}
     flags = [*SMALL_FLAGS, "--config.num_train_steps=40", "--config.allow_config_change=true"]
-    result = subprocess.run(
+    return subprocess.run(
         [*namespace, "bash", "-c", FULL_DISK_RUN, "full_disk_run", *flags],
         cwd=REPO,
         capture_output=True,
@@ -266,9 +291,3 @@ def test_a_full_disk_during_a_save_stops_there_in_one_line(workdir, tmp_path):
             PYTHON=sys.executable,
         ),
     )
-    assert result.returncode == 2, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    for words in ("error: ", "of step 15", "No space left on device", "(newest: step 10)"):
-        assert words in last, last
-    after = snapshot(tmp_path / "out")
-    assert {k: after.get(k) for k in kept} == kept

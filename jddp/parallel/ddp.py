@@ -42,7 +42,7 @@ class DDP:
         self.task = task
         self.grad_comm = grad_comm or GradComm()
         self.device_mesh = mesh
-        self.mesh = mesh.mesh  # placement only; pmap maps over its devices
+        self.mesh = mesh.mesh  # the programs run once per device of its one axis
         # Every device of every process; each process feeds and reads its local ones.
         self.devices = list(self.mesh.devices.flat)
         self._local_count = sum(d.process_index == jax.process_index() for d in self.devices)
@@ -184,8 +184,8 @@ class DDP:
         return self._eval_step(state.replace(comm_state={}), batch)  # no per-device errors
 
     def lower_train_step(self, state, batch):
-        """The step lowered for `state` and `batch`: arrays, or ShapeDtypeStructs (pmap takes
-        no mix of the two across processes)."""
+        """The step lowered for `state` and `batch`: arrays, or ShapeDtypeStructs (all of one
+        kind: PowerSGD's errors are spread from arrays, shaped from shapes)."""
         abstract = not isinstance(jax.tree.leaves(state)[0], jax.Array)
         state = self._error_shapes(state) if abstract else self._spread_errors(state)
         return self._train_step.lower(*self._split_errors(state), batch)

@@ -1,22 +1,16 @@
-"""DDP as `jax.pmap` does it: one program per device (a `shard_map` over a one-axis mesh, under one
-`jit` built once), a full replica of the state per device, gradients averaged with `lax.pmean`.
+"""DDP on `jax.pmap`: a full replica of the state per device, gradients averaged with `lax.pmean`.
 
 The state is one array per leaf, replicated on every device (`NamedSharding(mesh, P())`), and
-crosses the program boundary as it is (pmap's `in_axes=None` / `out_axes=None`); batches carry a
-leading axis of one slice per device. Stacking replicas along a leading axis instead (the
-textbook pmap layout) makes XLA copy the optimizer state in and out of every step: 18 copies for
-Adam on an MLP, and a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
-The programs are `jax.jit`s called with global arrays, not `jax.pmap`s: pmap re-derives its
-mapping from the arguments in Python on every call (tens of microseconds a step), and
-across processes hands back process-local arrays, where a jit's outputs span every process.
+crosses the pmap boundary with `in_axes=None` / `out_axes=None`; batches carry a leading axis of
+one slice per device. Stacking replicas along a leading axis instead (the textbook pmap layout)
+makes XLA copy the optimizer state in and out of every step: 18 copies for Adam on an MLP, and
+a third fewer examples/s at 8 devices (experiments/bench/ddp_overhead.py).
 """
-
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.core.state import TrainState
@@ -42,25 +36,36 @@ class DDP:
         self.task = task
         self.grad_comm = grad_comm or GradComm()
         self.device_mesh = mesh
-        self.mesh = mesh.mesh  # the programs run once per device of its one axis
+        self.mesh = mesh.mesh  # placement only; pmap maps over its devices
         # Every device of every process; each process feeds and reads its local ones.
         self.devices = list(self.mesh.devices.flat)
         self._local_count = sum(d.process_index == jax.process_index() for d in self.devices)
         self._replicated = NamedSharding(self.mesh, P())
         self._per_device = NamedSharding(self.mesh, P(AXIS))
         # PowerSGD's error feedback differs between devices: it goes in and out of the step as
-        # an argument of its own, one slice per device.
+        # an argument of its own, mapped (pmap's axes must be hashable across processes).
         if self.grad_comm.powersgd:
             rows = np.zeros((self._local_count, 1), np.float32)
             self._device_rows = jax.make_array_from_process_local_data(
                 self._per_device, rows, (self.num_devices, 1)
             )
-            self._spread = per_device(lambda x, _: x, self.mesh, (None, 0), 0)
-            self._average = per_device(lambda x: lax.pmean(x, AXIS), self.mesh, (0,), None)
-        self._train_step = per_device(
-            self._train, self.mesh, (None, 0, 0), (None, 0, None), donate_argnums=(0, 1)
+            self._spread = jax.pmap(
+                lambda x, _: x, AXIS, devices=self.devices, in_axes=(None, 0), out_axes=0
+            )
+            self._average = jax.pmap(
+                lambda x: lax.pmean(x, AXIS), AXIS, devices=self.devices, out_axes=None
+            )
+        self._train_step = jax.pmap(
+            self._train,
+            AXIS,
+            devices=self.devices,
+            in_axes=(None, 0, 0),
+            out_axes=(None, 0, None),
+            donate_argnums=(0, 1),
         )
-        self._eval_step = per_device(self._eval, self.mesh, (None, 0), None)
+        self._eval_step = jax.pmap(
+            self._eval, AXIS, devices=self.devices, in_axes=(None, 0), out_axes=None
+        )
 
     @property
     def num_devices(self) -> int:
@@ -122,9 +127,20 @@ class DDP:
         return jax.make_array_from_process_local_data(self._per_device, slices, shapes)
 
     def global_state(self, state: TrainState) -> TrainState:
-        """`state` as arrays over every device of every process (for orbax): the programs'
-        outputs already span every process; PowerSGD's per-device errors become their mean."""
-        return self.consolidate(state)
+        """`state` as arrays over every device of every process (for orbax): across processes,
+        pmap returns each process's replicas as arrays of its own devices; this joins them,
+        without copying, into one replicated global array per leaf."""
+        state = self.consolidate(state)
+        if jax.process_count() == 1:
+            return state
+
+        def join(x):
+            if x.sharding == self._replicated:
+                return x
+            buffers = [shard.data for shard in x.addressable_shards]
+            return jax.make_array_from_single_device_arrays(x.shape, self._replicated, buffers)
+
+        return jax.tree.map(join, state)
 
     def host_state(self, state: TrainState) -> TrainState:
         """The state as host numpy arrays (read from the first replica, no gather)."""
@@ -166,10 +182,9 @@ class DDP:
         """`state` as `_spread_errors` would make it, as shapes (for lowering without data)."""
         if not self.grad_comm.powersgd or self._device_errors(state):
             return state
-        devices = (self.num_devices,)
+        local = (self._local_count,)  # pmap lowers abstract inputs as this process's part
         errors = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(devices + x.shape, x.dtype, sharding=self._per_device),
-            state.comm_state["error"],
+            lambda x: jax.ShapeDtypeStruct(local + x.shape, x.dtype), state.comm_state["error"]
         )
         return self._with_errors(state, errors)
 
@@ -184,8 +199,8 @@ class DDP:
         return self._eval_step(state.replace(comm_state={}), batch)  # no per-device errors
 
     def lower_train_step(self, state, batch):
-        """The step lowered for `state` and `batch`: arrays, or ShapeDtypeStructs (all of one
-        kind: PowerSGD's errors are spread from arrays, shaped from shapes)."""
+        """The step lowered for `state` and `batch`: arrays, or ShapeDtypeStructs (pmap takes
+        no mix of the two across processes)."""
         abstract = not isinstance(jax.tree.leaves(state)[0], jax.Array)
         state = self._error_shapes(state) if abstract else self._spread_errors(state)
         return self._train_step.lower(*self._split_errors(state), batch)
@@ -207,37 +222,3 @@ class DDP:
             ),
             batch,
         )
-
-
-def per_device(
-    fn: Callable, mesh: Mesh, in_axes: tuple, out_axes, donate_argnums: tuple = ()
-) -> Callable:
-    """`fn` run once per device of `mesh`'s one axis, as `jax.pmap(fn, AXIS, in_axes=in_axes,
-    out_axes=out_axes)` runs it (an axis 0 is each device's slice, None the same value on every
-    device), compiled once as one `jax.jit` of global arrays: `in_axes` has an entry per
-    argument, `out_axes` is a prefix of `fn`'s outputs."""
-
-    def spec(axis):
-        return P() if axis is None else P(AXIS)
-
-    def sliced(tree, axis, take: bool):
-        if axis is None:
-            return tree
-        return jax.tree.map(lambda x: x[0] if take else x[None], tree)
-
-    def on_device(*args):
-        args = [sliced(x, axis, take=True) for x, axis in zip(args, in_axes, strict=True)]
-        outputs = fn(*args)
-        if not isinstance(out_axes, tuple):
-            return sliced(outputs, out_axes, take=False)
-        return tuple(sliced(x, axis, take=False) for x, axis in zip(outputs, out_axes, strict=True))
-
-    out_specs = tuple(map(spec, out_axes)) if isinstance(out_axes, tuple) else spec(out_axes)
-    mapped = jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=tuple(map(spec, in_axes)),
-        out_specs=out_specs,
-        check_vma=False,
-    )
-    return jax.jit(mapped, donate_argnums=donate_argnums)

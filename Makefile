@@ -40,6 +40,7 @@ docs: setup
 
 bench: setup
 	$(PY) -m experiments.bench.ddp_overhead
+	$(PY) -m experiments.bench.step_overhead
 	$(PY) -m experiments.bench.input_pipeline
 
 clean:

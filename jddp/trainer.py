@@ -1,7 +1,6 @@
 """`Trainer`: the library entry point. Your Flax module, loss and optax optimizer, data-parallel."""
 
 import collections
-import contextlib
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -173,7 +172,7 @@ class Trainer:
         example shapes the model)."""
         init_key(seed)  # a bad seed is one line here, before anything compiles
         self.abstract_state(sample_batch)
-        with _axis_names_checked():
+        with _axis_names_checked:
             return self.strategy.init_state(seed, self._sample_input(sample_batch))
 
     def _sample_input(self, sample_batch) -> dict[str, np.ndarray]:
@@ -212,7 +211,7 @@ class Trainer:
         sample_input = self._sample_input(sample_batch)
         key = tuple((k, x.shape, x.dtype) for k, x in sample_input.items())
         if self._abstract_for != key:
-            with _axis_names_checked():
+            with _axis_names_checked:
                 shapes = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
             self.strategy.prepare(shapes)
             self._abstract = jax.tree.map(
@@ -274,7 +273,7 @@ class Trainer:
         _check_state(state, "step")
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
-        with _axis_names_checked():
+        with _axis_names_checked:
             state, metrics = self.strategy.train_step(state, batch.arrays)
         self._in_flight.add(metrics["loss"])
         return state, metrics
@@ -298,7 +297,7 @@ class Trainer:
             if padded_size is None:
                 padded_size = -(-size // self.batch_slices) * self.batch_slices
             placed = self.strategy.place_batch(pad_batch(batch, padded_size))
-            with _axis_names_checked():
+            with _axis_names_checked:
                 sums.append(self.strategy.eval_step(state, placed))
             self._in_flight.add(sums[-1]["count"])
         if not sums:
@@ -316,7 +315,7 @@ class Trainer:
         warm-up, the compressed steps')."""
         if not isinstance(batch, PlacedBatch):
             batch = self.place_batch(batch)
-        with _axis_names_checked():
+        with _axis_names_checked:
             compiled = self.strategy.lower_train_step(state, batch.arrays).compile()
         return {
             "state_bytes_per_device": state_bytes_per_device(state),
@@ -354,21 +353,27 @@ def _check_state(state, what: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _axis_names_checked():
+class _AxisNamesChecked:
     """A model reducing over an axis no strategy has is a one-line ConfigError, not JAX's
-    NameError from deep inside the trace."""
-    try:
-        yield
-    except NameError as e:
-        match = re.search(r"unbound axis name: (\w+)", str(e))
+    NameError from deep inside the trace. (A class, not a generator: it wraps every step.)"""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if kind is None or not issubclass(kind, NameError):
+            return False
+        match = re.search(r"unbound axis name: (\w+)", str(error))
         if not match:
-            raise
+            return False
         raise ConfigError(
             f"the model reduces over an axis named {match.group(1)!r}, which this strategy does "
             "not have; name the batch axis 'batch' (e.g. nn.BatchNorm(axis_name='batch')): "
             "jddp binds it to the strategy's batch axes"
         ) from None
+
+
+_axis_names_checked = _AxisNamesChecked()
 
 
 @dataclasses.dataclass(frozen=True)

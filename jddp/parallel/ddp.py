@@ -119,12 +119,12 @@ class DDP:
         def split(x):
             x = np.asarray(x)
             check_rows_divide(x.shape[0], local)
-            slices = x.reshape(local, x.shape[0] // local, *x.shape[1:])
-            return jax.make_array_from_process_local_data(
-                self._per_device, slices, (self.num_devices, *slices.shape[1:])
-            )
+            return x.reshape(local, x.shape[0] // local, *x.shape[1:])
 
-        return jax.tree.map(split, batch)
+        slices = jax.tree.map(split, batch)
+        shapes = jax.tree.map(lambda x: (self.num_devices, *x.shape[1:]), slices)
+        # One call for the whole batch: on one process, one device_put of every entry.
+        return jax.make_array_from_process_local_data(self._per_device, slices, shapes)
 
     def global_state(self, state: TrainState) -> TrainState:
         """`state` as arrays over every device of every process (for orbax): across processes,

@@ -354,13 +354,15 @@ class ZeroStrategy:
         _, blocks = self.row_block()
         local_slices = self.device_mesh.batch_slices // blocks
 
-        def place(x):
+        def rows(x):
             x = np.asarray(x)
             check_rows_divide(x.shape[0], local_slices)
-            global_shape = (x.shape[0] * blocks, *x.shape[1:])
-            return jax.make_array_from_process_local_data(self._batch_sharding, x, global_shape)
+            return x
 
-        return jax.tree.map(place, batch)
+        batch = jax.tree.map(rows, batch)
+        shapes = jax.tree.map(lambda x: (x.shape[0] * blocks, *x.shape[1:]), batch)
+        # One call for the whole batch: on one process, one device_put of every entry.
+        return jax.make_array_from_process_local_data(self._batch_sharding, batch, shapes)
 
     def global_state(self, state: TrainState) -> TrainState:
         # jit's outputs already span every process's devices; in the model's layer order

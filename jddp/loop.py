@@ -44,6 +44,82 @@ SKIPPED = "skipped_batches"  # checkpoint metadata: the [first, last] batches ro
 Hook = Callable[[int, TrainState, dict], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """When `fit` saves and what it records: a checkpoint every `every` steps and at the last
+    (0: never, and no resume), the newest `max_to_keep` kept; `meta` (JSON-able) saved with
+    each; `check(meta, saved_shapes)` may refuse a checkpoint before it is restored."""
+
+    every: int = 500
+    max_to_keep: int = 3
+    meta: Mapping = dataclasses.field(default_factory=dict)
+    check: Callable[[dict, dict], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+    """What `fit` writes to metrics.jsonl, TensorBoard and the progress line: a record every
+    `every` steps (and at every evaluation and the last step), with the `learning_rate`
+    schedule's rate, tokens/s from `tokens_per_example`, MFU against `peak_flops_per_device`
+    (0: looked up or measured); `notes` join the first record; `hooks(step, state, record)`
+    run after each record is written; `goodput_line`: the goodput summary logged at the end
+    (an entry point that prints its own at exit turns it off, so it shows once)."""
+
+    every: int = 50
+    hooks: tuple[Hook, ...] = ()
+    learning_rate: Callable[[int], float] | None = None
+    tokens_per_example: int = 0
+    peak_flops_per_device: float = 0.0
+    notes: Mapping = dataclasses.field(default_factory=dict)
+    goodput_line: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What `fit` evaluates: `batches` (a list of batches, or a zero-argument function giving a
+    fresh iterable for each pass; None: no evaluation) every `every` steps (0: only at the
+    end), with `extras(means)` derived from the means (perplexity)."""
+
+    batches: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None
+    every: int = 0
+    extras: Callable[[dict], dict] | None = None
+
+    def pass_fn(self) -> Callable[[], Iterable[Batch]] | None:
+        """A zero-argument function giving one pass over the batches, or None."""
+        return _eval_pass(self.batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything `fit` is told besides the trainer, the data and the start: one object per
+    concern (the watchdog's `hang_timeout_s`: 0 is off; `profile_steps`: (first step, count)
+    traced into workdir/profile; `device_prefetch`: batches placed ahead of the step). Checked
+    when made: a bad setting is a ConfigError before anything is written."""
+
+    num_steps: int
+    checkpointing: Checkpointing = Checkpointing()
+    records: Records = Records()
+    evaluation: Evaluation = Evaluation()
+    rollback: RollbackPolicy | None = None
+    hang_timeout_s: float = 0.0
+    profile_steps: tuple[int, int] = (0, 0)
+    device_prefetch: int = 2
+
+    def __post_init__(self):
+        for name, value, least in (
+            ("num_steps", self.num_steps, 1),
+            ("log_every", self.records.every, 1),
+            ("eval_every", self.evaluation.every, 0),
+            ("checkpoint_every", self.checkpointing.every, 0),
+            ("max_to_keep", self.checkpointing.max_to_keep, 1),
+        ):
+            if not isinstance(value, int | np.integer) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.rollback is not None and self.checkpointing.every == 0:
+            raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
+        self.evaluation.pass_fn()  # a one-pass iterator is refused now
+
+
 def fit(
     trainer,
     train_batches: Iterable[Batch],
@@ -78,23 +154,34 @@ def fit(
     A rerun of the same call resumes from the newest checkpoint in `workdir`, skipping the
     batches already trained on (through `get_state()` / `set_state()` when the iterator has them,
     as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Every
-    argument is described in docs/loop.md.
+    argument is described in docs/loop.md; the keywords fill `Settings`' objects (`train` takes
+    them whole).
     """
-    start_time = time.perf_counter()
-    # Where the time goes (jddp/observe/goodput.py), kept by process 0 in workdir/goodput.json.
-    ledger = goodput.Ledger(workdir if jax.process_index() == 0 else None, started_at=started_at)
-    # ---------------------------------------------------- checks (nothing written yet)
-    _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep)
-    if rollback is not None and checkpoint_every == 0:
-        raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
-    eval_pass = _eval_pass(eval_batches)
+    ledger = _ledger(workdir, started_at)
+    settings = Settings(
+        num_steps,
+        Checkpointing(checkpoint_every, max_to_keep, dict(checkpoint_meta or {}), check_checkpoint),
+        Records(
+            log_every,
+            tuple(hooks),
+            learning_rate,
+            tokens_per_example,
+            peak_flops_per_device,
+            dict(notes or {}),
+        ),  # fmt: skip
+        Evaluation(eval_batches, eval_every, eval_extras),
+        rollback,
+        hang_timeout_s,
+        profile_steps,
+        device_prefetch,
+    )
     store.check_checkpoints_dir(
         os.path.join(workdir, "checkpoints"), checkpointing=checkpoint_every > 0
     )
     check_workdir(workdir, resumable=checkpoint_every > 0, name="workdir")
     # An iterator is used as it is (one with `__next__` but no `__iter__` too), else iterated.
     batches = train_batches if hasattr(train_batches, "__next__") else iter(train_batches)
-    _check_batch_fits_data(batches)
+    check_train_batches(batches)
     if sample_batch is None:
         peeked = _peek(batches)
         if peeked is None:
@@ -104,124 +191,123 @@ def fit(
             batches = itertools.chain([sample_batch], batches)
     trainer.check_layout(sample_batch)
     processes.barrier("fit: checks done")
-
-    # ------------------------------------ workdir, and the state: resumed, given, or fresh
     with hold_workdir(workdir):
-        is_writer = jax.process_index() == 0
-        checkpoints = None
-        if checkpoint_every > 0:
-            checkpoints = Checkpoints(
-                os.path.join(workdir, "checkpoints"),
-                every=checkpoint_every,
-                max_to_keep=max_to_keep,
-            )
-        try:
-            start_step, state, saved = _restore_or_start(
-                trainer, checkpoints, sample_batch, seed, state, check_checkpoint, ledger
-            )
-            rollbacks = Rollbacks(rollback, saved.get(SKIPPED)) if rollback else None
-            if start_step > num_steps:
-                raise ConfigError(
-                    f"the checkpoints in {checkpoints.directory} reach step {start_step}, past "
-                    f"num_steps={num_steps}; raise num_steps or pass another workdir"
-                )
-            skipped = rollbacks.skipped_batches if rollbacks else 0
-            _position(batches, start_step + skipped, saved.get("data"))
-        except BaseException:
-            if checkpoints is not None:
-                checkpoints.close()
-            raise
-        if start_step:
-            logging.info("resuming from the checkpoint at step %d in %s", start_step, workdir)
-        if start_step == num_steps:  # nothing to train: nothing is written either
-            if checkpoints is not None:
-                checkpoints.close()
-            return state
-        processes.check_same_everywhere(
-            "config, seed and initial parameters",
-            [json.dumps(checkpoint_meta or {}, sort_keys=True, default=str), _checksum(state)],
-        )
-        rows = []  # of the first batch: the global batch size follows
-
-        def place(batch):
-            if not rows:
-                rows.append(_rows(batch))
-            return trainer.place_batch(batch)
-
-        placed = prefetch_to_device(batches, place, device_prefetch)
-        ledger.begin(start_step)
-        loop = _Loop(
-            trainer=trainer,
-            workdir=workdir,
-            num_steps=num_steps,
-            start_step=start_step,
-            start_time=start_time,
-            is_writer=is_writer,
-            checkpoints=checkpoints,
-            eval_pass=eval_pass,
-            eval_every=eval_every,
-            log_every=log_every,
-            hooks=tuple(hooks),
-            learning_rate=learning_rate,
-            eval_extras=eval_extras,
-            rows=rows,
-            sample_batch=sample_batch,
-            tokens_per_example=tokens_per_example,
-            peak_flops_per_device=peak_flops_per_device,
-            hang_timeout_s=hang_timeout_s,
-            profile_steps=profile_steps,
-            meta=dict(checkpoint_meta or {}),
-            first_record=dict(notes or {}),
-            rollbacks=rollbacks,
-            check_checkpoint=check_checkpoint,
+        return train(
+            trainer, batches, workdir, settings, sample_batch, seed=seed, state=state,
             ledger=ledger,
+        )  # fmt: skip
+
+
+def _ledger(workdir: str, started_at: float | None) -> goodput.Ledger:
+    """Where the time goes (jddp/observe/goodput.py), kept by process 0 in workdir/goodput.json."""
+    return goodput.Ledger(workdir if jax.process_index() == 0 else None, started_at=started_at)
+
+
+def train(
+    trainer,
+    batches,
+    workdir: str,
+    settings: Settings,
+    sample_batch: Batch,
+    *,
+    seed: int = 0,
+    state: TrainState | Callable[[], TrainState] | None = None,
+    ledger: goodput.Ledger | None = None,
+    started_at: float | None = None,
+) -> TrainState:
+    """`fit`'s loop in a `workdir` its caller has checked and holds (`hold_workdir`), on a
+    `batches` iterator already checked (`check_train_batches`) that `sample_batch` shapes:
+    resumes the newest checkpoint, or starts from `state` (a state or a function giving one)
+    or `seed`; the goodput `ledger` started at `started_at` unless given."""
+    start_time = time.perf_counter()
+    ledger = ledger or _ledger(workdir, started_at)
+    checkpointing = settings.checkpointing
+    checkpoints = None
+    if checkpointing.every > 0:
+        checkpoints = Checkpoints(
+            os.path.join(workdir, "checkpoints"),
+            every=checkpointing.every,
+            max_to_keep=checkpointing.max_to_keep,
         )
-        return loop.run(state, placed)
+    try:
+        start_step, state, saved = _restore_or_start(
+            trainer, checkpoints, sample_batch, seed, state, checkpointing.check, ledger
+        )
+        rollbacks = Rollbacks(settings.rollback, saved.get(SKIPPED)) if settings.rollback else None
+        if start_step > settings.num_steps:
+            raise ConfigError(
+                f"the checkpoints in {checkpoints.directory} reach step {start_step}, past "
+                f"num_steps={settings.num_steps}; raise num_steps or pass another workdir"
+            )
+        skipped = rollbacks.skipped_batches if rollbacks else 0
+        _position(batches, start_step + skipped, saved.get("data"))
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.close()
+        raise
+    if start_step:
+        logging.info("resuming from the checkpoint at step %d in %s", start_step, workdir)
+    if start_step == settings.num_steps:  # nothing to train: nothing is written either
+        if checkpoints is not None:
+            checkpoints.close()
+        return state
+    processes.check_same_everywhere(
+        "config, seed and initial parameters",
+        [json.dumps(dict(checkpointing.meta), sort_keys=True, default=str), _checksum(state)],
+    )
+    rows = []  # of the first batch: the global batch size follows
+
+    def place(batch):
+        if not rows:
+            rows.append(_rows(batch))
+        return trainer.place_batch(batch)
+
+    placed = prefetch_to_device(batches, place, settings.device_prefetch)
+    ledger.begin(start_step)
+    loop = _Loop(
+        trainer=trainer,
+        workdir=workdir,
+        settings=settings,
+        start_step=start_step,
+        start_time=start_time,
+        checkpoints=checkpoints,
+        rows=rows,
+        sample_batch=sample_batch,
+        rollbacks=rollbacks,
+        ledger=ledger,
+    )
+    return loop.run(state, placed)
 
 
 @dataclasses.dataclass
 class _Loop:
-    """The steps of one `fit` call, with what watches and records them (`fit`'s arguments, as
-    checked and resolved there)."""
+    """The steps of one `fit` call, with what watches and records them as `settings` say."""
 
     trainer: Trainer
     workdir: str
-    num_steps: int
+    settings: Settings
     start_step: int
     start_time: float
-    is_writer: bool
     checkpoints: Checkpoints | None
-    eval_pass: Callable[[], Iterable[Batch]] | None
-    eval_every: int
-    log_every: int
-    hooks: tuple[Hook, ...]
-    learning_rate: Callable[[int], float] | None
-    eval_extras: Callable[[dict], dict] | None
     rows: list[int]  # the first batch's rows, once it is placed: the global batch size follows
     sample_batch: Batch
-    tokens_per_example: int
-    peak_flops_per_device: float
-    hang_timeout_s: float
-    profile_steps: tuple[int, int]
-    meta: dict
-    first_record: dict
     rollbacks: Rollbacks | None  # nan_policy=rollback's decisions, or None
-    check_checkpoint: Callable[[dict, dict], None] | None
     ledger: goodput.Ledger  # the stopwatch: every second of the start is in one category
     throughput: Throughput | None = None  # set up at the first step
 
     def run(self, state: TrainState, placed) -> TrainState:
-        trainer, start_step, num_steps = self.trainer, self.start_step, self.num_steps
-        checkpoints, record_extra = self.checkpoints, self.first_record
-        ledger = self.ledger
+        settings = self.settings
+        records, evaluation = settings.records, settings.evaluation
+        trainer, start_step, num_steps = self.trainer, self.start_step, settings.num_steps
+        checkpoints, record_extra = self.checkpoints, dict(records.notes)
+        ledger, is_writer, eval_pass = self.ledger, jax.process_index() == 0, evaluation.pass_fn()
         ledger.switch("other")  # the loop begins: its own work, unless a category says more
         ledger.flush()
-        writer = MetricsWriter(self.workdir, start_step=start_step, enabled=self.is_writer)
-        progress = Progress(num_steps, first_step=start_step, enabled=self.is_writer)
+        writer = MetricsWriter(self.workdir, start_step=start_step, enabled=is_writer)
+        progress = Progress(num_steps, first_step=start_step, enabled=is_writer)
         preemption = PreemptionWatch()
-        start, count = self.profile_steps
-        profiler = StepProfiler(os.path.join(self.workdir, "profile"), start, count)
-        watchdog = HangWatchdog.start(self.hang_timeout_s, self.workdir)
+        profiler = StepProfiler(os.path.join(self.workdir, "profile"), *settings.profile_steps)
+        watchdog = HangWatchdog.start(settings.hang_timeout_s, self.workdir)
         stopped_at, step, steps_run = None, start_step, 0
         last_log_step, last_log_time = start_step, time.perf_counter()
         try:
@@ -265,15 +351,15 @@ class _Loop:
                         continue
                 ledger.step_done(step)
                 is_last = step == num_steps
-                evaluate = self.eval_pass is not None and (
-                    is_last or (self.eval_every > 0 and step % self.eval_every == 0)
+                evaluate = eval_pass is not None and (
+                    is_last or (evaluation.every > 0 and step % evaluation.every == 0)
                 )
-                if step % self.log_every == 0 or evaluate or is_last:
+                if step % records.every == 0 or evaluate or is_last:
                     record = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     record["nonfinite_steps"] = self._nonfinite_steps(state, step)
                     ledger.switch("other")
-                    if self.learning_rate is not None:  # the rate this step applied
-                        record["learning_rate"] = float(self.learning_rate(step - 1))
+                    if records.learning_rate is not None:  # the rate this step applied
+                        record["learning_rate"] = float(records.learning_rate(step - 1))
                     # The first step's rates include compiling; later ones are since the last.
                     since = self.start_time if first else last_log_time
                     record |= self.throughput.rates(
@@ -282,7 +368,7 @@ class _Loop:
                     if evaluate:
                         with watchdog.paused(f"evaluation at step {step}"), ledger.timing("eval"):
                             results = evaluate_metrics(
-                                trainer, state, self.eval_pass(), self.eval_extras
+                                trainer, state, eval_pass(), evaluation.extras
                             )
                         record |= {f"eval_{k}": v for k, v in results.items() if k != "count"}
                     record["goodput"] = ledger.fraction()  # over every start of the workdir
@@ -292,7 +378,7 @@ class _Loop:
                     writer.write(step, record | record_extra)
                     record_extra = {}
                     progress.update(step, record["loss"], record)
-                    for hook in self.hooks:
+                    for hook in records.hooks:
                         hook(step, state, record)
                     last_log_step, last_log_time = step, time.perf_counter()
                 ledger.switch("other")  # after an unlogged step: it was only dispatched
@@ -321,7 +407,7 @@ class _Loop:
                     checkpoints.wait()  # a started save is a good one: let it commit
                 checkpoints.close()
             spent = ledger.end()
-        if self.is_writer:
+        if is_writer and records.goodput_line:
             logging.info("%s", goodput.summary_line(spent))
         if stopped_at is not None:
             saved = "saved a checkpoint" if checkpoints is not None else "saved nothing"
@@ -350,9 +436,10 @@ class _Loop:
             global_batch_size // (trainer.batch_slices * trainer.task.grad_accum_steps),
             trainer.task.grad_accum_steps,
         )
+        records = self.settings.records
         self.throughput = _throughput(
-            trainer, self.sample_batch, global_batch_size, self.tokens_per_example,
-            self.peak_flops_per_device,
+            trainer, self.sample_batch, global_batch_size, records.tokens_per_example,
+            records.peak_flops_per_device,
         )  # fmt: skip
         return _memory_report(trainer, state, batch)
 
@@ -370,7 +457,7 @@ class _Loop:
             with self.ledger.timing("restore"):
                 to_step, restored, _ = checkpoints.restore_latest(
                     self.trainer.abstract_state(self.sample_batch),
-                    self.check_checkpoint,
+                    self.settings.checkpointing.check,
                     store.restore_layout,
                     fix="or pass a new workdir to train afresh",
                 )
@@ -384,7 +471,9 @@ class _Loop:
 
     def _save(self, state, step: int, data_state) -> TrainState:
         state = self.trainer.consolidate(state)  # continue from what is saved
-        meta = checkpoint_meta(self.trainer, step, data_state) | self.meta
+        meta = checkpoint_meta(self.trainer, step, data_state) | dict(
+            self.settings.checkpointing.meta
+        )
         if self.rollbacks is not None:  # a resume skips them too
             meta[SKIPPED] = self.rollbacks.skipped
         self.checkpoints.save(step, self.trainer.global_state(state), meta, force=True)
@@ -465,7 +554,7 @@ def _position(batches, start_step: int, data_state) -> None:
             )
 
 
-def _check_batch_fits_data(batches) -> None:
+def check_train_batches(batches) -> None:
     """Where the iterator says how many examples it draws from (jddp.data.train_batches does,
     in its state): none is a DataError, and a global batch larger than that one warning (it
     trains, but each batch then repeats examples: not the batch size the run asked for)."""
@@ -496,18 +585,6 @@ def _eval_pass(eval_batches):
             "function that returns a fresh iterable for each evaluation"
         )
     return lambda: eval_batches
-
-
-def _check_arguments(num_steps, log_every, eval_every, checkpoint_every, max_to_keep) -> None:
-    for name, value, least in (
-        ("num_steps", num_steps, 1),
-        ("log_every", log_every, 1),
-        ("eval_every", eval_every, 0),
-        ("checkpoint_every", checkpoint_every, 0),
-        ("max_to_keep", max_to_keep, 1),
-    ):
-        if not isinstance(value, int | np.integer) or value < least:
-            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def _rows(batch) -> int:
@@ -547,7 +624,7 @@ def _memory_report(trainer, state, batch) -> dict:
             pipeline.schedule.microbatches,
             100 * memory["pipeline_bubble"],
         )
-    context = getattr(trainer.strategy, "context_axis", None)
+    context = trainer.strategy.context_axis
     if context:
         size = trainer.strategy.device_mesh.size(context)
         attention = getattr(trainer.task.model, "context_attention", "own")

@@ -1,15 +1,22 @@
 """What a start reads and decides before the loop: the newest checkpoint's metadata read once per
-start (the reads counted), and the elastic record of a pipelined run (its micro-batch, counted in
-rows per device) kept by a restart on fewer devices."""
+start (the reads counted), the elastic record of a pipelined run (its micro-batch, counted in
+rows per device) kept by a restart on fewer devices, and a task that returns what shaping the
+state finds rather than writing it into itself."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 
+import flax.linen as nn
+import numpy as np
+import optax
 import pytest
 
 from jddp.checkpoints import store
 from jddp.checkpoints.newest import NewestCheckpoint
+from jddp.core.task import Task
+from jddp.parallel.pipeline.layers import Pipelined, Stack
 from jddp.run import elastic
 from jddp.run.experiment import train_and_evaluate
 from tests.helpers import REPO, BeforeRerun, checkout_env, small_config
@@ -90,3 +97,27 @@ def test_a_pipelined_runs_micro_batch_is_recorded_and_kept_on_fewer_devices(tmp_
         "micro_batch_per_device": 1,
     }
     assert NewestCheckpoint.read(str(workdir)).get(elastic.MICRO_BATCH) == 1
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(x.shape[-1])(x))
+
+
+class _Stacked(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(Pipelined(_Block(name="blocks"), 4)(x))
+
+
+def test_a_task_returns_where_its_stack_is_and_stays_as_it_was():
+    """Shaping the state tells where the model's Pipelined layers are (their parameters' path
+    and count, as the parameters themselves show) without writing it into the frozen task."""
+    task = Task(model=_Stacked(), loss_fn=lambda out, batch: out.sum(-1), optimizer=optax.sgd(1))
+    shapes, stack = task.abstract_state(np.zeros((1, 5), np.float32))
+    assert stack == Stack(path=("blocks",), num_layers=4)
+    assert shapes.params["blocks"]["Dense_0"]["kernel"].shape == (4, 5, 5)
+    assert task.stack is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        task.stack = stack

@@ -1,7 +1,8 @@
 """`train_and_evaluate(config, workdir)`: one experiment config trained from start to end.
 
-Read top to bottom: checks (nothing written), data, then `jddp.fit` (jddp/loop.py: the one
-training loop, resume and checkpoints included), then the export and summary. What is
+Read top to bottom: checks (nothing written; the workdir's newest checkpoint read once), data,
+then `jddp.fit`'s loop (`jddp.loop.train` in the workdir held here, settings passed one object per
+concern: resume and checkpoints included), then the export and summary. What is
 config-specific stays here: the config's own checks, the config stored with each checkpoint and
 compared on resume (jddp/run/resume.py), `init_from`, `config.json` and `summary.json`.
 """
@@ -94,7 +95,7 @@ def train_and_evaluate(
     """Trains `config` into `workdir`, resuming its newest checkpoint if it has one; returns the
     final eval metrics, the wall time and (process 0) the run's goodput (or `preempted` and the
     step it saved). `started_at`: the `time.time()` the program started, where goodput's
-    `startup` begins (default: when `jddp.fit` begins)."""
+    `startup` begins (default: when the loop begins)."""
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)

@@ -152,12 +152,8 @@ class Saver:
     def __init__(self, trainer, checkpoints, checkpointing: Checkpointing, rollbacks, placed,
                  watchdog, ledger):  # fmt: skip
         self.trainer, self.checkpoints, self.checkpointing = trainer, checkpoints, checkpointing
-        self.rollbacks, self.placed, self.watchdog, self.ledger = (
-            rollbacks,
-            placed,
-            watchdog,
-            ledger,
-        )
+        self.rollbacks, self.placed = rollbacks, placed  # the data's position is saved too
+        self.watchdog, self.ledger = watchdog, ledger
 
     def due(self, tick: Tick) -> bool:
         return self.checkpoints is not None

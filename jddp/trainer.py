@@ -130,6 +130,7 @@ class Trainer:
                     "pipeline parallelism (a stage axis) takes neither weight_key nor float16 "
                     "loss scaling yet; use bfloat16 and unweighted losses, or no stage axis"
                 )
+        self._pipeline = pipeline or PipelineOptions()
         self.strategy = make_strategy(
             strategy,
             self.task,
@@ -148,10 +149,9 @@ class Trainer:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per pipeline (1 without a stage axis); known once the state is laid
-        out (`abstract_state`, `init`)."""
-        pipeline = self.strategy.pipeline
-        return pipeline.schedule.microbatches if pipeline else 1
+        """Micro-batches per pipeline step (1 without a stage axis), from `pipeline`'s options
+        and the mesh alone."""
+        return self._pipeline.microbatches_per_step(self.device_mesh)
 
     @property
     def batch_slices(self) -> int:
@@ -212,8 +212,8 @@ class Trainer:
         key = tuple((k, x.shape, x.dtype) for k, x in sample_input.items())
         if self._abstract_for != key:
             with _axis_names_checked:
-                shapes = jax.eval_shape(self.task.init_state, jax.random.key(0), sample_input)
-            self.strategy.prepare(shapes)
+                shapes, stack = self.task.abstract_state(sample_input)
+            self.strategy.prepare(shapes, stack)
             self._abstract = jax.tree.map(
                 lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                 shapes,

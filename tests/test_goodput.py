@@ -5,6 +5,7 @@ SIGKILLed after a checkpoint and run again to the end."""
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -320,6 +321,8 @@ def test_a_killed_and_rerun_training_accounts_for_its_whole_wall_time(tmp_path):
     assert output[-1].startswith("done: ") and output[-2] == goodput.summary_line(summary)
     assert f"({last_logged - restored} steps redone)" in output[-2]
     assert ", restart " in output[-2] and output[-2].endswith("wall over 2 starts")
+    console = "\n".join([*output, (tmp_path / "rerun.err").read_text()])
+    assert len(re.findall(r"goodput \d+%: ", console)) == 1  # the CLI's line, printed once
 
     records = [json.loads(line) for line in metrics_lines(workdir)]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

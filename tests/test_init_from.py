@@ -21,6 +21,7 @@ import jddp
 import jddp.checkpoints.weights
 from experiments.configs import digits_mlp
 from jddp import data
+from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.errors import CheckpointError
 from jddp.run import optim, resume
 from jddp.run.factory import build_trainer
@@ -154,7 +155,8 @@ def test_init_from_finds_parameters_and_batch_statistics_by_name(tmp_path):
         saved = example_checkpoint(folder, writer)
         config = resnet_config(init_from=folder)
         trainer = trainer or build_trainer(config, dataset, optim.learning_rate_schedule(config))
-        start = resume.check_before_start(str(tmp_path / "run"), config, trainer, sample, batches)
+        newest = NewestCheckpoint.read(str(tmp_path / "run"))
+        start = resume.check_before_start(newest, config, trainer, sample, batches)
         assert start.resume_step is None
         if state is None:  # the whole start, as train_and_evaluate makes it, once
             state = resume.fresh_state(trainer, config, sample)
@@ -176,6 +178,7 @@ def test_init_from_a_flax_checkpoint_of_another_model_is_refused_before_any_writ
     trainer = build_trainer(config, dataset, optim.learning_rate_schedule(config))
     sample = data.open_dataset(dataset).sample_batch()
     with pytest.raises(CheckpointError) as error:
-        resume.check_before_start(str(tmp_path / "run"), config, trainer, sample, None)
+        newest = NewestCheckpoint.read(str(tmp_path / "run"))
+        resume.check_before_start(newest, config, trainer, sample, None)
     assert_one_line(error, "head/kernel", "(32, 10) in init_from", "(16, 10) in the model")
     assert not (tmp_path / "run").exists()

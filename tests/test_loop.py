@@ -288,8 +288,11 @@ def test_a_live_run_holding_the_workdir_is_named_and_a_dead_ones_lock_taken_over
         killer.cancel()
     with hold_workdir(str(workdir)):
         assert open(workdir / ".lock").read().split()[0] == str(os.getpid())
-        with hold_workdir(str(workdir)):  # this process again: one hold
-            pass
+        with pytest.raises(WorkdirError, match=f"process {os.getpid()} on"):
+            with hold_workdir(str(workdir)):  # held once per start: a second hold is refused
+                pass
+    with hold_workdir(str(workdir)):  # released at the end of the first
+        pass
 
 
 # ------------------------------------------------------------ (e) damaged metrics lines

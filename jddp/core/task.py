@@ -20,7 +20,7 @@ from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 from jddp.errors import ConfigError, ShapeError, UsageError
-from jddp.parallel.pipeline.layers import finding_stacks
+from jddp.parallel.pipeline.layers import Stack, finding_stacks
 
 Batch = Mapping[str, jax.Array]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -78,6 +78,9 @@ class Task:
     # (params, key) -> the strategy's gradient-communication state (PowerSGD's), like the
     # optimizer's; None: an empty dict.
     init_comm_state: Callable[[Any, jax.Array], Any] | None = None
+    # Where the model's `Pipelined` stack of layers is (None: it has none), as `abstract_state`
+    # returns it; a strategy that pipelines takes a task with it set (`dataclasses.replace`).
+    stack: Stack | None = None
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -102,14 +105,29 @@ class Task:
         object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
         object.__setattr__(self, "inputs", ModelInputs.parse(self.input_key))
         self.inputs.check_fits(self.model)
-        object.__setattr__(self, "stack", None)  # set by init_state
 
     # ----------------------------------------------------------------------------- init
+    def abstract_state(self, sample_inputs) -> tuple[TrainState, Stack | None]:
+        """(the state's shapes and dtypes, where the model's `Pipelined` stack of layers is or
+        None), from the model's inputs for one example; nothing is computed."""
+        found = []
+
+        def init(key, inputs):
+            state, stack = self._init(key, inputs)
+            found.append(stack)
+            return state
+
+        shapes = jax.eval_shape(init, jax.random.key(0), sample_inputs)
+        return shapes, found[0]
+
     def init_state(self, seed_key: jax.Array, sample_inputs) -> TrainState:
         """A fresh state from a PRNG key and the model's inputs for one example (a batch holding
         the entries `input_key` names, or the one input array itself; its batch size does not
-        matter). Also notes where the model's `Pipelined` stack of layers is, if it has one
-        (`stack`)."""
+        matter)."""
+        return self._init(seed_key, sample_inputs)[0]
+
+    def _init(self, seed_key: jax.Array, sample_inputs) -> tuple[TrainState, Stack | None]:
+        """(a fresh state, where the model's `Pipelined` stack is or None)."""
         params_key, dropout_key, step_key = jax.random.split(seed_key, 3)
         args, kwargs = self._call_args(sample_inputs)
         with finding_stacks() as stacks:
@@ -128,11 +146,10 @@ class Task:
             params, model_state = layer_stacks.to_stacked(
                 unrolled.init({"params": params_key, "dropout": dropout_key}, args, kwargs)
             )
-        object.__setattr__(self, "stack", stacks[0] if stacks else None)
         comm_state = None
         if self.init_comm_state is not None:
             comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
-        return TrainState.create(
+        state = TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
             model_state=model_state,
@@ -140,6 +157,7 @@ class Task:
             loss_scale=self.loss_scaling.init() if self.loss_scaling else None,
             comm_state=comm_state,
         )
+        return state, stacks[0] if stacks else None
 
     # -------------------------------------------------------------------------- forward
     def _call_args(self, inputs) -> tuple[tuple, dict]:

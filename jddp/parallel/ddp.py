@@ -26,6 +26,7 @@ class DDP:
 
     name = "ddp"
     pipeline = None  # no stage axis: every device runs the whole model
+    context_axis = None  # nor a context axis: every device holds whole sequences
 
     def __init__(self, task: Task, mesh: DeviceMesh, grad_comm: GradComm | None = None):
         if mesh.axis_names != (AXIS,):
@@ -88,8 +89,9 @@ class DDP:
         return lax.psum(self.task.eval_sums(state.params, state.model_state, batch), AXIS)
 
     # ----------------------------------------------------------------------- placement
-    def prepare(self, abstract_state: TrainState) -> None:
-        """Everything is replicated: the programs do not depend on the state's shapes."""
+    def prepare(self, abstract_state: TrainState, stack=None) -> None:
+        """Everything is replicated: the programs do not depend on the state's shapes (nor on
+        where a stack of layers is: ddp has no stage axis)."""
         self._abstract_state = abstract_state
 
     def init_state(self, seed: int, sample_input) -> TrainState:

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jddp.core.state import TrainState
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.engine import Pipeline
+from jddp.parallel.pipeline.layers import Stack
 
 
 class Strategy(Protocol):
@@ -25,12 +26,15 @@ class Strategy(Protocol):
     # The pipeline engine when the mesh has a stage axis (set by `prepare`), else None: its
     # schedule, micro-batches and `describe()` are what the trainer and the run report.
     pipeline: Pipeline | None
+    # The mesh axis sequences are cut along (context parallelism), else None.
+    context_axis: str | None
 
     @property
     def num_devices(self) -> int: ...
 
-    def prepare(self, abstract_state: TrainState) -> None:
-        """Lays out states shaped like `abstract_state` and builds the step programs, once."""
+    def prepare(self, abstract_state: TrainState, stack: Stack | None = None) -> None:
+        """Lays out states shaped like `abstract_state` (`Task.abstract_state`), whose model
+        holds its `Pipelined` layers at `stack`, and builds the step programs, once."""
         ...
 
     def state_shardings(self) -> TrainState:

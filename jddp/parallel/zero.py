@@ -24,6 +24,7 @@ sequence (jddp/parallel/context.py), and gradients and metrics are averaged over
 (`data:<processes>,fsdp:-1`).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jddp.core import layer_stacks
 from jddp.core.layer_stacks import join_stack, split_stack
 from jddp.core.state import TrainState
-from jddp.core.task import Task, check_rows_divide, init_compiler_options, init_key
+from jddp.core.task import Stack, Task, check_rows_divide, init_compiler_options, init_key
 from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
 from jddp.parallel import context
@@ -122,9 +123,11 @@ class ZeroStrategy:
         return self.mesh.size
 
     # ---------------------------------------------------------------------------- layout
-    def prepare(self, abstract_state: TrainState) -> None:
-        """The state's layout and the jitted steps for states shaped like `abstract_state`."""
-        stack = self.task.stack
+    def prepare(self, abstract_state: TrainState, stack: Stack | None = None) -> None:
+        """The state's layout and the jitted steps for states shaped like `abstract_state`, whose
+        model holds its `Pipelined` layers at `stack` (None: it has none)."""
+        if stack != self.task.stack:  # the task as laid out: the pipeline splits its stack
+            self.task = dataclasses.replace(self.task, stack=stack)
         if self.device_mesh.stage_axis:
             if jax.tree.leaves(abstract_state.model_state):
                 raise ConfigError(

@@ -1,7 +1,8 @@
 """`train_and_evaluate(config, workdir)`: one experiment config trained from start to end.
 
-Read top to bottom: checks (nothing written), data, then `jddp.fit` (jddp/loop.py: the one
-training loop, resume and checkpoints included), then the export and summary. What is
+Read top to bottom: checks (nothing written; the workdir's newest checkpoint read once), data,
+then `jddp.fit`'s loop (`jddp.loop.train` in the workdir held here, settings passed one object per
+concern: resume and checkpoints included), then the export and summary. What is
 config-specific stays here: the config's own checks, the config stored with each checkpoint and
 compared on resume (jddp/run/resume.py), `init_from`, `config.json` and `summary.json`.
 """
@@ -17,6 +18,7 @@ from absl import logging
 from jddp import data, loop
 from jddp.checkpoints import hf
 from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
 from jddp.observe import goodput
@@ -93,25 +95,30 @@ def train_and_evaluate(
     """Trains `config` into `workdir`, resuming its newest checkpoint if it has one; returns the
     final eval metrics, the wall time and (process 0) the run's goodput (or `preempted` and the
     step it saved). `started_at`: the `time.time()` the program started, where goodput's
-    `startup` begins (default: when `jddp.fit` begins)."""
+    `startup` begins (default: when the loop begins)."""
     start_time = time.perf_counter()
     # ---------------------------------------- checks, model, trainer (nothing written yet)
     config_lib.validate(config)
-    config = factory.with_checkpoint_model_args(config, workdir)
     check_workdir(workdir, resumable=config.checkpoint_every > 0)
+    # What the workdir holds, read once: the model's arguments, the elastic accumulation and
+    # the checks before resuming all take it from here.
+    newest = NewestCheckpoint.read(workdir, checkpointing=config.checkpoint_every > 0)
+    config = factory.with_checkpoint_model_args(config, newest)
     dataset = factory.dataset_spec(config)
     check_checkpoint_data(config, dataset)
     schedule = optim.learning_rate_schedule(config)
-    trainer = factory.build_trainer(config, dataset, schedule)
-    saved_meta = _newest_checkpoint_meta(workdir, config)
+    device_mesh = factory.mesh_for(config)
+    # Fewer devices than the run began with accumulate more (from the config and the mesh,
+    # before the trainer is built: it is built once).
     accum = elastic.accumulation(
         config.global_batch_size,
-        trainer.batch_slices * trainer.microbatches,
+        factory.batch_splits(config, device_mesh),
         config.grad_accum_steps,
-        saved_meta,
+        newest.meta,
     )
-    if accum.steps != config.grad_accum_steps:  # fewer devices than the run began with
-        trainer = factory.build_trainer(config, dataset, schedule, grad_accum_steps=accum.steps)
+    trainer = factory.build_trainer(
+        config, dataset, schedule, mesh=device_mesh, grad_accum_steps=accum.steps
+    )
     objective = factory.objective(dataset)
     check_divisible(config.global_batch_size, trainer.batch_slices, accum.steps)
     eval_batch_size = config.eval_batch_size or config.global_batch_size
@@ -136,8 +143,8 @@ def train_and_evaluate(
         workers=data_options.workers,
         **processes,
     )
-    start = resume.check_before_start(workdir, config, trainer, sample_batch, batches)
-    runtime.barrier("checks done")  # no process writes before every process has looked
+    loop.check_train_batches(batches)
+    start = resume.check_before_start(newest, config, trainer, sample_batch, batches)
 
     def eval_pass():
         return data.eval_batches(
@@ -147,9 +154,6 @@ def train_and_evaluate(
             threads=data_options.threads,
             **processes,
         )
-
-    def fresh_state():  # only when there is no checkpoint to resume
-        return resume.fresh_state(trainer, config, sample_batch)
 
     abstract = trainer.abstract_state(sample_batch)
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -168,41 +172,49 @@ def train_and_evaluate(
 
     notes = {"config_changes": start.config_changes} if start.config_changes else {}
     notes |= elastic.note(
-        saved_meta, accum, config.grad_accum_steps, jax.device_count(), jax.process_count()
+        newest.meta, accum, config.grad_accum_steps, jax.device_count(), jax.process_count()
     )
+    settings = loop.Settings(
+        num_steps=config.num_train_steps,
+        checkpointing=loop.Checkpointing(
+            every=config.checkpoint_every,
+            max_to_keep=config.max_to_keep,
+            meta={
+                "config": json.loads(config.to_json_best_effort()),
+                elastic.MICRO_BATCH: accum.micro_batch,
+            },
+            check=check_config,
+        ),
+        records=loop.Records(
+            every=config.log_every,
+            hooks=(record_hook,),
+            learning_rate=schedule,
+            tokens_per_example=objective.tokens_per_example(sample_batch),
+            peak_flops_per_device=config.peak_flops_per_device,
+            notes=notes,
+            goodput_line=False,  # jddp-train prints the workdir's at exit, after the export
+        ),
+        evaluation=loop.Evaluation(eval_pass, config.eval_every, objective.eval_extras),
+        rollback=_rollback_policy(config),
+        hang_timeout_s=config.hang_timeout_s,
+        profile_steps=(config.profile_start_step, config.profile_num_steps),
+        device_prefetch=data_options.device_prefetch,
+    )
+    runtime.barrier("checks done")  # no process writes before every process has looked
 
-    # --------------------------------------------------------------- the loop (jddp.fit)
+    # ------------------------------------------------- the loop (jddp.fit's, workdir held once)
     with workdir_lib.hold_workdir(workdir):
         logging.info("workdir: %s", os.path.abspath(workdir))
         logging.info("%s on %s", config.model, config.dataset)
         try:
-            state = loop.fit(
+            state = loop.train(
                 trainer,
                 batches if start.data_order_continues else _ThisConfigsOrder(batches),
-                workdir=workdir,
-                num_steps=config.num_train_steps,
-                sample_batch=sample_batch,
-                state=fresh_state,
-                eval_batches=eval_pass,
-                eval_every=config.eval_every,
-                log_every=config.log_every,
-                checkpoint_every=config.checkpoint_every,
-                max_to_keep=config.max_to_keep,
-                hang_timeout_s=config.hang_timeout_s,
-                hooks=[record_hook],
-                learning_rate=schedule,
-                eval_extras=objective.eval_extras,
-                tokens_per_example=objective.tokens_per_example(sample_batch),
-                peak_flops_per_device=config.peak_flops_per_device,
-                device_prefetch=data_options.device_prefetch,
-                profile_steps=(config.profile_start_step, config.profile_num_steps),
-                checkpoint_meta={
-                    "config": json.loads(config.to_json_best_effort()),
-                    elastic.MICRO_BATCH: accum.micro_batch,
-                },
-                check_checkpoint=check_config,
-                notes=notes,
-                rollback=_rollback_policy(config),
+                workdir,
+                settings,
+                sample_batch,
+                # only when there is no checkpoint to resume
+                state=lambda: resume.fresh_state(trainer, config, sample_batch),
                 started_at=started_at,
             )
         finally:
@@ -236,14 +248,6 @@ def _rollback_policy(config) -> RollbackPolicy | None:
     if config.nan_policy != "rollback":
         return None
     return RollbackPolicy(config.spike_factor, config.spike_window, config.max_rollbacks)
-
-
-def _newest_checkpoint_meta(workdir: str, config) -> dict | None:
-    """The metadata of the checkpoint this run resumes, if any (read-only)."""
-    if config.checkpoint_every <= 0:
-        return None
-    found = checkpoint.peek_latest(os.path.join(workdir, "checkpoints"))
-    return found[0] if found else None
 
 
 class _ThisConfigsOrder:

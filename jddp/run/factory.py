@@ -13,7 +13,7 @@ import numpy as np
 
 from jddp import data, models
 from jddp.checkpoints import hf
-from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import compute_dtype_of
 from jddp.parallel import context, strategies
 from jddp.parallel.mesh import DeviceMesh
@@ -24,33 +24,27 @@ from jddp.run.objectives import Objective
 from jddp.trainer import Trainer
 
 
-def with_checkpoint_model_args(config, workdir: str | None = None) -> ml_collections.ConfigDict:
+def with_checkpoint_model_args(
+    config, newest: NewestCheckpoint | None = None
+) -> ml_collections.ConfigDict:
     """`config` with `model_args` completed from `init_from="hf:DIR"`'s config.json (a copy;
     `config` itself when it starts from no Hugging Face checkpoint), so that the run's
     config.json and checkpoints record the whole model. A ConfigError names a model or an
-    argument that contradicts the checkpoint. A run resuming in `workdir` after DIR has moved
-    takes the arguments its checkpoints were written with."""
+    argument that contradicts the checkpoint. A run resuming `newest` (its workdir's newest
+    checkpoint) after DIR has moved takes the arguments that checkpoint was written with."""
     if not hf.is_hf(config.init_from):
         return config
     given = config.model_args.to_dict()
-    saved = _saved_model_args(config, workdir)
-    if saved is not None and not os.path.exists(hf.directory(config.init_from)):
-        args = {**saved, **given}
+    saved = newest.config if newest is not None else {}
+    if saved.get("init_from") == config.init_from and not os.path.exists(
+        hf.directory(config.init_from)
+    ):
+        args = {**(saved.get("model_args") or {}), **given}
     else:
         args = hf.resolved_model_args(config.model, given, config.init_from)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model_args = ml_collections.ConfigDict(args)
     return config
-
-
-def _saved_model_args(config, workdir: str | None) -> dict | None:
-    """The model_args of the newest checkpoint in `workdir`, if it was started from the same
-    init_from."""
-    found = checkpoint.peek_latest(os.path.join(workdir, "checkpoints")) if workdir else None
-    saved = (found[0].get("config") or {}) if found else {}
-    if saved.get("init_from") != config.init_from:
-        return None
-    return dict(saved.get("model_args") or {})
 
 
 def dataset_spec(config) -> data.DatasetSpec:
@@ -100,27 +94,44 @@ def partition_rules(config, device_mesh: DeviceMesh, model) -> tuple:
     return rules
 
 
+def mesh_for(config, *, strategy=None, mesh=None) -> DeviceMesh:
+    """The mesh `config`'s strategy runs on (`strategy` and a `mesh` spec override the
+    config's), over every device."""
+    strategy = strategy or config.parallel.strategy
+    if mesh is None and strategy == config.parallel.strategy:
+        mesh = config.parallel.mesh or None
+    return strategies.device_mesh_for(
+        strategy,
+        mesh,
+        allow_cross_host_tensor=config.parallel.allow_cross_host_tensor,
+        allow_cross_host_context=config.parallel.allow_cross_host_context,
+    )
+
+
+def batch_splits(config, device_mesh: DeviceMesh) -> int:
+    """Into how many pieces one accumulation step's batch is split on `device_mesh`: its batch
+    slices x the pipeline's micro-batches (known from `parallel.pipeline` before any trainer
+    is built)."""
+    pipeline = PipelineOptions(**config.parallel.pipeline)
+    return device_mesh.batch_slices * pipeline.microbatches_per_step(device_mesh)
+
+
 def build_trainer(
     config,
     dataset: data.DatasetSpec,
     schedule=None,
     *,
     strategy=None,
-    mesh=None,
+    mesh: str | DeviceMesh | None = None,
     grad_accum_steps=None,
 ) -> Trainer:
-    """The Trainer a config describes for `dataset`'s task; `strategy`, `mesh` and
-    `grad_accum_steps` override the config's; `schedule` defaults to the config's
-    learning-rate schedule."""
+    """The Trainer a config describes for `dataset`'s task; `strategy`, `mesh` (a spec, or a
+    `DeviceMesh` already built for `strategy`) and `grad_accum_steps` override the config's;
+    `schedule` defaults to the config's learning-rate schedule."""
     strategy = strategy or config.parallel.strategy
-    if mesh is None and strategy == config.parallel.strategy:
-        mesh = config.parallel.mesh or None
-    device_mesh = strategies.device_mesh_for(
-        strategy,
-        mesh,
-        allow_cross_host_tensor=config.parallel.allow_cross_host_tensor,
-        allow_cross_host_context=config.parallel.allow_cross_host_context,
-    )
+    device_mesh = mesh
+    if not isinstance(mesh, DeviceMesh):
+        device_mesh = mesh_for(config, strategy=strategy, mesh=mesh)
     if device_mesh.context_axis and dataset.kind == data.LANGUAGE_MODEL:
         context.check_length(config.data.seq_len, device_mesh.size("context"))
     schedule = schedule or optim.learning_rate_schedule(config)

@@ -13,6 +13,7 @@ from absl import logging
 from jddp import models
 from jddp.checkpoints import compatibility, hf, weights
 from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core import layer_stacks
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
 from jddp.models import user_models
@@ -154,25 +155,23 @@ def argument_defaults(target) -> dict:
     }
 
 
-def check_before_start(workdir: str, config, trainer, sample_batch, batches) -> Start:
-    """Refuses, before anything is written and from metadata only: a workdir whose checkpoints
-    were written with another config (unless `allow_config_change`) or are of another model, a
-    saved data order that does not fit, and an `init_from` that is missing or of another model."""
+def check_before_start(newest: NewestCheckpoint, config, trainer, sample_batch, batches) -> Start:
+    """Refuses, before anything is written and from metadata only (`newest`, the workdir's
+    newest checkpoint as read once for this start): checkpoints written with another config
+    (unless `allow_config_change`) or of another model, a saved data order that does not fit,
+    and an `init_from` that is missing or of another model."""
     abstract = trainer.abstract_state(sample_batch)
-    directory = os.path.join(workdir, "checkpoints")
-    found = checkpoint.peek_latest(directory) if config.checkpoint_every > 0 else None
-    if found is None:
+    directory = newest.directory
+    if newest.meta is None:
         if config.init_from:
             _check_init_from(config, abstract, trainer.task.model)
         return Start()
-    meta, saved_tree = found
-    changes = check_resumable(
-        meta, checkpoint.shapes_by_path(saved_tree), config, abstract, directory
-    )
+    meta = newest.meta
+    changes = check_resumable(meta, newest.saved_shapes(), config, abstract, directory)
     compatibility.check_state_matches(
-        abstract, saved_tree, f"the checkpoints in {directory}", "or pass a new --workdir"
+        abstract, newest.saved_tree, f"the checkpoints in {directory}", "or pass a new --workdir"
     )
-    step = int(meta["step"])
+    step = newest.step
     if step > config.num_train_steps:
         raise ConfigError(
             f"the checkpoints in {directory} reach step {step}, past num_train_steps="

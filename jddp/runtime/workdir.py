@@ -39,15 +39,14 @@ def check_workdir(workdir: str, *, resumable: bool, name: str = "workdir") -> No
 
 
 LOCK_FILE = ".lock"
-_held: dict[str, tuple[int, int]] = {}  # workdir -> (lock file descriptor, holders)
 
 
 @contextlib.contextmanager
 def hold_workdir(workdir: str):
     """Creates `workdir` and holds it for this process: a live run holding it already is a
     WorkdirError naming that run's process and host; a lock left by a run that died (the kernel
-    released its flock) is taken over. Only process 0 of a job locks (all share the workdir);
-    nested holds by one process are one hold."""
+    released its flock) is taken over. Only process 0 of a job locks (all share the workdir).
+    A run holds its workdir once: a second hold, even by the same process, is refused."""
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -55,18 +54,11 @@ def hold_workdir(workdir: str):
     if jax.process_index() != 0:
         yield
         return
-    path = os.path.realpath(workdir)
-    fd, holders = _held.get(path) or (_lock(workdir), 0)
-    _held[path] = (fd, holders + 1)
+    fd = _lock(workdir)
     try:
         yield
     finally:
-        fd, holders = _held[path]
-        if holders > 1:
-            _held[path] = (fd, holders - 1)
-        else:
-            del _held[path]
-            os.close(fd)  # releases the flock; the file stays (deleting it would race)
+        os.close(fd)  # releases the flock; the file stays (deleting it would race)
 
 
 def _lock(workdir: str) -> int:

@@ -51,6 +51,12 @@ class PipelineOptions:
                 f"{', '.join(REMAT)} (what a stage keeps of each layer's forward)"
             )
 
+    def microbatches_per_step(self, mesh) -> int:
+        """Micro-batches each step's batch is cut into on `mesh` (a `DeviceMesh`; without a
+        stage axis: 1), known from the options and the mesh alone, before any engine is
+        built."""
+        return (self.microbatches or mesh.size("stage")) if mesh.stage_axis else 1
+
     def engine(self, task, mesh):
         """The pipeline engine for `task` over `mesh`'s stage axis; a ConfigError for a model
         with no `Pipelined` stack, layers that do not split into the stages, or too few
@@ -70,7 +76,7 @@ class PipelineOptions:
                 f"the model's {layers} layers do not split into stage={stages} x repeats="
                 f"{self.repeats} equal groups; choose stage x repeats that divides {layers}"
             )
-        microbatches = self.microbatches or stages
+        microbatches = self.microbatches_per_step(mesh)
         if microbatches < stages:
             raise ConfigError(
                 f"parallel.pipeline.microbatches={microbatches} is fewer than the {stages} "

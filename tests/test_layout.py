@@ -29,12 +29,6 @@ def _design_layers() -> tuple[tuple[str, ...], ...]:
 # layer on the Design page. The root `jddp` is the public API, gathered from every layer.
 LAYERS = _design_layers()
 
-# Imports that still point up, each with the reason; the Design page names them too.
-UPWARD_EXCEPTIONS = {
-    # Task finds a model's Pipelined stacks at init; the module is to move below the core.
-    ("jddp.core.task", "jddp.parallel.pipeline.layers"),
-}
-
 
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -155,18 +149,9 @@ def test_every_module_imports_from_its_layer_or_below():
         f"{name} (layer {layer(name) + 1}) imports {module} (layer {layer(module) + 1})"
         for name, found in IMPORTS.items()
         for module in found
-        if module in MODULES
-        and layer(module) > layer(name)
-        and (name, module) not in UPWARD_EXCEPTIONS
+        if module in MODULES and layer(module) > layer(name)
     ]
     assert not wrong, "; ".join(sorted(wrong))
-
-
-def test_the_upward_exceptions_still_exist():
-    """An exception that no longer occurs is removed from UPWARD_EXCEPTIONS (and the Design
-    page), so the list says what is true."""
-    stale = [pair for pair in UPWARD_EXCEPTIONS if pair[1] not in IMPORTS.get(pair[0], ())]
-    assert not stale, f"remove from UPWARD_EXCEPTIONS: {stale}"
 
 
 def test_the_layers_cover_every_package_and_hold_each_once():

@@ -15,8 +15,9 @@ import pytest
 
 from jddp.checkpoints import store
 from jddp.checkpoints.newest import NewestCheckpoint
+from jddp.core.layer_stacks import Stack
 from jddp.core.task import Task
-from jddp.parallel.pipeline.layers import Pipelined, Stack
+from jddp.parallel.pipeline.layers import Pipelined
 from jddp.run import elastic
 from jddp.run.experiment import train_and_evaluate
 from tests.helpers import REPO, BeforeRerun, checkout_env, small_config

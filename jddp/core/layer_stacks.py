@@ -9,6 +9,9 @@ The conversion applies wherever those names appear in a state: parameters, and t
 moments that mirror them.
 """
 
+import contextlib
+import contextvars
+import dataclasses
 import re
 
 import jax
@@ -187,3 +190,33 @@ def join_stack(rest, stacked, path):
         node = node[key]
     node[path[-1]] = stacked
     return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Where a model's stacked layers live (`path` of their parameters) and how many there are."""
+
+    path: tuple[str, ...]
+    num_layers: int
+
+
+_FOUND: contextvars.ContextVar = contextvars.ContextVar("jddp_stacks_found", default=None)
+
+
+@contextlib.contextmanager
+def finding_stacks():
+    """Within this context, every stack of layers that initializes (a `Pipelined` module) appends
+    its `Stack` to the list this yields."""
+    found = []
+    token = _FOUND.set(found)
+    try:
+        yield found
+    finally:
+        _FOUND.reset(token)
+
+
+def stack_initialized(stack: Stack) -> None:
+    """Called by a stack of layers as it initializes: recorded where `finding_stacks` listens."""
+    found = _FOUND.get()
+    if found is not None:
+        found.append(stack)

@@ -14,13 +14,13 @@ import numpy as np
 import optax
 
 from jddp.core import layer_stacks, row_keys
+from jddp.core.layer_stacks import Stack, finding_stacks
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.slices import Slices
 from jddp.core.state import TrainState
 from jddp.core.weighted import PerExampleFn, Totals, masked_sums, weighted_values
 from jddp.errors import ConfigError, ShapeError, UsageError
-from jddp.parallel.pipeline.layers import Stack, finding_stacks
 
 Batch = Mapping[str, jax.Array]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
+from jddp.core.layer_stacks import Stack
 from jddp.core.state import TrainState
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.engine import Pipeline
-from jddp.parallel.pipeline.layers import Stack
 
 
 class Strategy(Protocol):

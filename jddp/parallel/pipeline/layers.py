@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jddp.core.layer_stacks import Stack, stack_initialized
 from jddp.errors import ConfigError
 
 
@@ -35,16 +36,7 @@ class StackCall:
     layer_key: jax.Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """Where a model's stacked layers live (`path` of their parameters) and how many there are."""
-
-    path: tuple[str, ...]
-    num_layers: int
-
-
 _SPLIT: contextvars.ContextVar = contextvars.ContextVar("jddp_pipeline_split", default=None)
-_FOUND: contextvars.ContextVar = contextvars.ContextVar("jddp_pipeline_found", default=None)
 
 
 class _Capture:
@@ -77,9 +69,8 @@ class Pipelined(nn.Module):
 
     @nn.compact
     def __call__(self, x, *args, layer_key: jax.Array | None = None):
-        found = _FOUND.get()
-        if found is not None and self.is_initializing():
-            found.append(Stack(tuple(self.block.path), self.num_layers))
+        if self.is_initializing():
+            stack_initialized(Stack(tuple(self.block.path), self.num_layers))
         split = _SPLIT.get()
         if isinstance(split, _Capture) and not self.is_initializing():
             if split.call is not None:
@@ -111,18 +102,6 @@ def _split(mode):
         yield mode
     finally:
         _SPLIT.reset(token)
-
-
-@contextlib.contextmanager
-def finding_stacks():
-    """Within this context, every Pipelined stack that initializes appends its `Stack` to the
-    list this yields."""
-    found = []
-    token = _FOUND.set(found)
-    try:
-        yield found
-    finally:
-        _FOUND.reset(token)
 
 
 def capture_stack():

@@ -2,9 +2,9 @@
 
 import json
 import os
+import sys
 
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from jddp.errors import WorkdirError
 from jddp.runtime import quiet
@@ -29,7 +29,7 @@ class MetricsWriter:
     def _open(self, step: int) -> None:
         _drop_records_after(self.path, step)
         self._file = open(self.path, "a")
-        self._tensorboard = SummaryWriter(self._tensorboard_dir, purge_step=step + 1)
+        self._tensorboard = _summary_writer_class()(self._tensorboard_dir, purge_step=step + 1)
 
     def rewind(self, step: int) -> None:
         """Drops the records after `step` from both, as a restart at `step` does (a rollback)."""
@@ -144,3 +144,20 @@ TENSORBOARDX_FAILURES = quiet.together(
     quiet.drop_unraisable(lambda unraisable: _from_tensorboardx(unraisable.object)),
     quiet.drop_thread_errors(lambda args: _from_tensorboardx(args.thread)),
 )
+
+
+def _summary_writer_class():
+    """tensorboardX's `SummaryWriter`, imported when a writer first opens and without PyTorch:
+    tensorboardX imports torch where it is installed (about 1 s, for every process of a run)
+    only to accept torch tensors, and jddp logs floats. A torch the process already imported
+    is left as it is."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter

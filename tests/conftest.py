@@ -1,6 +1,5 @@
-"""Test setup: 8 simulated CPU devices, a private TFDS data dir and a shared compilation cache,
-before JAX is imported; programs compiled in the test processes without LLVM optimization (see
-below)."""
+"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported;
+programs compiled in the test processes without LLVM optimization (see below)."""
 
 import os
 import shutil
@@ -20,18 +19,6 @@ _MADE_TFDS_DIR = _TFDS_DIR_VAR not in os.environ
 if _MADE_TFDS_DIR:
     os.environ[_TFDS_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-tfds-")
 os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
-# Compiled programs are shared the same way: a persistent compilation cache made for this run
-# (every program, however quick to compile), which the workers and every program a test starts
-# read and fill. The CLI runs and the processes of multi-process tests compile the same steps
-# again and again; a cache hit loads the same executable. A size limit turns on JAX's file
-# lock, so no process reads an entry another is still writing.
-_CACHE_DIR_VAR = "JAX_COMPILATION_CACHE_DIR"
-_MADE_CACHE_DIR = _CACHE_DIR_VAR not in os.environ
-if _MADE_CACHE_DIR:
-    os.environ[_CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-xla-cache-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 
@@ -100,8 +87,6 @@ LONGEST_FIRST = (
 def pytest_unconfigure(config):
     if _MADE_TFDS_DIR:
         shutil.rmtree(os.environ[_TFDS_DIR_VAR], ignore_errors=True)
-    if _MADE_CACHE_DIR:
-        shutil.rmtree(os.environ[_CACHE_DIR_VAR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

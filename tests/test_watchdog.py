@@ -16,6 +16,10 @@ from jddp.runtime.job import Outcome
 from tests.helpers import REPO, error_line, launch_command
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
+# Two processes: the sleeper first writes its step-5 record (reading the step's metrics, the
+# learning rate), which on a loaded 2-core machine once took longer than 3 s, so that its watchdog
+# fired before the sleep; the sleep must come first.
+TWO_PROCESS_TIMEOUT_S = 10
 # After the hang begins, a watchdog that never fires is SIGKILLed this long after (the hang itself
 # lasts an hour): a bound that keeps a broken watchdog from stalling the suite, not a claim.
 KILL_AFTER_S = 180
@@ -88,7 +92,7 @@ def test_two_processes_both_report_and_the_launcher_names_the_one_behind(tmp_pat
     peer); the launcher exits with their code, its last line naming process 1 and its stacks,
     and no traceback reaches the user."""
     workdir = tmp_path / "run"
-    flags = [f"--config.hang_timeout_s={TIMEOUT_S}", "--config.checkpoint_every=0"]
+    flags = [f"--config.hang_timeout_s={TWO_PROCESS_TIMEOUT_S}", "--config.checkpoint_every=0"]
     env = {"JDDP_TEST_HANG_AFTER_LOG": "5", "JDDP_TEST_HANG_PROCESS": "1"}
     process = start(launch_command(2, 1), workdir, env, *flags)
     code, output = run_until_hang_and_exit(process, workdir)

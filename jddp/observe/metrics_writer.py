@@ -151,13 +151,12 @@ def _summary_writer_class():
     tensorboardX imports torch where it is installed (about 1 s, for every process of a run)
     only to accept torch tensors, and jddp logs floats. A torch the process already imported
     is left as it is."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if blocked:
+            del sys.modules["torch"]
     return SummaryWriter

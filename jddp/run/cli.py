@@ -10,18 +10,33 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from jddp import errors
+from jddp.errors import MISTAKE_EXIT_CODE as USAGE_EXIT_CODE
 from jddp.runtime import quiet
 
-USAGE_EXIT_CODE = 2
 NUMBER = r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*"  # 450, 0.5, .5, 989e12, 3E-6
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20}
 _BYTE_UNITS |= {"GI": 2**30, "TI": 2**40}
 
 
-def fail(message: str) -> None:
-    """Ends the program the way every user mistake ends: `error: ...`, exit code 2."""
+def fail(message: str, exit_code: int = USAGE_EXIT_CODE) -> None:
+    """Ends the program the way every user mistake ends: `error: ...`, exit code 2 (or the
+    `exit_code` of the error it reports: 75 for one a later try may get past)."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(USAGE_EXIT_CODE)
+    sys.exit(exit_code)
+
+
+def fail_with(error: BaseException) -> None:
+    """`fail` for a caught error: its first line, and its class's exit code (jddp/errors.py)."""
+    fail(str(error).splitlines()[0] if str(error) else type(error).__name__, exit_code(error))
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code the contract in jddp/errors.py gives `error`: a JddpError's own, 75 for an
+    OSError (the file system's refusal, which a later try may get past), else 2."""
+    if isinstance(error, OSError):
+        return errors.RETRYABLE_EXIT_CODE
+    return getattr(error, "exit_code", USAGE_EXIT_CODE)
 
 
 def program_quiet() -> quiet.SharedChange:

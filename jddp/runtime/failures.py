@@ -4,9 +4,9 @@ process had fallen behind the others (from the lines jddp/runtime/watchdog.py pr
 import re
 import signal
 
+from jddp.errors import MISTAKE_EXIT_CODE as USAGE_EXIT_CODE
 from jddp.runtime.job import HANG_EXIT_CODE, Outcome
 
-USAGE_EXIT_CODE = 2  # a user mistake: starting again would fail the same way
 _DISPATCHED = re.compile(r"last dispatched: train step (\d+)")
 _FINISHED = re.compile(r"after step (\w+)")
 _STACKS = re.compile(r"stack is in (\S+)$")

@@ -142,6 +142,7 @@ class Trainer:
         )
         self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
         self._abstract_for = None  # (input shape, dtype) the strategy was prepared for
+        self._rows_checked = None  # the rows per batch `place_batch` found divisible
 
     @property
     def num_devices(self) -> int:
@@ -256,10 +257,14 @@ class Trainer:
 
     def place_batch(self, batch: Mapping[str, np.ndarray]) -> "PlacedBatch":
         """A global batch moved to the devices (`step` does it itself; prefetchers do it early)."""
-        global_rows = self._check_entries(batch) * self.row_block[1]
-        check_divisible(
-            global_rows, self.batch_slices * self.microbatches, self.task.grad_accum_steps
-        )
+        rows = self._check_entries(batch)
+        if rows != self._rows_checked:  # the same every step: checked once
+            check_divisible(
+                rows * self.row_block[1],
+                self.batch_slices * self.microbatches,
+                self.task.grad_accum_steps,
+            )
+            self._rows_checked = rows
         return PlacedBatch(self.strategy.place_batch(batch))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -21,6 +21,29 @@ from jddp.parallel.mesh import DDP_AXIS as AXIS
 from jddp.parallel.mesh import DeviceMesh
 
 
+class CompiledAhead:
+    """A pmapped program called through its ahead-of-time compiled executable: pmap's own call
+    spends about 40 us of Python on every step (checking and reshaping its arguments, about 2% of
+    a 2 ms step), the executable's C++ call a few. The first call compiles for its arguments; a
+    call whose arguments the executable refuses (other shapes, dtypes or placement, checked
+    before anything runs or is donated) goes through pmap, which handles any."""
+
+    def __init__(self, mapped):
+        self.mapped = mapped
+        self._compiled = None
+
+    def __call__(self, *args):
+        if self._compiled is None:
+            self._compiled = self.mapped.lower(*args).compile()
+        try:
+            return self._compiled(*args)
+        except (TypeError, ValueError):
+            return self.mapped(*args)
+
+    def lower(self, *args):
+        return self.mapped.lower(*args)
+
+
 class DDP:
     """Replicated state, one slice of every global batch per device, identical updates."""
 
@@ -56,13 +79,15 @@ class DDP:
             self._average = jax.pmap(
                 lambda x: lax.pmean(x, AXIS), AXIS, devices=self.devices, out_axes=None
             )
-        self._train_step = jax.pmap(
-            self._train,
-            AXIS,
-            devices=self.devices,
-            in_axes=(None, 0, 0),
-            out_axes=(None, 0, None),
-            donate_argnums=(0, 1),
+        self._train_step = CompiledAhead(
+            jax.pmap(
+                self._train,
+                AXIS,
+                devices=self.devices,
+                in_axes=(None, 0, 0),
+                out_axes=(None, 0, None),
+                donate_argnums=(0, 1),
+            )
         )
         self._eval_step = jax.pmap(
             self._eval, AXIS, devices=self.devices, in_axes=(None, 0), out_axes=None
@@ -124,6 +149,8 @@ class DDP:
             return x.reshape(local, x.shape[0] // local, *x.shape[1:])
 
         slices = jax.tree.map(split, batch)
+        if self.num_devices == 1:  # the same placement, for about half the Python per step
+            return jax.device_put(slices, self.devices[0])
         shapes = jax.tree.map(lambda x: (self.num_devices, *x.shape[1:]), slices)
         # One call for the whole batch: on one process, one device_put of every entry.
         return jax.make_array_from_process_local_data(self._per_device, slices, shapes)

@@ -353,33 +353,8 @@ class Checkpoints:
         return False
 
     def _judge(self, step: int, error: Exception) -> tuple[int, str]:
-        """(_DAMAGED, what in its files shows it) or (_UNREADABLE, the one line to raise) for a
-        failed read of checkpoint `step`, from its files, not from `error`'s text."""
         self._abandoned_reads += _suspended_reads()
-        source = os.path.join(self.directory, str(step))
-        summary = f"{type(error).__name__}: {_first_line(error)}"
-        try:
-            problem = damage.damage_in(source)
-        except OSError as e:
-            problem = e
-        if not os.path.isdir(source):
-            return _UNREADABLE, (
-                f"checkpoint {source} was removed while it was read (the run holding the "
-                "workdir prunes its older checkpoints); run the same command again to read the "
-                "newest"
-            )
-        if isinstance(problem, OSError):
-            return _UNREADABLE, (
-                f"could not read checkpoint {source} ({summary}; {problem.strerror}: "
-                f"{problem.filename}), which is not damage to its files: nothing was moved; fix "
-                "the cause and run the same command again"
-            )
-        if problem is None:
-            return _UNREADABLE, (
-                f"could not read checkpoint {source} ({summary}), though its files are complete: "
-                "not damage, so nothing was moved; fix the cause and run the same command again"
-            )
-        return _DAMAGED, problem
+        return judge(os.path.join(self.directory, str(step)), error)
 
     def _damaged_dir(self) -> str:
         return os.path.join(os.path.dirname(self.directory), "checkpoints_damaged")
@@ -409,6 +384,46 @@ class Checkpoints:
             problem,
             target,
         )
+
+
+def judge(source: str, error: Exception) -> tuple[int, str]:
+    """(_DAMAGED, what in its files shows it) or (_UNREADABLE, the one line to raise) for a
+    failed read of checkpoint `source` (a step directory), from its files, not from `error`'s
+    text."""
+    summary = f"{type(error).__name__}: {_first_line(error)}"
+    try:
+        problem = damage.damage_in(source)
+    except OSError as e:
+        problem = e
+    if not os.path.isdir(source):
+        return _UNREADABLE, (
+            f"checkpoint {source} was removed while it was read (the run holding the workdir "
+            "prunes its older checkpoints); run the same command again to read the newest"
+        )
+    if isinstance(problem, OSError):
+        return _UNREADABLE, (
+            f"could not read checkpoint {source} ({summary}; {problem.strerror}: "
+            f"{problem.filename}), which is not damage to its files: nothing was moved; fix the "
+            "cause and run the same command again"
+        )
+    if problem is None:
+        return _UNREADABLE, (
+            f"could not read checkpoint {source} ({summary}), though its files are complete: "
+            "not damage, so nothing was moved; fix the cause and run the same command again"
+        )
+    return _DAMAGED, problem
+
+
+def read_failure(source: str, error: Exception) -> CheckpointError:
+    """The one-line error for a failed read of checkpoint `source` by a reader, which moves
+    nothing: damage (a CheckpointError), or a CheckpointUnreadable."""
+    verdict, reason = judge(source, error)
+    if verdict == _DAMAGED:
+        return CheckpointError(
+            f"checkpoint {source} is damaged ({reason}); it was left where it is (the run "
+            "holding the workdir sets it aside when it starts); read an earlier step"
+        )
+    return CheckpointUnreadable(reason)
 
 
 def _handlers() -> dict:

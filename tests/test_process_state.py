@@ -124,10 +124,10 @@ def test_library_calls_leave_hooks_and_log_filters_as_they_found_them(tmp_path):
     report = json.loads(child_output("-m", "tests.test_process_state", str(tmp_path / "run")))
     # The calls did what they are for: each outcome is the documented one.
     assert report["fit"] == 4 and report["restore"] == 4
-    assert report["restore past a damaged checkpoint"] == 2  # 4 moved aside
+    assert report["restore past a damaged checkpoint"] == 2  # a reader: 4 left where it is
     assert report["restore of a missing step"] == "CheckpointError"
     assert report["restore of damaged checkpoints"] == "CheckpointError"
-    assert report["fit on damaged checkpoints"] == "WorkdirError"  # all damaged: no fresh start
+    assert report["fit on damaged checkpoints"] == "CheckpointError"  # set aside, no fresh start
     assert report["changed"] == dict.fromkeys(report["changed"], []), report["changed"]
 
 

@@ -149,13 +149,17 @@ def test_every_checkpoint_damaged_stops_without_a_fresh_start(workdir):
 
 # ----------------------------------------------------- 9: a fallback restore, as the user sees it
 def test_a_fallback_restore_prints_no_stray_tracebacks(workdir):
-    for path in glob.glob(str(workdir / "checkpoints/10/state/**/d/*"), recursive=True):
-        os.remove(path)  # missing files: tensorstore still has reads in flight when it fails
+    """Truncated array files, as in the report: the arrays' metadata reads and the first chunks
+    succeed, so reads are still in flight when one fails (with the files removed the read fails
+    at the metadata, before any array read starts, and nothing is abandoned: this test once
+    passed while a truncated checkpoint printed orbax's abandoned reads, ~60 lines each)."""
+    for path in glob.glob(str(workdir / "checkpoints/10/state/ocdbt.process_*/d/*")):
+        os.truncate(path, os.path.getsize(path) // 2)
     os.remove(workdir / "summary.json")
     result = run_cli(f"--workdir={workdir}", *SMALL_FLAGS)
     assert result.returncode == 0, result.stderr
     assert "checkpoints/10 is damaged" in result.stderr
-    for stray in ("Traceback", "Event loop is closed", "was never awaited"):
+    for stray in ("Traceback", "Exception ignored", "Event loop is closed", "was never awaited"):
         assert stray not in result.stderr, result.stderr
     assert records(workdir)[-1]["step"] == 10
 

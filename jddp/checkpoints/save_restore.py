@@ -72,7 +72,7 @@ def restore(directory: str, trainer, sample_batch: Batch, *, step: int | None = 
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder!r} is not a directory of checkpoints")
     abstract = trainer.abstract_state(sample_batch)
-    checkpoints = Checkpoints(folder, every=1, max_to_keep=None)
+    checkpoints = Checkpoints(folder, read_only=True)  # beside a live run: it changes nothing
     try:
         found = checkpoints.restore_latest(abstract, layout=store.restore_layout, step=step)
     finally:

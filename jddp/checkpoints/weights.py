@@ -14,7 +14,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from jddp.checkpoints.store import META, STATE, numbered, saved_tree, shapes_by_path
+from jddp.checkpoints.store import (
+    META,
+    STATE,
+    numbered,
+    read_failure,
+    saved_tree,
+    shapes_by_path,
+)
 from jddp.errors import CheckpointError
 from jddp.runtime.quiet import library_warnings_muted
 
@@ -59,14 +66,20 @@ def _read(saved: str, *, arrays: bool):
     if os.path.isfile(saved):
         with open(saved, "rb") as f:
             return serialization.msgpack_restore(f.read())
-    metadata = saved_tree(saved)
-    if not arrays:
-        return metadata
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    with library_warnings_muted("orbax"):
-        return ocp.PyTreeCheckpointer().restore(
-            saved, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
-        )
+    try:
+        metadata = saved_tree(saved)
+        if not arrays:
+            return metadata
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+        with library_warnings_muted("orbax"):
+            return ocp.PyTreeCheckpointer().restore(
+                saved, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
+            )
+    except Exception as e:
+        if not _is_jddp_state(saved):
+            raise
+        # a checkpoint of a run, perhaps a live one pruning it: one line, nothing moved
+        raise read_failure(os.path.dirname(saved), e) from None
 
 
 def _weights_in(tree):

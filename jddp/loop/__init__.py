@@ -150,6 +150,7 @@ def train(
             os.path.join(workdir, "checkpoints"),
             every=checkpointing.every,
             max_to_keep=checkpointing.max_to_keep,
+            holds_workdir=True,  # `train` runs in a workdir its caller holds
         )
     try:
         start_step, state, saved = start.restore_or_start(

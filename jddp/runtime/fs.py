@@ -1,8 +1,7 @@
 """File-system conditions in words: whether a directory can be used as asked (checked before
-anything is written), and what a failed write or read means (a full disk, damaged files, or
-trouble a later try may get past)."""
+anything is written), and what a failed write means (a full disk, a write error). Whether a
+failed read means damage is judged from a checkpoint's files: jddp/checkpoints/damage.py."""
 
-import errno
 import os
 import re
 
@@ -52,28 +51,3 @@ def write_failure(error: BaseException) -> str | None:
         if code is not None:
             return os.strerror(code)
     return None
-
-
-# Status codes (tensorstore, XLA) of reads that failed for this machine's reasons, not the files'.
-_TRANSIENT_STATUS = (
-    "RESOURCE_EXHAUSTED",
-    "UNAVAILABLE",
-    "DEADLINE_EXCEEDED",
-    "PERMISSION_DENIED",
-    "ABORTED",
-    "CANCELLED",
-    "UNAUTHENTICATED",
-)
-_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
-
-
-def is_damage(error: BaseException) -> bool:
-    """Whether a failed read means damaged files (truncated, missing, unparsable), rather than
-    memory, permissions or a flaky file system, which a later try may get past."""
-    for cause in _causes(error):
-        code = _os_error_code(cause)
-        if isinstance(cause, MemoryError) or (code is not None and code not in _MISSING):
-            return False
-        if str(cause).startswith(_TRANSIENT_STATUS):
-            return False
-    return True

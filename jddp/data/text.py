@@ -30,24 +30,32 @@ def _code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
 
 
-def _token_ids(codes: np.ndarray, vocabulary_codes: np.ndarray, where: str) -> np.ndarray:
-    ids = np.minimum(np.searchsorted(vocabulary_codes, codes), len(vocabulary_codes) - 1)
-    unknown = vocabulary_codes[ids] != codes
+def _lookup(vocabulary: str) -> np.ndarray:
+    """Code point -> token id (-1: not in the vocabulary); code points past its end are -1 too."""
+    codes = _code_points(vocabulary)
+    table = np.full(max(int(codes.max(initial=0)) + 2, 256), -1, np.int32)
+    table[codes] = np.arange(len(codes), dtype=np.int32)
+    return table
+
+
+def _token_ids(codes: np.ndarray, lookup: np.ndarray, where: str) -> np.ndarray:
+    if codes.dtype != np.uint8:  # bytes always fall in the table
+        codes = np.minimum(codes, np.uint32(len(lookup) - 1))
+    ids = lookup[codes]
+    unknown = ids < 0
     if unknown.any():
         raise DataError(
             f"{where} has a character outside its vocabulary: {chr(codes[unknown][0])!r}"
         )
-    return ids.astype(np.int32)
+    return ids
 
 
 def encode(text: str, vocabulary: str, where: str) -> np.ndarray:
     """`text` as int32 token ids; a character outside `vocabulary` is a DataError."""
-    vocabulary_codes, tokens = _code_points(vocabulary), np.empty(len(text), np.int32)
+    lookup, tokens = _lookup(vocabulary), np.empty(len(text), np.int32)
     for start in range(0, len(text), _ENCODE_CHUNK):
         piece = text[start : start + _ENCODE_CHUNK]
-        tokens[start : start + len(piece)] = _token_ids(
-            _code_points(piece), vocabulary_codes, where
-        )
+        tokens[start : start + len(piece)] = _token_ids(_code_points(piece), lookup, where)
     return tokens
 
 
@@ -210,7 +218,7 @@ class TextTokens:
     def __init__(self, index: TextFileIndex, vocabulary: str, start: int = 0, stop=None):
         self.index, self.vocabulary = index, vocabulary
         self.start, self.stop = start, index.characters if stop is None else stop
-        self._vocabulary_codes, self._file = _code_points(vocabulary), None
+        self._lookup, self._file = _lookup(vocabulary), None
 
     def __reduce__(self):  # the open file stays behind; a worker opens its own
         return TextTokens, (self.index, self.vocabulary, self.start, self.stop)
@@ -240,7 +248,7 @@ class TextTokens:
             codes = _code_points("".join(self._characters(int(a), length) for a in first))
         if len(codes) != len(first) * length:
             raise self._changed()
-        ids = _token_ids(codes, self._vocabulary_codes, f"data.text_file {self.index.path!r}")
+        ids = _token_ids(codes, self._lookup, f"data.text_file {self.index.path!r}")
         return ids.reshape(len(first), length)
 
     def _characters(self, first: int, count: int) -> str:

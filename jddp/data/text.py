@@ -39,9 +39,8 @@ def _lookup(vocabulary: str) -> np.ndarray:
 
 
 def _token_ids(codes: np.ndarray, lookup: np.ndarray, where: str) -> np.ndarray:
-    if codes.dtype != np.uint8:  # bytes always fall in the table
-        codes = np.minimum(codes, np.uint32(len(lookup) - 1))
-    ids = lookup[codes]
+    # Bytes always fall in the table; a larger code point past its end reads its last entry, -1.
+    ids = lookup[codes if codes.dtype == np.uint8 else np.minimum(codes, len(lookup) - 1)]
     unknown = ids < 0
     if unknown.any():
         raise DataError(

@@ -54,7 +54,16 @@ def test_text_file_batches_are_the_windows_of_the_whole_file(alphabet, tmp_path,
     train, test = reference_windows(tokens[:cut], 2 * SEQ_LEN), reference_windows(tokens[cut:], 17)
     assert len(dataset.train) == len(train) and len(dataset.eval) == len(test)
     every = dataset.train.read_batch(np.arange(len(train)))["tokens"]
+    assert every.dtype == np.int32
     np.testing.assert_array_equal(every, train)
+    # Tokens in memory (own data's text) are kept a byte each, and read as int32 all the same.
+    in_memory = text.language_model_windows(
+        text.encode(corpus[:cut], spec.vocabulary, ""), SEQ_LEN, True, ""
+    )
+    assert in_memory.tokens.nbytes == cut
+    batch = in_memory.read_batch(np.arange(len(train)))["tokens"]
+    assert batch.dtype == np.int32
+    np.testing.assert_array_equal(batch, train)
     np.testing.assert_array_equal(dataset.eval.read_batch(np.arange(len(test)))["tokens"], test)
 
     # The loader's rows of process 1 of 2: epoch 0's permutation drawn from (seed, 0).
@@ -87,7 +96,8 @@ def test_text_file_batches_are_the_windows_of_the_whole_file(alphabet, tmp_path,
 # Peak resident memory while a 200 MiB text file is opened and batches are read, against the
 # resident memory before (the whole file tokenized at once took 3.8 GB here).
 FLAT_TEXT = """
-import json, sys
+import json
+import numpy as np
 from jddp import data
 from jddp.data.loader import train_batches
 
@@ -95,14 +105,14 @@ def megabytes(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key))
 
-options = data.DataOptions(text_file=sys.argv[1], seq_len=64)
+options = data.DataOptions(text_file=PATH, seq_len=64)
 before = megabytes("VmRSS:")
 spec = data.get_dataset("text_file", options=options)
 dataset = data.open_dataset(spec, options)
 batches = train_batches(dataset.train, lambda batch, keys: batch, global_batch_size=32, seed=0)
 batch = [next(batches) for _ in range(3)][-1]
 peak = megabytes("VmHWM:")
-order = __import__("numpy").random.default_rng([0, 0]).permutation(len(dataset.train))[64:96]
+order = np.random.default_rng([0, 0]).permutation(len(dataset.train))[64:96]
 print(json.dumps({"grown_mb": peak - before, "windows": len(dataset.train),
                   "vocabulary": spec.vocabulary, "tokens": batch["tokens"].tolist(),
                   "starts": (order * 64).tolist()}))
@@ -116,18 +126,20 @@ def test_a_200_mb_text_file_is_read_in_flat_memory(tmp_path):
     with open(path, "wb") as f:
         for _ in range(200):  # 200 MiB
             f.write(piece.tobytes())
-    program = FLAT_TEXT.replace("sys.argv[1]", repr(str(path)))
-    result = run_in_fresh_process(program)
+    try:
+        result = run_in_fresh_process(FLAT_TEXT.replace("PATH", repr(str(path))))
+        windows = []
+        with open(path, "rb") as f:  # the third batch's windows, straight from the bytes
+            for start in result["starts"]:
+                f.seek(start)
+                windows.append(f.read(128))
+    finally:
+        path.unlink()  # pytest keeps the last runs' tmp_path folders
     assert result["grown_mb"] < FLAT_BOUND_MB, result["grown_mb"]
 
     size, vocabulary = 200 * 2**20, sorted(set(piece.tobytes().decode()))
     assert result["vocabulary"] == "".join(vocabulary)
     assert result["windows"] == (int(size * 0.9) - 128) // 64 + 1
-    windows = []
-    with open(path, "rb") as f:  # the third batch's windows, straight from the bytes
-        for start in result["starts"]:
-            f.seek(start)
-            windows.append(f.read(128))
     rank = {ord(character): i for i, character in enumerate(vocabulary)}
     assert result["tokens"] == [[rank[octet] for octet in window] for window in windows]
 

@@ -63,16 +63,27 @@ def decode(tokens, vocabulary: str) -> str:
     return "".join(vocabulary[int(t)] for t in np.asarray(tokens))
 
 
+def compact(tokens):
+    """An array of token ids in the smallest unsigned type that holds them (a character
+    vocabulary fits a byte, most tokenizers' two); anything else as it is."""
+    if not isinstance(tokens, np.ndarray) or not len(tokens) or tokens.min() < 0:
+        return tokens
+    largest = int(tokens.max())
+    kind = next((k for k in (np.uint8, np.uint16) if largest <= np.iinfo(k).max), tokens.dtype)
+    return tokens.astype(kind, copy=False)
+
+
 def token_windows(tokens, starts: np.ndarray, length: int) -> np.ndarray:
-    """Rows `tokens[s : s + length]` for each start: an array's by indexing, else its own reads."""
+    """int32 rows `tokens[s : s + length]` for each start: an array's by indexing, else the
+    source's own reads."""
     if isinstance(tokens, np.ndarray):
-        return tokens[starts[:, None] + np.arange(length)]
+        return tokens[starts[:, None] + np.arange(length)].astype(np.int32, copy=False)
     return tokens.windows(starts, length)
 
 
 class TokenWindows:
     """A random-access source: example i is `{"tokens": tokens[i*stride : i*stride + length]}`
-    (`tokens`: an array, or a file's `TextTokens`)."""
+    as int32 (`tokens`: an array, kept `compact`, or a file's `TextTokens`)."""
 
     def __init__(self, tokens, length: int, stride: int, where: str, unit: str = "characters"):
         if len(tokens) < length:
@@ -80,7 +91,7 @@ class TokenWindows:
                 f"{where} has {len(tokens)} {unit}, fewer than one example needs ({length}); "
                 "use a smaller --config.data.seq_len or more text"
             )
-        self.tokens, self.length, self.stride = tokens, length, stride
+        self.tokens, self.length, self.stride = compact(tokens), length, stride
 
     def __len__(self) -> int:
         return (len(self.tokens) - self.length) // self.stride + 1

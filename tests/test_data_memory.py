@@ -160,6 +160,7 @@ def test_parquet_is_read_a_row_group_at_a_time(tmp_path, monkeypatch):
     np.testing.assert_array_equal(batch["x"], x[rows])
     np.testing.assert_array_equal(batch["label"], label[rows])
     assert table.row_groups_read == 2
+    assert len(table.read_batch([])["label"]) == 0
 
     shuffled = rng.permutation(2000)[:64]
     batch = table.read_batch(shuffled)

@@ -250,7 +250,7 @@ class ParquetTable(Table):
         groups = np.searchsorted(self._group_first, indices, "right") - 1
         pieces = []
         with self._lock:  # loader threads share the file and the decoded row groups
-            for group in np.unique(groups):
+            for group in np.unique(groups) if len(indices) else [0]:  # no rows: group 0's types
                 rows = indices[groups == group] - self._group_first[group]
                 pieces.append(self._row_group(int(group)).take(rows))
                 self._forget(ROW_GROUP_CACHE_BYTES)

@@ -200,7 +200,7 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
         )
     spec = DATASETS[name]
     if name == "text_file":
-        vocabulary = "".join(sorted(set(text.read_text_file(text_file))))
+        vocabulary = text.scan_text_file(text_file).vocabulary
         spec = dataclasses.replace(
             spec, num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
         )
@@ -279,10 +279,10 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
             spec.eval_split: f"the last {fraction:g} of the tokens of {spec.text_file}",
         }
         return _tokenized_splits(spec, options, documents, where, transform, fraction)
-    if spec.builder_class is None:  # a local text file
-        texts = text.text_file_splits(text.read_text_file(spec.text_file))
+    if spec.builder_class is None:  # a local text file, read a window at a time
+        tokens = text.text_file_tokens(spec.text_file, spec.vocabulary)
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}
-        return _language_model_splits(spec, options, texts, where, transform)
+        return _windows(spec, options, tokens, where, transform)
 
     problem = directory_problem(options.resolved_data_dir, write=False)
     if problem:
@@ -354,12 +354,17 @@ def _split_source(builder, sources, split: str, spec: DatasetSpec, options: Data
 
 def _language_model_splits(spec, options, texts, where, transform) -> Dataset:
     """Token windows of `seq_len` over the train and eval texts."""
-    train, test = spec.train_split, spec.eval_split
     tokens = {split: text.encode(texts[split], spec.vocabulary, where[split]) for split in texts}
+    return _windows(spec, options, tokens, where, transform)
+
+
+def _windows(spec, options, tokens, where, transform, unit="characters") -> Dataset:
+    """Token windows of `seq_len` over the train and eval tokens (arrays, or a file's)."""
+    train, test = spec.train_split, spec.eval_split
     return Dataset(
         spec,
-        text.language_model_windows(tokens[train], options.seq_len, True, where[train]),
-        text.language_model_windows(tokens[test], options.seq_len, False, where[test]),
+        text.language_model_windows(tokens[train], options.seq_len, True, where[train], unit),
+        text.language_model_windows(tokens[test], options.seq_len, False, where[test], unit),
         transform,
     )
 
@@ -368,14 +373,9 @@ def _tokenized_splits(spec, options, documents, where, transform, eval_fraction=
     """Token windows over the train and eval documents, each packed by the spec's tokenizer; an
     eval split of None is the last `eval_fraction` of the train tokens (one document)."""
     train, test = spec.train_split, spec.eval_split
-    tokens = spec.tokenizer.pack(documents[train])
+    tokens = {train: spec.tokenizer.pack(documents[train])}
     if documents[test] is None:
-        tokens, eval_tokens = tokenizer_lib.split_tokens(tokens, eval_fraction)
+        tokens[train], tokens[test] = tokenizer_lib.split_tokens(tokens[train], eval_fraction)
     else:
-        eval_tokens = spec.tokenizer.pack(documents[test])
-    return Dataset(
-        spec,
-        text.language_model_windows(tokens, options.seq_len, True, where[train], "tokens"),
-        text.language_model_windows(eval_tokens, options.seq_len, False, where[test], "tokens"),
-        transform,
-    )
+        tokens[test] = spec.tokenizer.pack(documents[test])
+    return _windows(spec, options, tokens, where, transform, "tokens")

@@ -4,17 +4,20 @@ records, a Parquet file, a Hugging Face `datasets` Dataset (own_formats.py opens
 A table is a grain random-access source (`__len__`, `__getitem__` -> a dict record) with what the
 loader and the dataset spec also use: `columns`, `read_batch(indices)` (one vectorized read per
 step, see loader.py) and `column(name)` (a whole column: the labels, the text). A Parquet table
-reads only the columns in use, memory-mapped where the file is uncompressed; a `datasets` table
+reads only the columns in use and only the row groups a batch's rows are in; a `datasets` table
 stays in its memory-mapped Arrow files and decodes only the rows a batch asks for.
 """
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jddp.errors import DataError
+from jddp.errors import DataError, DataUnreadable
 
 _COLUMN_CHUNK = 4096  # rows per read when a whole column is read through read_batch
+ROW_GROUP_CACHE_BYTES = 64 << 20  # decoded Parquet row groups kept between batches, per table
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -204,12 +207,14 @@ class RecordTable(Table):
 
 
 class ParquetTable(Table):
-    """A Parquet file's columns, read on first use (only the `columns` asked for)."""
+    """A Parquet file's `columns` (only those), read a row group at a time: a batch decodes only
+    the row groups its rows are in, one after the other, and the most recently used stay decoded
+    up to `ROW_GROUP_CACHE_BYTES` (a small file is decoded once; a large one never whole)."""
 
     def __init__(self, path: str, where: str, columns: tuple[str, ...] | None = None):
         import pyarrow.parquet as pq
 
-        self.path, self.where, self._table = path, where, None
+        self.path, self.where = path, where
         try:
             metadata = pq.read_metadata(path)
             schema = metadata.schema.to_arrow_schema()
@@ -219,36 +224,78 @@ class ParquetTable(Table):
                 "pandas' DataFrame.to_parquet or pyarrow.parquet.write_table"
             ) from None
         self.columns = tuple(columns) if columns is not None else tuple(schema.names)
+        sizes = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+        self._group_first = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._length = metadata.num_rows
         if not self._length:
             raise DataError(f"{where} holds no rows")
+        self._file, self._decoded, self._lock = None, OrderedDict(), threading.Lock()
+        self.row_groups_read = 0  # decodes so far (a row group decoded again counts again)
 
-    def __reduce__(self):  # loader workers map the file themselves
+    def __reduce__(self):  # loader workers open the file themselves
         return ParquetTable, (self.path, self.where, self.columns)
-
-    def _arrow(self):
-        if self._table is None:
-            import pyarrow.parquet as pq
-
-            try:
-                self._table = pq.read_table(self.path, columns=list(self.columns), memory_map=True)
-            except Exception as e:
-                raise DataError(f"{self.where} cannot be read: {first_line(e)}") from None
-        return self._table
 
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def decoded_bytes(self) -> int:
+        """The bytes of the row groups kept decoded now."""
+        return sum(table.nbytes for table in self._decoded.values())
+
     def read_batch(self, indices) -> dict[str, np.ndarray]:
-        rows = self._arrow().take(np.asarray(indices, np.int64))
-        return {name: arrow_to_numpy(rows.column(name), name, self.where) for name in self.columns}
+        import pyarrow as pa
+
+        indices = np.asarray(indices, np.int64)
+        groups = np.searchsorted(self._group_first, indices, "right") - 1
+        pieces = []
+        with self._lock:  # loader threads share the file and the decoded row groups
+            for group in np.unique(groups) if len(indices) else [0]:  # no rows: group 0's types
+                rows = indices[groups == group] - self._group_first[group]
+                pieces.append(self._row_group(int(group)).take(rows))
+                self._forget(ROW_GROUP_CACHE_BYTES)
+        # The pieces hold the batch's rows grouped by row group: put them back in batch order.
+        table = pa.concat_tables(pieces).take(np.argsort(np.argsort(groups, kind="stable")))
+        return {name: arrow_to_numpy(table.column(name), name, self.where) for name in self.columns}
 
     def column(self, name: str) -> np.ndarray:
-        table = self.select([name])._arrow()
-        return arrow_to_numpy(table.column(name), name, self.where)
+        groups = range(len(self._group_first) - 1)
+        with self._lock:
+            parts = [self._read(group, [name]).column(name) for group in groups]
+        return np.concatenate([arrow_to_numpy(part, name, self.where) for part in parts])
 
     def select(self, names: Sequence[str]) -> Table:
         return ParquetTable(self.path, self.where, tuple(names))
+
+    def _row_group(self, group: int):
+        """Row group `group`'s columns, decoded now or kept from before (the newest last)."""
+        table = self._decoded.pop(group, None)
+        if table is None:
+            table = self._read(group, list(self.columns))
+            self.row_groups_read += 1
+        self._decoded[group] = table
+        return table
+
+    def _forget(self, keep_bytes: int) -> None:
+        """Drop the least recently used row groups until those kept fit in `keep_bytes`."""
+        while self._decoded and self.decoded_bytes > keep_bytes:
+            self._decoded.popitem(last=False)
+
+    def _read(self, group: int, columns: list[str]):
+        import pyarrow.parquet as pq
+
+        try:
+            if self._file is None:
+                self._file = pq.ParquetFile(self.path)
+            return self._file.read_row_group(group, columns=columns)
+        except OSError as e:
+            if e.errno is not None:  # the file system's error: a later try may read it
+                raise DataUnreadable(
+                    f"{self.where} cannot be read: {first_line(e)}; run again once it can"
+                ) from None
+            raise DataError(f"{self.where} cannot be read: {first_line(e)}") from None
+        except Exception as e:  # a damaged row group
+            raise DataError(f"{self.where} cannot be read: {first_line(e)}") from None
 
 
 def arrow_to_numpy(array, name: str, where: str) -> np.ndarray:

@@ -274,14 +274,21 @@ def test_processes_that_disagree_with_process_0_are_named_in_one_line(monkeypatc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT as Linux has it")
 def test_the_launcher_holds_the_coordinator_port_for_the_job():
     """No other program can take the port between the launcher choosing it and process 0's
-    coordinator binding it; the coordinator (gRPC, SO_REUSEPORT) binds beside the holder."""
+    coordinator binding it; the coordinator (gRPC, SO_REUSEPORT: an IPv6 socket on the
+    IPv4-mapped loopback address, as `ss -ltn` shows it) binds beside the holder."""
     port, holder = launch.reserve_port()
     try:
-        with socket.socket() as other, pytest.raises(OSError):
-            other.bind(("127.0.0.1", port))
+        others = (
+            (socket.AF_INET, "127.0.0.1"),
+            (socket.AF_INET, "0.0.0.0"),
+            (socket.AF_INET6, "::"),
+        )
+        for family, address in others:
+            with socket.socket(family) as other, pytest.raises(OSError):
+                other.bind((address, port))
         with socket.socket(socket.AF_INET6) as coordinator:
             coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            coordinator.bind(("::", port))
+            coordinator.bind(("::ffff:127.0.0.1", port))
             coordinator.listen()
     finally:
         holder.close()

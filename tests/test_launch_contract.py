@@ -9,7 +9,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from jddp import errors
 from jddp.run import cli
 from jddp.runtime import failures, launch, orphans, processes
-from tests.helpers import REPO
+from tests.helpers import REPO, launched
 
 DOCS = os.path.join(REPO, "docs", "errors.md")
 
@@ -154,39 +153,28 @@ def wait_until_dead(pids, seconds: float) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")
 def test_sighup_reaches_the_children_as_sigterm_and_sigkill_of_the_launcher_ends_them():
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.runtime.launch", "--nproc=2", "--"]
-        + [sys.executable, "-c", CHILD],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    hard_kill = threading.Timer(120, launcher.kill)
-    hard_kill.start()
     pids = {}
     try:
-        lines = iter(launcher.stdout)  # ends early only if the launcher dies (hard_kill)
-        for line in lines:
-            found = re.match(r"\[(\d)\] ready (\d+)$", line)
-            if found:
-                pids[found[1]] = int(found[2])
-            if len(pids) == 2:
-                break
-        assert sorted(pids) == ["0", "1"], pids
-        launcher.send_signal(signal.SIGHUP)  # as a closed ssh session does
-        got = set()
-        for line in lines:
-            got.add(line.strip())
-            if len(got) == 2:
-                break
-        assert got == {"[0] got SIGTERM", "[1] got SIGTERM"}, got
-        launcher.kill()  # SIGKILL: no chance to stop them itself
-        launcher.wait()
-        assert wait_until_dead(pids.values(), 2.0) == []
+        with launched(CHILD) as launcher:
+            lines = iter(launcher.stdout)  # ends early only if the launcher dies (hard timeout)
+            for line in lines:
+                found = re.match(r"\[(\d)\] ready (\d+)$", line)
+                if found:
+                    pids[found[1]] = int(found[2])
+                if len(pids) == 2:
+                    break
+            assert sorted(pids) == ["0", "1"], pids
+            launcher.send_signal(signal.SIGHUP)  # as a closed ssh session does
+            got = set()
+            for line in lines:
+                got.add(line.strip())
+                if len(got) == 2:
+                    break
+            assert got == {"[0] got SIGTERM", "[1] got SIGTERM"}, got
+            launcher.kill()  # SIGKILL: no chance to stop them itself
+            launcher.wait()
+            assert wait_until_dead(pids.values(), 2.0) == []
     finally:
-        hard_kill.cancel()
-        launcher.kill()
         for pid in pids.values():
             if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 
 import jax
 import numpy as np
@@ -17,7 +16,7 @@ import yaml
 from jddp.errors import ConfigError
 from jddp.runtime import launch
 from jddp.runtime import processes as runtime
-from tests.helpers import PORT_TAKEN, REPO, assert_one_line
+from tests.helpers import PORT_TAKEN, REPO, assert_one_line, launched
 
 # Also counts the threads at the lowest priority: gloo's event-loop thread, put there by
 # `initialize` (jddp/runtime/gloo_threads.py), and nothing else (the harness runs at nice 0).
@@ -192,19 +191,9 @@ while True:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_the_launcher_forwards_sigint_and_sigterm_to_every_child(signum):
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.runtime.launch", "--nproc=2", "--"]
-        + [sys.executable, "-c", SIGNALLED_CHILD],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    hard_kill = threading.Timer(120, launcher.kill)
-    hard_kill.start()
-    try:
+    with launched(SIGNALLED_CHILD) as launcher:
         ready = set()
-        for line in launcher.stdout:  # ends early only if the launcher dies (hard_kill)
+        for line in launcher.stdout:  # ends early only if the launcher dies (hard timeout)
             if line.endswith("] ready\n"):
                 ready.add(line.split("]")[0])
             if len(ready) == 2:
@@ -213,9 +202,6 @@ def test_the_launcher_forwards_sigint_and_sigterm_to_every_child(signum):
         launcher.send_signal(signum)
         rest = launcher.stdout.read()
         assert launcher.wait() == 0, rest
-    finally:
-        hard_kill.cancel()
-        launcher.kill()
     name = signal.Signals(signum).name
     assert sorted(rest.splitlines()) == [f"[0] got {name}", f"[1] got {name}"], rest
 

@@ -1,6 +1,6 @@
 """Typed errors, each a one-line message naming the problem and the fix, and the exit codes jddp's
 programs end with: a contract `jddp-launch`, `launch/slurm.sbatch` and `launch/kubernetes.yaml`
-act on (the table is in docs/launch.md).
+act on (the table, with what each of them does, is in docs/errors.md).
 
     0    done
     2    a mistake in the command, config or data: never retried, it would fail the same way

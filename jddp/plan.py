@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags
 
-from jddp.run.cli import NUMBER, ConfigFlag, fail, parse_amount
+from jddp.run.cli import NUMBER, ConfigFlag, fail, fail_with, parse_amount
 from jddp.runtime.quiet import quiet_library_logs
 
 # The library's own defaults (jddp/run/config.py is a config file too): jddp never reads
@@ -80,7 +80,7 @@ def device_profile():
     try:
         profile = get_profile(_DEVICE.value)
     except JddpError as e:
-        fail(str(e))
+        fail_with(e)
     overrides = {}
     for flag, field, parse in (
         (_PEAK, "peak_flops", parse_amount),
@@ -100,7 +100,7 @@ def device_profile():
     try:
         profile.check()
     except JddpError as e:
-        fail(str(e))
+        fail_with(e)
     return profile
 
 
@@ -213,7 +213,7 @@ def run_plan() -> None:
                 row["fits"] = peak <= profile.memory
             rows = search.rank(rows)
     except JddpError as e:
-        fail(str(e))
+        fail_with(e)
     shown = rows[: _TOP.value] if _TOP.value else rows
     fitting = [r for r in rows if r["fits"]]
     if _JSON.value:

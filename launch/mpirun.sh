@@ -4,6 +4,10 @@
 #   launch/mpirun.sh 4 hosts.txt --config=experiments/configs/gpt_124m.py --workdir=runs/gpt
 # hosts.txt lists one host per line ("node1 slots=1"); every host needs this repo and its .venv
 # at the same path.
+# One start, no restarts: mpirun ends with the exit code of the first process that failed (Open
+# MPI's rule), one of docs/errors.md's table: 2 a mistake (running it again as it is cannot
+# help), 75 retryable, 130 interrupted, anything else a failure. Whatever runs this script
+# decides on it (the table says how jddp's own launchers do).
 set -euo pipefail
 if [[ $# -lt 2 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 NUM_PROCESSES HOSTFILE|- [train flags...]" >&2

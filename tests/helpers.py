@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -344,3 +345,25 @@ def tiny_llama_config(**overrides):
         tie_word_embeddings=False,
     )
     return transformers.LlamaConfig(**(fields | overrides))
+
+
+@contextlib.contextmanager
+def launched(program: str, nproc: int = 2, hard_timeout_s: float = 120):
+    """A real `jddp-launch --nproc=NPROC -- python -c PROGRAM` (its output in `.stdout`, text),
+    SIGKILLed when the block ends or `hard_timeout_s` passes (reading its output then ends)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jddp.runtime.launch", f"--nproc={nproc}", "--"]
+        + [sys.executable, "-c", program],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    hard_kill = threading.Timer(hard_timeout_s, launcher.kill)
+    hard_kill.start()
+    try:
+        yield launcher
+    finally:
+        hard_kill.cancel()
+        launcher.kill()
+        launcher.wait()

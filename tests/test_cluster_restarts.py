@@ -1,6 +1,6 @@
 """The cluster scripts keep a job going with the same command and workdir: launch/slurm.sbatch
 run by bash with stand-in `srun`, `scancel` and `scontrol` (SIGTERM passed on to the tasks, then
-a requeue; failures requeued up to JDDP_MAX_RESTARTS; exit code 2 never), and
+a requeue; failures requeued up to JDDP_MAX_RESTARTS; exit codes 2 and 130 never), and
 launch/kubernetes.yaml's failure policy applied as Kubernetes' Job controller documents it."""
 
 import os
@@ -181,8 +181,8 @@ def test_out_of_restarts_the_job_ends_in_one_line_with_the_failures_code(tmp_pat
     ]
 
 
-@pytest.mark.parametrize("mode", ["2", "0"], ids=["mistake", "success"])
-def test_a_mistake_or_success_is_never_requeued(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["2", "130", "0"], ids=["mistake", "interrupted", "success"])
+def test_a_mistake_an_interruption_or_success_is_never_requeued(tmp_path, mode):
     code, output, events = run_sbatch(tmp_path, mode, SLURM_RESTART_COUNT="0")
     assert code == int(mode), output
     assert events == [SRUN_LINE], output
@@ -236,8 +236,9 @@ def job():
 
 def test_kubernetes_fails_the_job_on_a_mistake_and_replaces_other_failures(job):
     spec = job["spec"]
-    assert job_controller_action(spec, 2) == "FailJob"
-    for code in (75, 3, 1, 137):  # a lost peer, a hang, a crash, a kill
+    for code in (2, 130):  # a mistake, an interruption: never again
+        assert job_controller_action(spec, code) == "FailJob", code
+    for code in (75, 3, 1, 137):  # retryable (a lost peer), a hang, a crash, a kill: counted
         assert job_controller_action(spec, code) == "Count", code
     for code in (137, 143, 2):  # the cluster took the pod away (preemption, drain, eviction)
         assert job_controller_action(spec, code, ["DisruptionTarget"]) == "Ignore", code

@@ -84,6 +84,9 @@ def test_processes_train_what_one_process_and_one_device_train(
     )
     assert code == 0, output
     initial, final, worker_losses = worker_result(out)
+    # Process 0's coordinator listens on the address the launcher gave, loopback, only.
+    if os.path.exists("/proc/net/tcp"):
+        assert np.load(out)["coordinator_listens"].tolist() == ["127.0.0.1"]
 
     # The single-device reference loop, from the same initial parameters.
     optimizer, batches = optimizer_for(clip=True), make_batches()

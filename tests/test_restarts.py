@@ -216,6 +216,7 @@ def test_too_few_slots_for_too_long_is_one_line(tmp_path, capsys):
     )
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's, in this test process
 def test_after_its_restarts_the_launcher_gives_up_in_one_line_with_the_failures_code(capsys):
     import jddp.runtime.launch
 

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 
 import jax
 import numpy as np
@@ -17,7 +16,7 @@ import yaml
 from jddp.errors import ConfigError
 from jddp.runtime import launch
 from jddp.runtime import processes as runtime
-from tests.helpers import PORT_TAKEN, REPO, assert_one_line
+from tests.helpers import PORT_TAKEN, REPO, assert_one_line, launched
 
 # Also counts the threads at the lowest priority: gloo's event-loop thread, put there by
 # `initialize` (jddp/runtime/gloo_threads.py), and nothing else (the harness runs at nice 0).
@@ -192,19 +191,9 @@ while True:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_the_launcher_forwards_sigint_and_sigterm_to_every_child(signum):
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.runtime.launch", "--nproc=2", "--"]
-        + [sys.executable, "-c", SIGNALLED_CHILD],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    hard_kill = threading.Timer(120, launcher.kill)
-    hard_kill.start()
-    try:
+    with launched(SIGNALLED_CHILD) as launcher:
         ready = set()
-        for line in launcher.stdout:  # ends early only if the launcher dies (hard_kill)
+        for line in launcher.stdout:  # ends early only if the launcher dies (hard timeout)
             if line.endswith("] ready\n"):
                 ready.add(line.split("]")[0])
             if len(ready) == 2:
@@ -213,9 +202,6 @@ def test_the_launcher_forwards_sigint_and_sigterm_to_every_child(signum):
         launcher.send_signal(signum)
         rest = launcher.stdout.read()
         assert launcher.wait() == 0, rest
-    finally:
-        hard_kill.cancel()
-        launcher.kill()
     name = signal.Signals(signum).name
     assert sorted(rest.splitlines()) == [f"[0] got {name}", f"[1] got {name}"], rest
 
@@ -274,14 +260,21 @@ def test_processes_that_disagree_with_process_0_are_named_in_one_line(monkeypatc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT as Linux has it")
 def test_the_launcher_holds_the_coordinator_port_for_the_job():
     """No other program can take the port between the launcher choosing it and process 0's
-    coordinator binding it; the coordinator (gRPC, SO_REUSEPORT) binds beside the holder."""
+    coordinator binding it; the coordinator (gRPC, SO_REUSEPORT: an IPv6 socket on the
+    IPv4-mapped loopback address, as `ss -ltn` shows it) binds beside the holder."""
     port, holder = launch.reserve_port()
     try:
-        with socket.socket() as other, pytest.raises(OSError):
-            other.bind(("127.0.0.1", port))
+        others = (
+            (socket.AF_INET, "127.0.0.1"),
+            (socket.AF_INET, "0.0.0.0"),
+            (socket.AF_INET6, "::"),
+        )
+        for family, address in others:
+            with socket.socket(family) as other, pytest.raises(OSError):
+                other.bind((address, port))
         with socket.socket(socket.AF_INET6) as coordinator:
             coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            coordinator.bind(("::", port))
+            coordinator.bind(("::ffff:127.0.0.1", port))
             coordinator.listen()
     finally:
         holder.close()

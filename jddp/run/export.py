@@ -9,7 +9,7 @@ import os
 
 from jddp.checkpoints.hf import EXPORT_DTYPES
 from jddp.errors import CheckpointError, ConfigError, JddpError
-from jddp.run.cli import fail, parse_amount, quiet_program
+from jddp.run.cli import fail, fail_with, parse_amount, quiet_program
 
 FORMATS = ("hf",)
 
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         source, copied = export_run(
             args.workdir, args.out, max_shard_bytes=shard_bytes, dtype=args.dtype
         )
-    except (JddpError, OSError) as e:  # a mistake, or the file system's refusal: one line
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except (JddpError, OSError) as e:  # a mistake (2), or the file system's refusal (75)
+        fail_with(e)
     print(f"wrote {args.out} from {source}")
     for file in copied:
         print(f"  with a copy of {file}")

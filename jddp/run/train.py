@@ -9,7 +9,7 @@ import sys
 
 from absl import app, flags, logging
 
-from jddp.run.cli import ConfigFlag, fail, quiet_program
+from jddp.run.cli import ConfigFlag, exit_code, fail, fail_with, quiet_program
 
 USAGE = """jddp-train: train an experiment config with data parallelism.
 
@@ -23,7 +23,9 @@ Without --config it trains those defaults (an MLP on the UCI digits); example co
 checkout's experiments/configs/. The config file's directory is importable, so
 config.model = "my_models:Net" may name a module my_models.py beside it.
 
-A user mistake (bad flag, config value, workdir) ends in one line on stderr and exit code 2.
+A user mistake (bad flag, config value, workdir) ends in one line on stderr and exit code 2;
+what a later try may get past (the file system's refusal, a workdir a dying run still holds) in
+one line and exit code 75; Ctrl-C in 130 (every code: docs/errors.md).
 Several processes: start each with the same command under jddp-launch, srun, mpirun, a
 Kubernetes Indexed Job or on every TPU VM worker, or pass the three process flags below.
 """
@@ -106,12 +108,12 @@ def main(argv: list[str], config: ConfigFlag = CONFIG) -> None:
             logging.set_verbosity(logging.WARNING)
         # Goodput counts this process's whole life: its start, imports included.
         summary = train_and_evaluate(config.value, workdir, started_at=goodput.process_start_time())
-    except JddpError as e:
-        fail(str(e))
+    except (JddpError, OSError) as e:  # a mistake (2), or what a later try may get past (75)
+        fail_with(e)
     except KeyboardInterrupt as e:  # Ctrl-C: jddp.fit saved at the end of the step, if it ran
         saved = f": {e}" if str(e) else ""
         print(f"interrupted{saved}; run the same command to resume", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(exit_code(e))
     except jax.errors.JaxRuntimeError as e:
         supervise.await_lost_peer_verdict(e, _HEARTBEAT.value)
         raise

@@ -1,11 +1,24 @@
-"""What `jddp-launch` says about a start that failed: which process, how, and for a hang which
-process had fallen behind the others (from the lines jddp/runtime/watchdog.py prints)."""
+"""What `jddp-launch` does after a start ended (`Restarts`: the exit-code contract of
+jddp/errors.py) and what it says about a start that failed: which process, how, and for a hang
+which process had fallen behind the others (from the lines jddp/runtime/watchdog.py prints)."""
 
+import dataclasses
 import re
 import signal
+import time
 
+from jddp.errors import INTERRUPTED_EXIT_CODE, RETRYABLE_EXIT_CODE
 from jddp.errors import MISTAKE_EXIT_CODE as USAGE_EXIT_CODE
 from jddp.runtime.job import HANG_EXIT_CODE, Outcome
+
+# Restarts after a retryable end (75) or to grow that --max_restarts does not count, in a row;
+# past them each takes one of --max_restarts, so that neither can restart a job forever.
+FREE_IN_A_ROW = 5
+# A start that ran this long ends the row (the kubelet forgets a crash back-off after 10 minutes).
+LONG_RUN_S = 600.0
+# Before the n-th retry in a row: RETRY_DELAY_S * 2**(n-1), at most MAX_RETRY_DELAY_S (1, 2, 4,
+# 8, 16 s: a dying run lets go of the workdir's lock, a file system comes back).
+RETRY_DELAY_S, MAX_RETRY_DELAY_S = 1.0, 60.0
 
 _DISPATCHED = re.compile(r"last dispatched: train step (\d+)")
 _FINISHED = re.compile(r"after step (\w+)")
@@ -23,9 +36,76 @@ def exit_code(code: int) -> int:
     return code if code > 0 else 128 - code
 
 
-def restartable(outcome: Outcome) -> bool:
-    """Whether starting again may help: not for a user mistake (exit code 2)."""
-    return outcome.codes[outcome.failed] != USAGE_EXIT_CODE
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What follows a failed start: a restart (`counted` against --max_restarts or not, after
+    `delay_s`), or the launcher's end with `exit_code`."""
+
+    restart: bool
+    exit_code: int = 0
+    counted: bool = False
+    delay_s: float = 0.0
+
+
+class Restarts:
+    """The launcher's answer to each way a start ends, as jddp/errors.py's contract has it:
+
+    - 2, a mistake: never restarted;
+    - 130, interrupted: never restarted;
+    - 75, retryable: restarted after a back-off without counting, FREE_IN_A_ROW times in a
+      row; past that each takes one of --max_restarts;
+    - any other code (a crash, a kill, a hang): takes one of --max_restarts (torchrun's count);
+    - a stop to grow (more slots): free like a retry, then counted, then not done.
+
+    The row ends when a start has run LONG_RUN_S; --max_restarts is never given back."""
+
+    def __init__(self, max_restarts: int, clock=time.monotonic):
+        self.max_restarts, self.counted = max_restarts, 0
+        self.free_in_a_row, self.retries_in_a_row = 0, 0
+        self._clock = clock
+        self._started = clock()
+
+    def start(self) -> None:
+        """Called as each start begins: its running time may end the row."""
+        self._started = self._clock()
+
+    def after(self, code: int) -> Decision:
+        """The decision for a start whose first failed process ended with `code` (a signal
+        as the shell has it: 128 + its number)."""
+        self._forget_row_after_a_long_run()
+        if code in (USAGE_EXIT_CODE, INTERRUPTED_EXIT_CODE):
+            return Decision(restart=False, exit_code=code)
+        delay = 0.0
+        if code == RETRYABLE_EXIT_CODE:
+            self.retries_in_a_row += 1
+            delay = min(MAX_RETRY_DELAY_S, RETRY_DELAY_S * 2 ** (self.retries_in_a_row - 1))
+            if self._free():
+                return Decision(restart=True, delay_s=delay)
+        if self.counted < self.max_restarts:
+            self.counted += 1
+            return Decision(restart=True, counted=True, delay_s=delay)
+        return Decision(restart=False, exit_code=code)
+
+    def grow(self) -> bool:
+        """Whether the job may be stopped now to start again on more processes (if so, that
+        restart is taken from the budget)."""
+        self._forget_row_after_a_long_run()
+        if self._free():
+            return True
+        if self.counted < self.max_restarts:
+            self.counted += 1
+            return True
+        return False
+
+    def _free(self) -> bool:
+        if self.free_in_a_row < FREE_IN_A_ROW:
+            self.free_in_a_row += 1
+            return True
+        return False
+
+    def _forget_row_after_a_long_run(self) -> None:
+        if self._clock() - self._started >= LONG_RUN_S:
+            self.free_in_a_row = self.retries_in_a_row = 0
 
 
 def what_failed(outcome: Outcome, nproc: int) -> str:

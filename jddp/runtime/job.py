@@ -18,11 +18,17 @@ import threading
 import time
 from collections.abc import Callable
 
+from jddp.runtime import orphans
+
 HOLD_S = 0.5  # a line is printed this long after it was read, unless its process was muted
 SETTLE_S = 0.5  # after a failure, how long the others may take to end on their own
 HANG_SETTLE_S = 15.0  # ... after a hang: every process's watchdog reports, within seconds
 STOP_GRACE_S = 30.0  # while stopping: after one process failed, before the rest are killed
 HANG_EXIT_CODE = 3  # jddp/runtime/watchdog.py
+# Signals passed on to every process. SIGHUP (a closed terminal or ssh session) as SIGTERM:
+# the processes save a checkpoint and stop, as on preemption.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_AS = {signal.SIGHUP: signal.SIGTERM}
 
 
 @dataclasses.dataclass
@@ -109,8 +115,8 @@ def run_processes(
     """Runs `command` as `nproc` processes (rank r with the environment `env_for(r)`) until all
     end. The first that fails stops the others (SIGKILL, once they had SETTLE_S to end by
     themselves). `stop_when()`, asked about once a second, asks them to stop (SIGTERM: they save
-    a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process, and
-    `on_signal()` is called."""
+    a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process (and
+    SIGHUP, as SIGTERM), and `on_signal()` is called. Each process is killed if this one dies."""
     output, children, relays, exits = _Output(), [], [], queue.Queue()
     stopping = threading.Event()
 
@@ -119,11 +125,11 @@ def run_processes(
         on_signal()
         for child in children:
             if child.poll() is None:
-                child.send_signal(signum)
+                child.send_signal(FORWARDED_AS.get(signum, signum))
 
     # Installed before the first child starts: a signal during start-up reaches the children
     # started so far (they run in their own sessions, so nothing else would stop them).
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
         for rank in range(nproc):
             try:
@@ -133,7 +139,8 @@ def run_processes(
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
-                    start_new_session=True,
+                    start_new_session=True,  # the terminal's signals come through `forward`
+                    preexec_fn=orphans.die_with_parent(),  # from this thread: the main one
                 )
             except OSError:
                 _kill(children)

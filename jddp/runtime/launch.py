@@ -8,22 +8,27 @@ command whose program is `python`, `python3` or `python3.X` (this interpreter's 
 with the launcher's interpreter (`sys.executable`), a program installed beside it (`jddp-train`,
 any console script of the same virtual environment) is that one, and the children's PATH starts
 with that directory. Each child gets `JDDP_COORDINATOR_ADDRESS` (a free port on 127.0.0.1),
-`JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize` reads;
+`JDDP_NUM_PROCESSES` and `JDDP_PROCESS_ID`, which `jddp.runtime.processes.initialize` reads
+(process 0's coordinator then listens on 127.0.0.1 only), and `JDDP_LAUNCHER_PID`;
 `--devices_per_proc` simulates that many CPU devices per process, `--gpus_per_proc` gives each
 its own slice of `CUDA_VISIBLE_DEVICES`; otherwise the environment is inherited as it is.
-Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child.
+Output lines are prefixed with the rank. SIGINT and SIGTERM are forwarded to every child,
+and SIGHUP (a closed terminal or ssh session) as SIGTERM: the job saves and stops. A child dies
+with the launcher (jddp/runtime/orphans.py): a killed launcher leaves no process of its job.
 
 When a child fails, the others are stopped at once (their last words, such as a collective's
 "connection reset" traceback, are dropped: jddp/runtime/job.py) and the launcher's last line
 names the failed process (for a hang: the process that fell behind, and its stack file) and what
-happens next. With `--max_restarts=N` it then starts every process again on a fresh port, and
-training resumes from the newest checkpoint; exit code 2 (a user mistake: the child's own
-`error:` line is then the last) is never restarted. With `--nproc=MIN:MAX` and `--slots_file`,
-a start runs as many processes as the file allows (at least MIN), and a job running on fewer
-than MAX is stopped (SIGTERM: it saves) and started again on more when the file allows more;
-the train process keeps the global batch and the example order (jddp/run/elastic.py). The
-launcher's own mistakes (a bad flag, a command that does not exist) are one `error:` line and
-exit code 2.
+happens next, by the failed process's exit code (the contract in jddp/errors.py, applied by
+`failures.Restarts`): 2 (a mistake: its own `error:` line is then the last) and 130
+(interrupted) end the launcher with that code; 75 (retryable) starts every process again, on a
+fresh port, after a back-off and without counting, a few times in a row; any other failure
+does with `--max_restarts=N`, N times. Training resumes from the newest checkpoint. With
+`--nproc=MIN:MAX` and `--slots_file`, a start runs as many processes as the file allows (at
+least MIN), and a job running on fewer than MAX is stopped (SIGTERM: it saves) and started again
+on more when the file allows more (a misread file keeps its last number); the train process
+keeps the global batch and the example order (jddp/run/elastic.py). The launcher's own mistakes
+(a bad flag, a command that does not exist) are one `error:` line and exit code 2.
 """
 
 import argparse
@@ -34,7 +39,8 @@ import sys
 import threading
 import time
 
-from jddp.runtime import failures, job
+from jddp import errors
+from jddp.runtime import failures, job, orphans
 
 
 def free_port() -> int:
@@ -45,29 +51,22 @@ def free_port() -> int:
 
 
 def reserve_port() -> tuple[int, socket.socket | None]:
-    """(a free port for the job's coordinator, the socket holding it or None).
+    """(a free port on 127.0.0.1 for the job's coordinator, the socket holding it or None).
 
     On Linux the port stays bound, with SO_REUSEPORT and without listening, for as long as the
     job runs: no other program is given it, while process 0's coordinator (gRPC binds with
-    SO_REUSEPORT too) binds it beside this socket. A port that was only looked up free could be
-    taken before the coordinator binds it, failing the whole job."""
+    SO_REUSEPORT too) binds 127.0.0.1 and listens beside this socket. A port that was only looked
+    up free could be taken before the coordinator binds it, failing the whole job."""
     if not sys.platform.startswith("linux"):
         return free_port(), None
-    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            holder = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue
-        try:
-            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:  # the coordinator binds [::], dual-stack
-                holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            holder.bind((address, 0))
-        except OSError:
-            holder.close()
-            continue
-        return holder.getsockname()[1], holder
-    return free_port(), None
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+    except OSError:
+        holder.close()
+        return free_port(), None
+    return holder.getsockname()[1], holder
 
 
 def _own_bin_dir() -> str | None:
@@ -106,6 +105,7 @@ def child_env(rank: int, args, port: int, nproc: int | None = None) -> dict[str,
         JDDP_NUM_PROCESSES=str(nproc),
         JDDP_PROCESS_ID=str(rank),
         PYTHONUNBUFFERED="1",
+        **{orphans.LAUNCHER_PID: str(os.getpid())},
     )
     if args.devices_per_proc:
         flags = env.get("XLA_FLAGS", "").split()
@@ -122,7 +122,7 @@ def child_env(rank: int, args, port: int, nproc: int | None = None) -> dict[str,
 
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(failures.USAGE_EXIT_CODE)
+    sys.exit(errors.MISTAKE_EXIT_CODE)
 
 
 def _say(message: str) -> None:
@@ -130,11 +130,11 @@ def _say(message: str) -> None:
 
 
 def run(args) -> int:
-    """Starts the job, and starts it again after failures (up to --max_restarts) and when more
-    slots come back (--nproc=MIN:MAX); returns the launcher's exit code."""
+    """Starts the job, and starts it again after failures and when more slots come back
+    (--nproc=MIN:MAX), as `failures.Restarts` decides; returns the launcher's exit code."""
     command = child_command(args.command)
     slots = Slots(args.slots_file, args.min_nproc, args.max_nproc)
-    restarts, nproc, signalled = 0, None, threading.Event()
+    restarts, nproc, signalled = failures.Restarts(args.max_restarts), None, threading.Event()
     while True:
         nproc = slots.wait_for(args.slots_timeout_s, previous=nproc)
         if nproc is None:
@@ -143,7 +143,8 @@ def run(args) -> int:
                 f"{args.slots_timeout_s:g} s; raise the count in {args.slots_file} or lower "
                 "--nproc's minimum, then run the same command to resume"
             )
-        outcome = _start(args, command, nproc, slots, signalled)
+        restarts.start()
+        outcome = _start(args, command, nproc, slots, restarts, signalled)
         if outcome.failed is None:
             if outcome.stopped and not signalled.is_set():  # stopped to grow
                 _say(f"more slots are free ({slots.describe()}): starting again with them")
@@ -152,26 +153,37 @@ def run(args) -> int:
             return failures.exit_code(codes[0]) if codes else 0
         what = failures.what_failed(outcome, nproc)
         code = failures.exit_code(outcome.codes[outcome.failed])
-        if not failures.restartable(outcome):
+        decision = restarts.after(code)
+        if code in (errors.MISTAKE_EXIT_CODE, errors.INTERRUPTED_EXIT_CODE):
             _say(f"{what}; stopped the others")
-            if outcome.failed in outcome.errors:  # the process said why, and how to fix it
+            if outcome.failed in outcome.errors:  # the process said why (and how to fix it)
                 print(outcome.errors[outcome.failed], file=sys.stderr, flush=True)
             return code
         if signalled.is_set():
             return _give_up(f"{what}; stopped the others", code)
-        if restarts >= args.max_restarts:
-            after = f" after {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
+        if not decision.restart:
+            used = restarts.counted
+            after = f" after {used} restart{'s' * (used != 1)}" if used else ""
             again = "" if args.max_restarts else ", or pass --max_restarts=N to restart by itself"
             return _give_up(
                 f"{what}{after}; stopped the others; run the same command to resume from the "
                 f"newest checkpoint{again}",
                 code,
             )
-        restarts += 1
-        _say(
-            f"{what}; stopped the others; restart {restarts} of {args.max_restarts}: starting "
-            "the job again, it resumes from the newest checkpoint"
-        )
+        _say(f"{what}; stopped the others; {_restart_line(decision, restarts)}")
+        time.sleep(decision.delay_s)
+
+
+def _restart_line(decision: failures.Decision, restarts: failures.Restarts) -> str:
+    """`restart 1 of 3: starting the job again, ...`, or for a retry not counted, which."""
+    when = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+    again = f"starting the job again{when}, it resumes from the newest checkpoint"
+    if decision.counted:
+        return f"restart {restarts.counted} of {restarts.max_restarts}: {again}"
+    return (
+        f"retryable: {again} (retry {restarts.free_in_a_row} of {failures.FREE_IN_A_ROW} in a "
+        "row that --max_restarts does not count)"
+    )
 
 
 def _give_up(message: str, code: int = 1) -> int:
@@ -179,16 +191,17 @@ def _give_up(message: str, code: int = 1) -> int:
     return code
 
 
-def _start(args, command, nproc: int, slots: "Slots", signalled) -> job.Outcome:
+def _start(args, command, nproc: int, slots: "Slots", restarts, signalled) -> job.Outcome:
     """One start of `nproc` processes, on a coordinator port of its own; `signalled` is set
-    when the launcher gets SIGINT or SIGTERM (forwarded to the processes; no restart after)."""
+    when the launcher gets SIGINT, SIGTERM or SIGHUP (forwarded to the processes; no restart
+    after)."""
     port, holder = reserve_port()
     try:
         return job.run_processes(
             command,
             nproc,
             lambda rank: child_env(rank, args, port, nproc),
-            stop_when=lambda: nproc < slots.available(),
+            stop_when=StopToGrow(nproc, slots, restarts),
             on_signal=signalled.set,
         )
     except OSError as e:  # the command does not exist or cannot be run
@@ -198,13 +211,43 @@ def _start(args, command, nproc: int, slots: "Slots", signalled) -> job.Outcome:
             holder.close()
 
 
+class StopToGrow:
+    """`stop_when` of a start on `nproc` processes: true once the slots allow more and the
+    restart budget allows the restart (`failures.Restarts.grow`); says once when it does not."""
+
+    def __init__(self, nproc: int, slots: "Slots", restarts: failures.Restarts):
+        self.nproc, self.slots, self.restarts = nproc, slots, restarts
+        self.refused = 0  # times more slots were free and the budget said no
+
+    def __call__(self) -> bool:
+        more = self.slots.available()
+        if more <= self.nproc:
+            return False
+        if self.restarts.grow():
+            return True
+        self.refused += 1
+        if self.refused == 1:
+            _say(
+                f"{more} slots are free, but the job was restarted {failures.FREE_IN_A_ROW} "
+                "times in a row and --max_restarts has none left: it goes on with "
+                f"{self.nproc} processes (it may grow once it has run "
+                f"{failures.LONG_RUN_S:g} s)"
+            )
+        return False
+
+
 class Slots:
     """How many processes may run now: --nproc's maximum, or fewer when --slots_file says so
     (a file holding one number, written by whatever knows which machines are healthy; a
-    missing file means the maximum)."""
+    missing file means the maximum).
+
+    It fails closed: a read that finds no number (a writer's `echo 2 > FILE` empties the file
+    before it writes) or cannot read the file keeps the last number read (before any, the
+    minimum), so that it never asks the job to grow on a misread."""
 
     def __init__(self, path: str | None, least: int, most: int):
         self.path, self.least, self.most = path, least, most
+        self._last = None  # the last number read
         self._warned = False
 
     def available(self) -> int:
@@ -218,15 +261,17 @@ class Slots:
         except OSError as e:
             return self._unreadable(e.strerror)
         try:
-            return max(0, min(self.most, int(text)))
+            self._last = max(0, min(self.most, int(text)))
         except ValueError:
-            return self._unreadable(f"{text[:40]!r} is not a number")
+            return self._unreadable(f"{text[:40]!r} is not a number" if text else None)
+        return self._last
 
-    def _unreadable(self, why: str) -> int:
-        if not self._warned:
-            _say(f"cannot read --slots_file {self.path} ({why}); taking {self.most} slots")
+    def _unreadable(self, why: str | None) -> int:
+        keep = self.least if self._last is None else self._last
+        if why and not self._warned:  # an empty read is a writer at work: said nothing
+            _say(f"cannot read --slots_file {self.path} ({why}); keeping {keep} slots")
             self._warned = True
-        return self.most
+        return keep
 
     def describe(self) -> str:
         return f"{self.available()} of {self.most} slots" + (
@@ -270,14 +315,16 @@ def main(argv=None) -> int:
         "--max_restarts",
         type=int,
         default=0,
-        help="start the job again this many times after a process fails (not after exit code "
-        "2, a user mistake); it resumes from the newest checkpoint",
+        help="start the job again this many times after a process fails (never after exit code "
+        "2, a mistake, or 130, interrupted; after 75, retryable, only past "
+        f"{failures.FREE_IN_A_ROW} retries in a row); it resumes from the newest checkpoint",
     )
     parser.add_argument(
         "--slots_file",
         default=None,
         help="with --nproc=MIN:MAX: a file holding how many processes may run now (missing: "
-        "MAX); read before each start, and every second while fewer than MAX run",
+        "MAX; unreadable or empty: the last number read); read before each start, and every "
+        "second while fewer than MAX run",
     )
     parser.add_argument(
         "--slots_timeout_s",
@@ -316,7 +363,7 @@ def main(argv=None) -> int:
         return run(args)
     except KeyboardInterrupt:  # Ctrl-C between starts (while none of the job's processes runs)
         print("interrupted: no process of the job was running", file=sys.stderr, flush=True)
-        return 130
+        return errors.INTERRUPTED_EXIT_CODE
 
 
 def _nproc_range(parser, text: str) -> tuple[int, int]:

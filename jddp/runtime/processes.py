@@ -11,7 +11,9 @@ Sources, first found wins:
 """
 
 import hashlib
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 
 import jax
@@ -19,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from jddp.errors import ConfigError
-from jddp.runtime import gloo_threads
+from jddp.runtime import gloo_threads, orphans
 
 DEFAULT_HEARTBEAT_TIMEOUT_SEC = 30  # a dead peer ends the survivors within ~this long
 
@@ -81,7 +83,10 @@ def initialize(
     heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_SEC,
 ) -> Launch:
     """Joins this process to its job with `jax.distributed.initialize` (call it before any other
-    JAX call); does nothing for a single process. CPU collectives go through gloo."""
+    JAX call); does nothing for a single process. CPU collectives go through gloo; process 0's
+    coordinator listens on the address it is given (`coordinator_bind_address`). Under
+    jddp-launch this process also ends with its launcher where the kernel would not see to it
+    (jddp/runtime/orphans.py)."""
     launch = detect(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -89,6 +94,8 @@ def initialize(
     )
     if launch.source == "single":
         return launch
+    if launch.source == "jddp-launch":
+        orphans.watch_launcher()  # where the kernel does not end this process with it
     # Only the CPU backend reads this; accelerators keep NCCL / ICI.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -96,6 +103,7 @@ def initialize(
         num_processes=launch.num_processes,
         process_id=launch.process_id,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        coordinator_bind_address=coordinator_bind_address(launch.coordinator_address),
     )
     gloo_threads.start_backend_with_quiet_poller()
     logging.info(
@@ -107,6 +115,29 @@ def initialize(
         jax.device_count(),
     )
     return launch
+
+
+def coordinator_bind_address(coordinator_address: str | None, environ=None) -> str | None:
+    """Where process 0's coordinator listens: the address it was given, when that is an IP
+    address of this machine (127.0.0.1 under jddp-launch: no other machine can reach the
+    unauthenticated service). None, JAX's default of every interface (or the
+    JAX_COORDINATOR_BIND_ADDRESS a user set), for a host name (other machines may resolve it to
+    another address than this one does) or an address this machine does not have (behind NAT)."""
+    environ = os.environ if environ is None else environ
+    if not coordinator_address or environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    try:
+        address = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:  # not an address of this machine
+        return None
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
 def check_same_everywhere(what: str, value) -> None:

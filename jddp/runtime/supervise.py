@@ -7,10 +7,10 @@ code 134), or at once when the coordinator (process 0) is gone. Python never get
 So the train entry point runs as a small parent (`supervise`) around the real process: output
 passes through unchanged, the coordination service's last words are held back and, if the
 process then aborts, replaced by one line naming the lost process and what to do, with exit code
-75 (EX_TEMPFAIL: run it again). Everything else (exit codes, SIGINT / SIGTERM) passes through.
+75 (EX_TEMPFAIL: run it again). Everything else (exit codes, SIGINT / SIGTERM, SIGHUP as
+SIGTERM) passes through.
 """
 
-import ctypes
 import os
 import re
 import signal
@@ -19,7 +19,11 @@ import sys
 import threading
 import time
 
-LOST_PEER_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure, the same command will do
+from jddp.errors import RETRYABLE_EXIT_CODE
+from jddp.runtime import orphans
+from jddp.runtime.job import FORWARDED, FORWARDED_AS
+
+LOST_PEER_EXIT_CODE = RETRYABLE_EXIT_CODE  # the same command, run again, will do
 SUPERVISED = "JDDP_SUPERVISED"  # set in the watched process's environment
 
 _COORDINATION_LOG = re.compile(
@@ -87,15 +91,6 @@ class _StderrWatch:
         self.held = []
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the supervisor dies (Linux), as a host going
-    down takes both; elsewhere nothing."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (AttributeError, OSError):
-        pass
-
-
 def supervise(command: list[str], num_processes: int | None = None) -> int:
     """Runs `command` watched (see the module doc); returns the exit code to end with."""
     child = subprocess.Popen(
@@ -104,8 +99,8 @@ def supervise(command: list[str], num_processes: int | None = None) -> int:
         stderr=subprocess.PIPE,
         text=True,
         process_group=0,  # signals reach it once: forwarded from here
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-    )
+        preexec_fn=orphans.die_with_parent(),  # SIGKILL when the supervisor dies, as a host
+    )  # going down takes both
     watch = _StderrWatch()
     reader = threading.Thread(
         target=lambda: [watch.line(text) for text in iter(child.stderr.readline, "")], daemon=True
@@ -114,13 +109,13 @@ def supervise(command: list[str], num_processes: int | None = None) -> int:
 
     def forward(signum, _frame):
         if child.poll() is None:
-            child.send_signal(signum)
+            child.send_signal(FORWARDED_AS.get(signum, signum))
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in FORWARDED:
         signal.signal(sig, forward)
     code = child.wait()
     reader.join()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     if watch.aborted:
         print(lost_peer_message(lost_processes("".join(watch.held)), num_processes), flush=True,

@@ -33,12 +33,13 @@ def fail_with(error: BaseException) -> None:
 
 def exit_code(error: BaseException) -> int:
     """The exit code the contract in jddp/errors.py gives `error`: a JddpError's own, 75 for an
-    OSError (the file system's refusal, which a later try may get past), 130 for Ctrl-C, else 2."""
+    OSError (the file system's refusal, which a later try may get past), 130 for Ctrl-C, else 1
+    (a failure, as an uncaught exception ends Python)."""
     if isinstance(error, OSError):
         return errors.RETRYABLE_EXIT_CODE
     if isinstance(error, KeyboardInterrupt):
         return errors.INTERRUPTED_EXIT_CODE
-    return getattr(error, "exit_code", USAGE_EXIT_CODE)
+    return getattr(error, "exit_code", 1)
 
 
 def program_quiet() -> quiet.SharedChange:

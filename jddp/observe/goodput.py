@@ -19,6 +19,7 @@ from collections.abc import Callable
 from absl import logging
 
 from jddp.errors import UsageError, WorkdirError
+from jddp.runtime import atomic_write
 
 FILE = "goodput.json"
 VERSION = 1
@@ -179,7 +180,8 @@ class Ledger:
 
     # ------------------------------------------------------------------ the file
     def flush(self) -> None:
-        """Writes goodput.json (tmp + os.replace: a crash leaves the old file or the new one). A
+        """Writes goodput.json whole (jddp/runtime/atomic_write.py: a crash leaves the old file
+        or the new one). A
         failed write is one warning, once: goodput is an account of the run, not part of it."""
         self._last_flush = self._clock()
         if self.path is None:
@@ -190,9 +192,7 @@ class Ledger:
             "history": [*self._earlier, self._start],
         }
         try:
-            with open(self.path + ".tmp", "w") as f:
-                json.dump(document, f, indent=1)
-            os.replace(self.path + ".tmp", self.path)
+            atomic_write.write_json(self.path, document, indent=1)
         except OSError as e:
             if not self._write_failed:
                 logging.warning("could not write %s: %s; goodput not recorded", self.path, e)

@@ -8,18 +8,16 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from jddp import models
 from jddp.checkpoints import hf, hf_files, store
 from jddp.checkpoints.weights import load_params
 from jddp.errors import CheckpointError
 from jddp.run import experiment
 from jddp.runtime import atomic_write
-from tests.helpers import assert_one_line, snapshot
+from tests.helpers import assert_one_line, snapshot, tiny_jddp_llama
 
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
@@ -92,18 +90,8 @@ def test_force_keeps_the_old_export_until_the_new_one_is_complete(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, load_params(export), second)
 
 
-def _tiny_llama():
-    model = models.MODELS["llama"](
-        vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, max_seq_len=8
-    )
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
-    rng = np.random.default_rng(0)
-    return model, jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
-
-
 def test_an_export_beside_a_partial_that_is_not_its_own_refuses_and_leaves_it(tmp_path):
-    model, params = _tiny_llama()
+    model, params = tiny_jddp_llama()
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
     partial.mkdir()
@@ -118,9 +106,10 @@ def test_an_export_beside_a_partial_that_is_not_its_own_refuses_and_leaves_it(tm
         if marker:
             (partial / hf_files.PARTIAL_MARKER).write_text(marker)
         before = snapshot(tmp_path)
-        with pytest.raises(CheckpointError) as error:
-            hf.save(params, model, str(out))
-        assert_one_line(error, str(partial), "not this export's", *words, "remove it")
+        for refused in (hf.check_output, lambda out: hf.save(params, model, out)):
+            with pytest.raises(CheckpointError) as error:  # jddp-export checks before reading
+                refused(str(out))
+            assert_one_line(error, str(partial), "not this export's", *words, "remove it")
         assert snapshot(tmp_path) == before  # untouched, and no OUT
     # Left by a jddp export on this host that was killed: taken over.
     (partial / hf_files.PARTIAL_MARKER).write_text(f"{dead.pid} {os.uname().nodename}")

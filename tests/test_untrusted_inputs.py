@@ -9,18 +9,16 @@ import json
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from jddp import data, models
+from jddp import data
 from jddp.checkpoints import hf, hf_files
 from jddp.errors import RETRYABLE_EXIT_CODE, CheckpointError, DataError, WorkdirBusy, WorkdirError
 from jddp.run import experiment, resume
 from jddp.runtime.workdir import hold_workdir
-from tests.helpers import assert_one_line, snapshot
+from tests.helpers import assert_one_line, snapshot, tiny_jddp_llama
 from tests.tiny_tokenizer import VOCAB_SIZE, save_tokenizer
 
 PLANTED = """
@@ -49,18 +47,8 @@ def test_resume_imports_only_the_model_the_config_names(tmp_path, monkeypatch):
     assert witness.exists()
 
 
-def _tiny_llama():
-    model = models.MODELS["llama"](
-        vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, max_seq_len=8
-    )
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
-    rng = np.random.default_rng(0)
-    return model, jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
-
-
 def test_a_hugging_face_index_names_only_files_inside_its_directory(tmp_path):
-    model, params = _tiny_llama()
+    model, params = tiny_jddp_llama()
     folder = tmp_path / "hf"
     hf.save(params, model, str(folder), max_shard_bytes=2000)  # sharded: with an index
     hf.check(str(folder), model, params)
@@ -77,7 +65,7 @@ def test_a_hugging_face_index_names_only_files_inside_its_directory(tmp_path):
 
 
 def test_tensors_of_types_other_than_floating_ones_are_refused(tmp_path):
-    model, params = _tiny_llama()
+    model, params = tiny_jddp_llama()
     tensors = hf.hf_tensors(params, model)
     config = json.loads(json.dumps(hf._architecture(model).hf_config(model)))
     for dtype, refused in ((np.float16, None), (np.int8, "I8"), (np.int32, "I32")):
@@ -112,7 +100,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
     with pytest.raises(DataError) as error:
         experiment.check_checkpoint_data(config, spec)
     assert_one_line(error, f"ids up to {VOCAB_SIZE - 1}", f"{VOCAB_SIZE - 2} tokens of")
-    assert "'hf:/checkpoint'" in str(error.value) and "/checkpoint/tokenizer.json" in str(error.value)
+    assert "'hf:/checkpoint'" in str(error.value) and "/checkpoint/tokenizer.json" in str(
+        error.value
+    )
 
     # An id of 2**31 in the file would size the embedding: refused as the tokenizer is read.
     file = os.path.join(folder, "tokenizer.json")

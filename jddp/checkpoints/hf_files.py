@@ -268,22 +268,30 @@ def write(
 PARTIAL_MARKER = ".jddp-export"
 
 
+def check_partial(path: str) -> None:
+    """A CheckpointError, naming it and touching nothing, if `PATH.partial` exists and is not
+    a folder a jddp export on this host left when it was killed (its process gone): another
+    export's, or someone else's."""
+    partial = f"{path.rstrip(os.sep)}.partial"
+    if not os.path.lexists(partial):
+        return
+    holder = _marker(partial)
+    if holder is None or not _left_by_dead_process(*holder):
+        whose = f"process {holder[0]} on {holder[1]}" if holder else f"no {PARTIAL_MARKER}"
+        raise CheckpointError(
+            f"{partial} exists and is not this export's ({whose}); remove it if no export is "
+            "writing it, or pass another OUT (nothing was written)"
+        )
+
+
 def _claim(partial: str) -> None:
-    """Creates `partial` for this export, marked as its own. One that exists is another's: a
-    CheckpointError naming it, untouched; except one a jddp export on this host left when it was
-    killed (its process is gone), which is removed."""
-    parent = os.path.dirname(os.path.abspath(partial))
-    os.makedirs(parent, exist_ok=True)
+    """Creates `partial` for this export, marked as its own (`check_partial`: one a killed
+    export left is removed first, any other is refused)."""
+    os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
     try:
         os.mkdir(partial)
     except FileExistsError:
-        holder = _marker(partial)
-        if holder is None or not _left_by_dead_process(*holder):
-            whose = f"process {holder[0]} on {holder[1]}" if holder else f"no {PARTIAL_MARKER}"
-            raise CheckpointError(
-                f"{partial} exists and is not this export's ({whose}); remove it if no export "
-                "is writing it, or pass another OUT (nothing was written)"
-            ) from None
+        check_partial(partial.removesuffix(".partial"))
         shutil.rmtree(partial)
         os.mkdir(partial)
     with open(os.path.join(partial, PARTIAL_MARKER), "w") as f:

@@ -27,18 +27,20 @@ def write_text(path: str, text: str) -> None:
         f.write(text)
 
 
-def write_json(path: str, document, **dump_options) -> None:
+def write_json(path: str, document, *, durable: bool = True, **dump_options) -> None:
     """Writes `document` as JSON (`json.dump`'s options, then a newline) to `path`, whole or not
-    at all: a value that cannot be serialized leaves the old file as it was."""
-    with _replacing(path) as f:
+    at all: a value that cannot be serialized leaves the old file as it was. Without `durable`
+    nothing is fsynced: still whole when the process dies, but not when the machine does (for a
+    file rewritten every second, that is made durable at longer intervals)."""
+    with _replacing(path, durable) as f:
         json.dump(document, f, **dump_options)
         f.write("\n")
 
 
 @contextlib.contextmanager
-def _replacing(path: str):
-    """A text file to write; on leaving the block it is fsynced and renamed to `path`, or, on an
-    exception, removed."""
+def _replacing(path: str, durable: bool = True):
+    """A text file to write; on leaving the block it is fsynced (`durable`) and renamed to
+    `path`, or, on an exception, removed."""
     folder = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     # 0o666 less the umask, as open(path, "w") would create it (mkstemp's 0o600 would not)
@@ -47,13 +49,15 @@ def _replacing(path: str):
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
-    fsync_directory(folder)
+    if durable:
+        fsync_directory(folder)
 
 
 def fsync_file(path: str) -> None:

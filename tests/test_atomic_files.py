@@ -76,7 +76,7 @@ def test_force_keeps_the_old_export_until_the_new_one_is_complete(tmp_path):
     export = str(workdir / "export")
     first = {"w": np.arange(4.0), "b": np.ones(3)}
     second = {"w": np.arange(4.0) + 2, "b": np.zeros(3)}
-    experiment.export_params(str(workdir), first)
+    experiment.write_export(str(workdir), first)
     for interruption in (RuntimeError, KeyboardInterrupt):
         with pytest.raises(interruption):  # the new export written, then cut before the swap
             with atomic_write.replacing_directory(export) as staged:
@@ -85,7 +85,7 @@ def test_force_keeps_the_old_export_until_the_new_one_is_complete(tmp_path):
                 raise interruption
         assert sorted(os.listdir(workdir)) == ["export"]  # nothing of the cut one is left
         jax.tree.map(np.testing.assert_array_equal, load_params(export), first)
-    experiment.export_params(str(workdir), second)
+    experiment.write_export(str(workdir), second)
     assert sorted(os.listdir(workdir)) == ["export"]
     jax.tree.map(np.testing.assert_array_equal, load_params(export), second)
 

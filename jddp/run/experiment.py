@@ -246,7 +246,7 @@ def train_and_evaluate(
         record_hook(step, state, {})
         if not final_eval:  # resumed at the last step, before its export
             final_eval = loop.evaluate_metrics(trainer, state, eval_pass(), objective.eval_extras)
-        export_params(workdir, trainer.host_state(state).params)
+        write_export(workdir, trainer.host_state(state).params)
         summary = {f"eval_{k}": v for k, v in final_eval.items() if k != "count"}
         summary["wall_time_sec"] = time.perf_counter() - start_time
         if jax.process_index() == 0:
@@ -259,7 +259,7 @@ def train_and_evaluate(
         return summary
 
 
-def export_params(workdir: str, params) -> None:
+def write_export(workdir: str, params) -> None:
     """`params` saved to `workdir/export` (every process calls it); an export already there is
     replaced only once the new one is complete (written beside it, then swapped in)."""
     export = os.path.join(workdir, "export")

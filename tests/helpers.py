@@ -367,3 +367,17 @@ def launched(program: str, nproc: int = 2, hard_timeout_s: float = 120):
         hard_kill.cancel()
         launcher.kill()
         launcher.wait()
+
+
+def tiny_jddp_llama():
+    """(a jddp Llama of one layer of width 8 and 16 tokens, random float32 parameters for it),
+    without compiling anything: enough to write and read a Hugging Face directory."""
+    from jddp import models
+
+    model = models.MODELS["llama"](
+        vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, max_seq_len=8
+    )
+    tokens = jax.numpy.zeros((1, 4), np.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+    rng = np.random.default_rng(0)
+    return model, jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)

@@ -147,7 +147,8 @@ def hf_tensors(params, model) -> dict[str, np.ndarray]:
 
 
 def check_output(out: str) -> None:
-    """A CheckpointError unless `out` is new or an empty directory (nothing is overwritten)."""
+    """A CheckpointError unless `out` is new or an empty directory (nothing is overwritten),
+    with no `OUT.partial` that is not this export's (`hf_files.check_partial`)."""
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(f"{out} is not empty; pass a new directory (nothing was written)")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -157,6 +158,7 @@ def check_output(out: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise CheckpointError(f"{parent} is not a writable directory; pass another OUT")
+    hf_files.check_partial(out)
 
 
 def save(

@@ -12,16 +12,20 @@ import json
 import os
 import re
 import shutil
+import socket
 
 import numpy as np
 
 from jddp.checkpoints.hf_models import QKV_BY_HEAD, TRANSPOSE, Tensor
 from jddp.errors import CheckpointError
 from jddp.observe.memory import format_bytes
+from jddp.runtime import atomic_write
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+# safetensors' names of the types jddp reads weights in (cast to the parameters' dtype).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def check_directory(path: str, what: str) -> None:
@@ -52,6 +56,12 @@ def read_config(path: str, what: str) -> dict:
     return config
 
 
+def _stays_inside(name: str) -> bool:
+    """Whether a file name an index lists is relative and never climbs out (`../`)."""
+    normal = os.path.normpath(name)
+    return not os.path.isabs(name) and normal != os.pardir and not normal.startswith("../")
+
+
 class Reader:
     """The tensors of one save_pretrained directory, by name; files are opened on first use
     and closed by `close` (or the `with` block)."""
@@ -71,7 +81,15 @@ class Reader:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{self.what}: {INDEX} is unreadable ({e})") from None
-            for name in sorted(set(weight_map.values())):
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{self.what}: {INDEX}'s weight_map is not a JSON object")
+            for name in sorted(set(map(str, weight_map.values()))):
+                if not _stays_inside(name):
+                    raise CheckpointError(
+                        f"{self.what}: {INDEX} lists the file {name!r}, outside the directory; "
+                        "an index names the shards beside it: download or copy the directory "
+                        "again"
+                    )
                 if not os.path.isfile(os.path.join(self.path, name)):
                     raise CheckpointError(
                         f"{self.what} lacks the shard {name} that {INDEX} lists; download or "
@@ -120,7 +138,14 @@ class Reader:
                     "the model config.json describes?"
                 )
             expected = tensor.hf_shape(shapes[tensor.path])
-            found = tuple(self.slice(tensor.name).get_shape())
+            source = self.slice(tensor.name)
+            if source.get_dtype() not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{self.what}: tensor {tensor.name!r} is {source.get_dtype()}, not a floating "
+                    f"type ({', '.join(FLOAT_DTYPES)}); jddp loads float weights only (for a "
+                    "quantized checkpoint, pass its float original)"
+                )
+            found = tuple(source.get_shape())
             if found != expected:
                 raise CheckpointError(
                     f"{self.what}: tensor {tensor.name!r} has shape {found}, config.json makes "
@@ -206,9 +231,9 @@ def write(
 ) -> None:
     """`config.json` and the tensors (in order) as `model.safetensors`, or as shards of at most
     `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their index, and
-    a copy of each `companions` file (a tokenizer's, a generation config). Written into a
-    temporary directory beside `path`, renamed at the end: an interrupted export leaves no half
-    directory."""
+    a copy of each `companions` file (a tokenizer's, a generation config). Written into
+    `PATH.partial`, this export's own (see `_claim`), made durable and renamed at the end: an
+    interrupted export leaves no half directory."""
     shards, current, size = [], {}, 0
     for name, array in tensors.items():
         if current and size + array.nbytes > max_shard_bytes:
@@ -218,10 +243,11 @@ def write(
         size += array.nbytes
     shards.append(current)
     partial = f"{path.rstrip(os.sep)}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    _claim(partial)
     try:
         _write_into(partial, config, shards, companions)
+        os.remove(os.path.join(partial, PARTIAL_MARKER))
+        atomic_write.fsync_tree(partial)
     except BaseException as e:  # a full disk, an interrupt: no half directory is left behind
         shutil.rmtree(partial, ignore_errors=True)
         if not isinstance(e, Exception):
@@ -235,6 +261,63 @@ def write(
     if os.path.isdir(path):  # empty (checked by the caller)
         os.rmdir(path)
     os.rename(partial, path)
+    atomic_write.fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+# The first file of an export's PATH.partial: "PID HOST" of the process writing it.
+PARTIAL_MARKER = ".jddp-export"
+
+
+def check_partial(path: str) -> None:
+    """A CheckpointError, naming it and touching nothing, if `PATH.partial` exists and is not
+    a folder a jddp export on this host left when it was killed (its process gone): another
+    export's, or someone else's."""
+    partial = f"{path.rstrip(os.sep)}.partial"
+    if not os.path.lexists(partial):
+        return
+    holder = _marker(partial)
+    if holder is None or not _left_by_dead_process(*holder):
+        whose = f"process {holder[0]} on {holder[1]}" if holder else f"no {PARTIAL_MARKER}"
+        raise CheckpointError(
+            f"{partial} exists and is not this export's ({whose}); remove it if no export is "
+            "writing it, or pass another OUT (nothing was written)"
+        )
+
+
+def _claim(partial: str) -> None:
+    """Creates `partial` for this export, marked as its own (`check_partial`: one a killed
+    export left is removed first, any other is refused)."""
+    os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
+    try:
+        os.mkdir(partial)
+    except FileExistsError:
+        check_partial(partial.removesuffix(".partial"))
+        shutil.rmtree(partial)
+        os.mkdir(partial)
+    with open(os.path.join(partial, PARTIAL_MARKER), "w") as f:
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
+
+
+def _marker(partial: str) -> tuple[int, str] | None:
+    """(pid, host) of a jddp export's marker in `partial`; None where there is none."""
+    try:
+        with open(os.path.join(partial, PARTIAL_MARKER), "rb") as f:
+            pid, host = f.read(300).decode().split()
+        return int(pid), host
+    except (OSError, ValueError):
+        return None
+
+
+def _left_by_dead_process(pid: int, host: str) -> bool:
+    if host != socket.gethostname():
+        return False  # its process cannot be seen from here
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's live process
+        return False
+    return False
 
 
 def _write_into(partial: str, config: dict, shards: list[dict], companions) -> None:
@@ -252,10 +335,7 @@ def _write_into(partial: str, config: dict, shards: list[dict], companions) -> N
             "metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())},
             "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
-        with open(os.path.join(partial, INDEX), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    with open(os.path.join(partial, CONFIG), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+        atomic_write.write_json(os.path.join(partial, INDEX), index, indent=2, sort_keys=True)
+    atomic_write.write_json(os.path.join(partial, CONFIG), config, indent=2, sort_keys=True)
     for file in companions:
         shutil.copyfile(file, os.path.join(partial, os.path.basename(file)))

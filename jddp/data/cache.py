@@ -12,6 +12,8 @@ import shutil
 
 import numpy as np
 
+from jddp.runtime import atomic_write
+
 _DONE = "complete.json"
 
 
@@ -70,8 +72,10 @@ def decoded_split(source, folder: str, features, chunk_size: int = 2048) -> Arra
                 columns[name].extend(example[name] for example in examples)
         for name, values in columns.items():
             np.save(os.path.join(partial, f"{name}.npy"), np.stack(values))
-        with open(os.path.join(partial, _DONE), "w") as f:
-            json.dump({"features": list(features), "num_examples": len(source)}, f)
+        done = {"features": list(features), "num_examples": len(source)}
+        atomic_write.write_json(os.path.join(partial, _DONE), done)
+        atomic_write.fsync_tree(partial)  # the arrays on disk before the name says "decoded"
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(partial, folder)
+        atomic_write.fsync_directory(os.path.dirname(os.path.abspath(folder)))
     return ArraySource.load(folder)

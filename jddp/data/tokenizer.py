@@ -21,6 +21,9 @@ TOKENIZER_FILE = "tokenizer.json"  # what `save_pretrained` writes for a fast to
 CONFIG_FILE = "tokenizer_config.json"  # beside it: its special tokens, eos_token among them
 # Llama 2 / Mistral, GPT-2, Llama 3, Gemma.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+# Ids may leave gaps (added tokens), but an embedding of more than twice the rows the tokenizer
+# has tokens for is a damaged file (an id of 2**31 would size it), not a vocabulary.
+MAX_ID_SPREAD = 2
 _ENCODE_CHUNK = 1024  # documents per encode_batch call: bounds the Encoding objects held at once
 
 
@@ -44,6 +47,17 @@ class TextTokenizer:
                 pieces.append(np.asarray(encoding.ids, np.int32))
                 pieces.append(np.array([self.eos_id], np.int32))
         return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+
+    def check_fits(self, vocab_size: int, model: str, fix: str) -> None:
+        """A DataError unless every id this tokenizer gives is below `vocab_size`, the
+        vocabulary of `model` (a checkpoint); `fix` ends the line."""
+        if self.vocab_size > vocab_size:
+            largest = self.vocab_size - 1
+            raise DataError(
+                f"data.tokenizer {self.file} gives ids up to {largest} "
+                f"({self.tokenizer.id_to_token(largest)!r}), beyond the {vocab_size} tokens of "
+                f"{model}; {fix}"
+            )
 
     def decode(self, tokens) -> str:
         """Token ids back to text, special tokens (the end-of-document token) kept."""
@@ -76,6 +90,13 @@ def load_tokenizer(path: str, eos_token: str = "") -> TextTokenizer:
     # Ids of added tokens may leave gaps: the model needs an output for the largest id too.
     largest_id = max(vocabulary.values(), default=-1)
     size = max(tokenizer.get_vocab_size(with_added_tokens=True), largest_id + 1)
+    if size > MAX_ID_SPREAD * len(vocabulary):  # the largest id sizes the embedding
+        token = next(t for t, i in vocabulary.items() if i == largest_id)
+        raise DataError(
+            f"data.tokenizer {file} gives {token!r} the id {largest_id}, though it has "
+            f"{len(vocabulary)} tokens (a damaged or edited tokenizer.json?); pass a tokenizer "
+            "whose ids number its tokens"
+        )
     return TextTokenizer(file, eos_token, vocabulary[eos_token], size, tokenizer)
 
 

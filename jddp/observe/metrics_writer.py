@@ -7,7 +7,7 @@ import sys
 from absl import logging
 
 from jddp.errors import WorkdirError
-from jddp.runtime import quiet
+from jddp.runtime import atomic_write, quiet
 
 
 class MetricsWriter:
@@ -98,9 +98,7 @@ def _drop_records_after(path: str, step: int) -> None:
             len(damaged),
             path + ".damaged",
         )
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+    atomic_write.write_text(path, "".join(kept))  # a crash leaves the old file or the new one
 
 
 def _records_in(line: str) -> tuple[list[str], list[str]]:

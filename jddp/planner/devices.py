@@ -22,6 +22,7 @@ import numpy as np
 
 from jddp.errors import ConfigError
 from jddp.planner.network import Link
+from jddp.runtime import atomic_write
 
 # What measures this machine as the `cpu` profile: a program of the repository's experiments/,
 # run from a checkout (pip's jddp carries neither it nor its scipy).
@@ -303,18 +304,13 @@ def _unwritable(path: str, reason: str) -> str:
 
 
 def save_cpu_profile(profile: DeviceProfile, measurements: dict, path: str | None = None) -> str:
-    """Writes the profile whole or not at all (a temporary file, then a rename): a profile
-    that was there stays intact if the write fails."""
+    """Writes the profile whole or not at all (jddp/runtime/atomic_write.py): a profile that
+    was there stays intact if the write fails."""
     path = check_profile_path(path)
     record = dataclasses.asdict(profile) | {"measurements": measurements}
-    tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=2)
-        os.replace(tmp, path)
+        atomic_write.write_json(path, record, indent=2)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ConfigError(_unwritable(path, e.strerror or str(e))) from None
     return path
 

@@ -25,9 +25,12 @@ from jddp.observe import goodput
 from jddp.run import config as config_lib
 from jddp.run import elastic, factory, optim, resume
 from jddp.run.input_check import check_model_takes_data
+from jddp.runtime import atomic_write
 from jddp.runtime import processes as runtime
 from jddp.runtime import workdir as workdir_lib
 from jddp.runtime.rollback import RollbackPolicy
+
+SUMMARY = "summary.json"
 
 
 def check_workdir(workdir: str, *, resumable: bool) -> None:
@@ -47,17 +50,19 @@ def write_config(workdir: str, config) -> None:
         os.path.join(workdir, "config.json"),
         config.to_json_best_effort(indent=2, sort_keys=True) + "\n",
     )
-    if os.path.exists(path):
-        with open(path) as f:
-            if f.read() == text:
+    try:
+        with open(path, "rb") as f:  # bytes: a file torn by an older version may not decode
+            if f.read() == text.encode():
                 return
-    with open(path, "w") as f:
-        f.write(text)
+    except OSError:  # none yet, or unreadable: written anew
+        pass
+    atomic_write.write_text(path, text)
 
 
 def check_checkpoint_data(config, dataset: data.DatasetSpec) -> None:
     """A Hugging Face checkpoint reads its tokenizer's ids (character-level text would train it
-    on other tokens without a word) and sequences no longer than its positions."""
+    on other tokens without a word; another tokenizer's ids beyond its vocabulary are refused)
+    and sequences no longer than its positions."""
     if not hf.is_hf(config.init_from) or dataset.kind != data.LANGUAGE_MODEL:
         return
     where = hf.directory(config.init_from)
@@ -66,6 +71,13 @@ def check_checkpoint_data(config, dataset: data.DatasetSpec) -> None:
             f"init_from {config.init_from!r} is a model of its tokenizer's tokens, and dataset "
             f"{config.dataset!r} is tokenized by characters; set data.tokenizer (e.g. "
             f"{os.path.join(where, 'tokenizer.json')})"
+        )
+    vocab_size = config.model_args.get("vocab_size")
+    if vocab_size:  # its embedding has a row for each of its tokenizer's ids, and no more
+        dataset.tokenizer.check_fits(
+            vocab_size,
+            f"init_from {config.init_from!r} (its config.json)",
+            f"set data.tokenizer to the checkpoint's own ({os.path.join(where, 'tokenizer.json')})",
         )
     longest = config.model_args.get("max_seq_len")
     if longest and config.data.seq_len > longest:
@@ -234,14 +246,25 @@ def train_and_evaluate(
         record_hook(step, state, {})
         if not final_eval:  # resumed at the last step, before its export
             final_eval = loop.evaluate_metrics(trainer, state, eval_pass(), objective.eval_extras)
-        checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
+        write_export(workdir, trainer.host_state(state).params)
         summary = {f"eval_{k}": v for k, v in final_eval.items() if k != "count"}
         summary["wall_time_sec"] = time.perf_counter() - start_time
         if jax.process_index() == 0:
             summary["goodput"] = goodput.summary_of(workdir)  # every start of the workdir
-            with open(os.path.join(workdir, "summary.json"), "w") as f:
-                json.dump({"step": config.num_train_steps, **summary}, f, indent=2)
+            atomic_write.write_json(
+                os.path.join(workdir, SUMMARY),
+                {"step": config.num_train_steps, **summary},
+                indent=2,
+            )
         return summary
+
+
+def write_export(workdir: str, params) -> None:
+    """`params` saved to `workdir/export` (every process calls it); an export already there is
+    replaced only once the new one is complete (written beside it, then swapped in)."""
+    export = os.path.join(workdir, "export")
+    with atomic_write.replacing_directory(export, swap=jax.process_index() == 0) as staged:
+        checkpoint.export_params(staged, params)
 
 
 def _rollback_policy(config) -> RollbackPolicy | None:
@@ -273,12 +296,18 @@ class _ThisConfigsOrder:
 def _finished_summary(workdir: str, config, resume_step) -> dict | None:
     """The saved summary of a run that already reached `num_train_steps` and was exported
     (running it again changes nothing), else None."""
-    path = os.path.join(workdir, "summary.json")
+    path = os.path.join(workdir, SUMMARY)
     exported = os.path.isdir(os.path.join(workdir, "export"))
     if resume_step != config.num_train_steps or not (exported and os.path.exists(path)):
         return None
+    try:
+        with open(path, "rb") as f:
+            summary = json.loads(f.read())
+        if not isinstance(summary, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:  # torn by an older version's crash: summarized again
+        logging.warning("%s is unreadable (%s); evaluating and exporting again", path, e)
+        return None
     logging.info("%s already finished at step %d; nothing to do", workdir, resume_step)
-    with open(path) as f:
-        summary = json.load(f)
     summary.pop("step", None)
     return summary

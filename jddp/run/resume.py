@@ -81,9 +81,13 @@ def config_changes(saved: dict, config) -> dict[str, list]:
     setting it to that default is no change."""
     resolved = _resolved(config)
     before, now = _flat(saved), _flat(resolved)
+    model, saved_model = resolved.get("model"), saved.get("model")
+    # Code is imported only where this config names it: a checkpoint's metadata (which a
+    # workdir's files can say anything in) never chooses a module to import.
+    trusted = saved_model == model or not user_models.is_import_path(str(saved_model))
     defaults = {
-        "before": model_defaults(saved.get("model")),
-        "now": model_defaults(resolved.get("model")),
+        "before": model_defaults(saved_model) if trusted else {},
+        "now": model_defaults(model),
     }
 
     def may_change(key: str) -> bool:

@@ -2,13 +2,15 @@
 (a lock file naming the holder; a lock left by a run that died is taken over)."""
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
+import stat
 
 import jax
 
-from jddp.errors import WorkdirError
+from jddp.errors import WorkdirBusy, WorkdirError
 from jddp.runtime.fs import directory_problem
 
 
@@ -44,7 +46,7 @@ LOCK_FILE = ".lock"
 @contextlib.contextmanager
 def hold_workdir(workdir: str):
     """Creates `workdir` and holds it for this process: a live run holding it already is a
-    WorkdirError naming that run's process and host; a lock left by a run that died (the kernel
+    WorkdirBusy naming that run's process and host; a lock left by a run that died (the kernel
     released its flock) is taken over. Only process 0 of a job locks (all share the workdir).
     A run holds its workdir once: a second hold, even by the same process, is refused."""
     try:
@@ -61,19 +63,61 @@ def hold_workdir(workdir: str):
         os.close(fd)  # releases the flock; the file stays (deleting it would race)
 
 
+# The holder's "PID HOST", written over the start of the file and padded to this length
+# (hostnames have at most 64 bytes): the file is never truncated, so a reader never sees it empty.
+_HOLDER_BYTES = 128
+# flock refused by the file system itself (NFS without lockd, Lustre mounted without `flock`).
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+
+
 def _lock(workdir: str) -> int:
     path = os.path.join(workdir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(workdir, path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").split()
+        holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").split()
         os.close(fd)
         pid, host = (holder + ["?", "?"])[:2]
-        raise WorkdirError(
+        raise WorkdirBusy(
             f"workdir {workdir!r} is in use by a run in process {pid} on {host} ({path}); wait "
             "for it to end or stop it, or pass another workdir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in _NO_FLOCK:
+            raise WorkdirError(f"cannot lock {path}: {e.strerror}; pass another workdir") from None
+        raise WorkdirError(
+            f"the file system of workdir {workdir!r} does not lock files ({path}: "
+            f"{e.strerror}); pass a workdir on a file system with working flock (a local disk), "
+            "or mount this one with locking on (NFS: lockd running, or the local_lock=flock "
+            "option; Lustre: the flock option)"
+        ) from None
+    holder = f"{os.getpid()} {socket.gethostname()}".ljust(_HOLDER_BYTES - 1) + "\n"
+    os.pwrite(fd, holder.encode()[:_HOLDER_BYTES], 0)
+    return fd
+
+
+def _open_lock_file(workdir: str, path: str) -> int:
+    """The lock file, opened for writing without following a symbolic link and without
+    truncating; a WorkdirError unless it is a plain file of its own (a link planted in a
+    shared workdir would have the run write into the file it points to)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        problem = (
+            "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+        )
+        raise WorkdirError(
+            f"the lock file {path} {problem}; remove it (jddp creates a plain file), or pass "
+            "another workdir"
+        ) from None
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+        os.close(fd)
+        what = "is not a regular file" if not stat.S_ISREG(status.st_mode) else "has other links"
+        raise WorkdirError(
+            f"the lock file {path} {what}; remove it (jddp creates a plain file), or pass "
+            f"another workdir ({workdir!r})"
+        )
     return fd

@@ -11,8 +11,12 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
 from jddp.runtime import failures
 from jddp.runtime.job import Outcome
+from jddp.runtime.watchdog import HangBound, HangWatchdog
 from tests.helpers import REPO, error_line, launch_command
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
@@ -55,9 +59,9 @@ def run_until_hang_and_exit(process, workdir) -> tuple[int, str]:
     return process.returncode, output
 
 
-def assert_stacks(path, *words):
+def assert_stacks(path, *words, what="no training step finished"):
     text = open(path).read()
-    assert "no training step finished" in text and "(most recent call first)" in text
+    assert what in text and "(most recent call first)" in text
     for word in words:
         assert word in text, (word, text[:3000])
 
@@ -128,3 +132,83 @@ def test_the_launcher_says_when_no_process_is_behind_and_names_one_that_never_re
     assert failures.what_failed(silent, 3).startswith(
         "hang: process 1 of 3 never reported (stuck without its watchdog getting to run)"
     )
+
+
+# ------------------------------------------------------------- the bound, and the thread itself
+def test_the_adaptive_bound_outwaits_compiles_and_follows_the_median_step():
+    rule = HangBound()  # the default: hang_timeout_s unset
+    assert HangBound.from_setting(None) == rule
+    # Before any steady step: the floor, or twice the first step (it compiles) when longer.
+    assert rule.for_steps([], first_step_s=30.0) == 600
+    assert rule.for_steps([], first_step_s=900.0) == 1800
+    # Fast steps: the floor; slow ones: 20 x their median, which one slow step does not move.
+    assert rule.for_steps([0.05] * 10, 30.0) == 600
+    assert rule.for_steps([60.0] * 9 + [5000.0], 30.0) == 1200
+    # Evaluations, saves and compiles: 3 x the step bound, at least 30 minutes.
+    assert rule.for_pause(600) == 1800 and rule.for_pause(1200) == 3600
+    # An explicit setting: a fixed step bound, or off.
+    assert HangBound.from_setting(5).for_steps([60.0], 900.0) == 5
+    assert HangBound.from_setting(0) is None
+
+
+_SLEEP_STEP = jax.jit(
+    lambda seconds: jax.pure_callback(
+        lambda s: (time.sleep(float(s)), s)[1], jax.ShapeDtypeStruct((), jnp.float32), seconds
+    )
+)
+
+
+def run_step(watchdog, step: int, seconds: float = 0.0) -> None:
+    """A training step that takes `seconds` (on CPU its dispatch returns when it is done)."""
+    watchdog.dispatching(step)
+    watchdog.dispatched(step, _SLEEP_STEP(jnp.float32(seconds)))
+
+
+def wait_for(fired: list) -> None:
+    deadline = time.monotonic() + 60  # a broken watchdog never fires: no claim on the time
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired, "the watchdog never fired"
+
+
+def test_the_watchdog_spares_compiles_and_progressing_evaluations_and_bounds_the_rest(
+    tmp_path, capsys
+):
+    """On real JAX steps, with bounds in tenths of seconds: a first step (compiling) and a trace
+    far past the step bound, and an evaluation longer than its bound whose every batch is
+    progress, raise no alarm; an evaluation that stops, and then a step far past the measured
+    median, do, each with its line and the main thread's stack."""
+    bound = HangBound(floor_s=0.3, pause_floor_s=2.0, pause_multiple=1.0)
+    fired = []
+    watchdog = HangWatchdog(bound, str(tmp_path), process_index=0, on_hang=fired.append)
+    try:
+        run_step(watchdog, 1, seconds=1.0)  # 3 x the floor: the first step is never a hang
+        for step in (2, 3):
+            run_step(watchdog, step)
+        with watchdog.paused("evaluation at step 3") as pause:
+            for _ in pause.each(range(4)):  # 3.2 s in all, under the 2 s bound per batch
+                time.sleep(0.8)
+        assert not fired
+        with watchdog.paused("evaluation at step 3"):
+            wait_for(fired)
+    finally:
+        watchdog.close()
+    assert fired == [3]
+    line = error_line(capsys.readouterr().err)
+    assert "evaluation at step 3 made no progress for" in line and "after step 3" in line, line
+    assert_stacks(tmp_path / "hang-0.txt", "in wait_for", what="evaluation at step 3 made no")
+
+    fired = []
+    watchdog = HangWatchdog(bound, str(tmp_path), process_index=0, on_hang=fired.append)
+    try:
+        for step in range(1, 6):  # quick steps: the bound is the 0.3 s floor
+            run_step(watchdog, step)
+        jax.jit(lambda x: (time.sleep(1.5), x + 1)[1])(1.0)  # a slow trace: compiling
+        assert not fired
+        watchdog.dispatching(6)  # and never dispatched: stuck
+        wait_for(fired)
+    finally:
+        watchdog.close()
+    line = error_line(capsys.readouterr().err)
+    assert "no training step finished for" in line and "after step 5" in line, line
+    assert "hang_timeout_s=auto" in line and "last dispatched: train step 6" in line, line

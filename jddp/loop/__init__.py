@@ -64,7 +64,7 @@ def fit(
     log_every: int = 50,
     checkpoint_every: int = 500,
     max_to_keep: int = 3,
-    hang_timeout_s: float = 0.0,
+    hang_timeout_s: float | None = None,
     hooks: Iterable[Hook] = (),
     learning_rate: Callable[[int], float] | None = None,
     eval_extras: Callable[[dict], dict] | None = None,

@@ -74,7 +74,8 @@ class Evaluation:
 class Settings:
     """Everything `fit` is told besides the trainer, the data and the start: `num_steps`, one
     object per concern, nan_policy=rollback's `rollback` policy, the watchdog's
-    `hang_timeout_s` (0: off), `profile_steps` ((first step, count) traced into
+    `hang_timeout_s` (None: adaptive to the step time; 0: off; else seconds), `profile_steps`
+    ((first step, count) traced into
     workdir/profile) and `device_prefetch` (batches placed ahead of the step). A bad setting is
     a ConfigError when it is made."""
 
@@ -83,7 +84,7 @@ class Settings:
     records: Records = Records()
     evaluation: Evaluation = Evaluation()
     rollback: RollbackPolicy | None = None
-    hang_timeout_s: float = 0.0
+    hang_timeout_s: float | None = None
     profile_steps: tuple[int, int] = (0, 0)
     device_prefetch: int = 2
 
@@ -97,6 +98,13 @@ class Settings:
         ):
             if not isinstance(value, int | np.integer) or value < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        hang = self.hang_timeout_s
+        if hang is not None and (
+            not isinstance(hang, int | float | np.number) or not 0 <= hang < float("inf")
+        ):
+            raise ConfigError(
+                f"hang_timeout_s must be None (adaptive), 0 (off) or seconds > 0, got {hang!r}"
+            )
         if self.rollback is not None and self.checkpointing.every == 0:
             raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
         self.evaluation.pass_fn()

@@ -2,12 +2,17 @@
 (SIGINT), at a step every process agrees on.
 
 One process: a handler sets a flag the loop reads at the next step boundary, where it saves and
-stops. A second Ctrl-C interrupts at once (Python's own KeyboardInterrupt). Several processes:
+stops. A second Ctrl-C interrupts at once (Python's own KeyboardInterrupt), unless a save is
+under way (below). Several processes:
 JAX's preemption service (started by `jax.distributed.initialize`) catches SIGTERM in any process
 and `multihost_utils.reached_preemption_sync_point` names the same step in all of them; Ctrl-C
 there is left to Python, since the processes could not agree on a step to save.
+
+During a checkpoint save (`saving()`) neither signal interrupts: a second SIGTERM or Ctrl-C lets
+the save commit, then the run stops as interrupted (KeyboardInterrupt; the CLI's exit code 130).
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -24,7 +29,8 @@ class PreemptionWatch:
         self._requested = threading.Event()
         self.interrupted = False
         self._previous = {}
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        self._owns_sigterm = jax.process_count() == 1  # else JAX's preemption service has it
+        if self._owns_sigterm and threading.current_thread() is threading.main_thread():
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
 
@@ -40,8 +46,41 @@ class PreemptionWatch:
         os.write(
             2,
             b"interrupt: saving a checkpoint at the end of this step, then stopping "
-            b"(Ctrl-C again stops at once, unsaved)\n",
+            b"(Ctrl-C again stops at once, unsaved; a save under way commits first)\n",
         )
+
+    @contextlib.contextmanager
+    def saving(self, what: str):
+        """No SIGTERM or SIGINT interrupts `what` (a checkpoint save); one that came meanwhile
+        takes effect after it: a second request to stop ends the run as interrupted."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        deferred = []
+
+        def defer(signum, _frame):
+            if not deferred:
+                os.write(2, f"stopping once the {what} has committed\n".encode())
+            deferred.append(signum)
+
+        ours = (signal.SIGINT, signal.SIGTERM) if self._owns_sigterm else (signal.SIGINT,)
+        previous = {signum: signal.signal(signum, defer) for signum in ours}
+        try:
+            yield
+        except BaseException:
+            self._restore(previous, deferred)
+            raise
+        self._restore(previous, deferred)
+        if deferred and not self._owns_sigterm:  # Python's own Ctrl-C, only later
+            raise KeyboardInterrupt(f"after the {what} committed")
+
+    def _restore(self, previous: dict, deferred: list) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if deferred and self._owns_sigterm:
+            if self._requested.is_set() or signal.SIGINT in deferred:  # told twice, or Ctrl-C
+                self.interrupted = True
+            self._requested.set()
 
     def reached(self, step: int) -> bool:
         if jax.process_count() > 1:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -212,3 +213,59 @@ def test_the_watchdog_spares_compiles_and_progressing_evaluations_and_bounds_the
     line = error_line(capsys.readouterr().err)
     assert "no training step finished for" in line and "after step 5" in line, line
     assert "hang_timeout_s=auto" in line and "last dispatched: train step 6" in line, line
+
+
+# ------------------------------------------------------- a process whose watchdog cannot run
+# Beats as jddp's watchdog does (jddp/runtime/heartbeat.py, loaded without importing JAX): in the
+# first start, process 1 stops itself (SIGSTOP); in the restart, both end at once.
+STOPPING_CHILD = r"""
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("heartbeat", sys.argv[1])
+heartbeat = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(heartbeat)
+marker, rank = sys.argv[2], int(os.environ["JDDP_PROCESS_ID"])
+with open(f"{marker}.{rank}.pid", "w") as f:
+    f.write(str(os.getpid()))
+beat = heartbeat.Beat.from_env()
+beat.beat(2.0)
+if os.path.exists(marker):
+    beat.close()
+    sys.exit(0)
+if rank == 1:
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGSTOP)
+for _ in range(600):
+    beat.beat(2.0)
+    time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+def test_the_launcher_names_a_stopped_process_and_restarts_the_job(tmp_path, capsys):
+    from jddp.runtime import heartbeat, launch
+
+    marker = str(tmp_path / "stopped")
+
+    def kill_leftovers():  # only if the launcher never notices: a bound, not a claim
+        for rank in (0, 1):
+            try:
+                os.kill(int(open(f"{marker}.{rank}.pid").read()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+    guard = threading.Timer(KILL_AFTER_S, kill_leftovers)
+    guard.start()
+    try:
+        code = launch.main(
+            ["--nproc=2", "--max_restarts=1", "--", sys.executable, "-c", STOPPING_CHILD,
+             heartbeat.__file__, marker]
+        )  # fmt: skip
+    finally:
+        guard.cancel()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert (
+        "[launcher] hang: process 1 of 2 stopped making progress: no heartbeat from its watchdog "
+        "for 2 s (its bound: 2 s); it is stopped (SIGSTOP, or Ctrl-Z); killed it"
+    ) in err, err
+    assert "restart 1 of 1" in err, err

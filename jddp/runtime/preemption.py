@@ -29,6 +29,8 @@ class PreemptionWatch:
         self._requested = threading.Event()
         self.interrupted = False
         self._previous = {}
+        self._stopping = contextlib.ExitStack()  # the save-and-stop under way, once `reached`
+        self._stop_held = False
         self._owns_sigterm = jax.process_count() == 1  # else JAX's preemption service has it
         if self._owns_sigterm and threading.current_thread() is threading.main_thread():
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -83,14 +85,24 @@ class PreemptionWatch:
             self._requested.set()
 
     def reached(self, step: int) -> bool:
+        """Whether to save and stop at `step`; from then on until `close()`, signals wait for
+        the save (`saving`)."""
         if jax.process_count() > 1:
             try:
-                return multihost_utils.reached_preemption_sync_point(step)
+                reached = multihost_utils.reached_preemption_sync_point(step)
             except RuntimeError:  # the preemption service is off
-                return False
-        return self._requested.is_set()
+                reached = False
+        else:
+            reached = self._requested.is_set()
+        if reached and not self._stop_held:
+            self._stop_held = True
+            self._stopping.enter_context(self.saving(f"checkpoint save of step {step}"))
+        return reached
 
     def close(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
+        try:
+            self._stopping.close()  # a signal that came meanwhile takes effect now
+        finally:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+            self._previous = {}

@@ -60,8 +60,11 @@ class HangBound:
     pause_multiple: float = 3.0
 
     @classmethod
-    def from_setting(cls, hang_timeout_s: float | None) -> "HangBound | None":
-        """`hang_timeout_s`: None adaptive, 0 off (None returned), else a fixed step bound."""
+    def from_setting(cls, hang_timeout_s) -> "HangBound | None":
+        """`hang_timeout_s`: None adaptive, 0 off (None returned), a HangBound itself, else a
+        fixed step bound in seconds."""
+        if isinstance(hang_timeout_s, HangBound):
+            return hang_timeout_s
         if hang_timeout_s is None:
             return cls()
         return cls(fixed_s=float(hang_timeout_s)) if hang_timeout_s > 0 else None
@@ -112,9 +115,9 @@ class HangWatchdog:
         self._thread.start()
 
     @classmethod
-    def start(cls, hang_timeout_s: float | None, workdir: str):
-        """A running watchdog (`hang_timeout_s` None: adaptive, else a fixed bound in seconds),
-        or one that does nothing when it is 0."""
+    def start(cls, hang_timeout_s, workdir: str):
+        """A running watchdog (`hang_timeout_s` None: adaptive; seconds: a fixed bound; or a
+        `HangBound`), or one that does nothing when it is 0."""
         bound = HangBound.from_setting(hang_timeout_s)
         return cls(bound, workdir) if bound is not None else _Off()
 

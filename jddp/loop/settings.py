@@ -76,10 +76,8 @@ class Settings:
     """Everything `fit` is told besides the trainer, the data and the start: `num_steps`, one
     object per concern, nan_policy=rollback's `rollback` policy, the watchdog's
     `hang_timeout_s` (None: adaptive to the step time; 0: off; else seconds, or a `HangBound`),
-    `profile_steps`
-    ((first step, count) traced into
-    workdir/profile) and `device_prefetch` (batches placed ahead of the step). A bad setting is
-    a ConfigError when it is made."""
+    `profile_steps` ((first step, count) traced into workdir/profile) and `device_prefetch`
+    (batches placed ahead of the step). A bad setting is a ConfigError when it is made."""
 
     num_steps: int
     checkpointing: Checkpointing = Checkpointing()

@@ -113,11 +113,16 @@ def run_processes(
     end. The first that fails stops the others (SIGKILL, once they had SETTLE_S to end by
     themselves). `stop_when()`, asked about once a second, asks them to stop (SIGTERM: they save
     a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process, and
-    `on_signal()` is called."""
+    `on_signal()` is called. A process whose watchdog's heartbeat (jddp/runtime/heartbeat.py)
+    stops for its bound counts as failed (`Outcome.silent`)."""
     output, children, relays, exits = _Output(), [], [], queue.Queue()
     stopping = threading.Event()
-    heartbeats = heartbeat.Watch()  # a process whose watchdog cannot run is ended from here
-    env_for = (lambda own: lambda rank: heartbeats.env(rank, own(rank)))(env_for)
+    # A process whose watchdog cannot run (stopped, frozen) is ended from here: each child is
+    # told where its watchdog's heartbeat goes.
+    heartbeats, own_env_for = heartbeat.Watch(), env_for
+
+    def env_for(rank: int) -> dict:
+        return heartbeats.env(rank, own_env_for(rank))
 
     def forward(signum, _frame):
         stopping.set()

@@ -1,9 +1,11 @@
 """The hang watchdog on real training processes (tests/hang_worker.py hangs one on purpose, in a
 host callback or in its loop, for an hour), and what jddp-launch says about a hang: every process
 writes its threads' stacks, prints one line and exits, also a process that hangs only because its
-peer does; a slow first step, a slow evaluation and slow checkpoint saves raise no alarm. No
-assertion is timed: the hang outlasts the test, so an exit with the watchdog's code and line is
-the watchdog's doing, however busy the machine."""
+peer does; a slow evaluation and slow checkpoint saves raise no alarm. No assertion is timed: the
+hang outlasts the test, so an exit with the watchdog's code and line is the watchdog's doing,
+however busy the machine. Then the bound's rule; the watchdog's thread on real JAX steps with
+bounds in tenths of seconds (a slow first step and compile, evaluations); and a stopped process
+under jddp-launch, which only the launcher can end."""
 
 import os
 import signal
@@ -67,15 +69,14 @@ def assert_stacks(path, *words, what="no training step finished"):
         assert word in text, (word, text[:3000])
 
 
-def test_one_process_hang_is_reported_after_a_slow_first_step_eval_and_save(tmp_path):
-    """8 devices: the first step, the evaluation at step 10 and the checkpoint save at step 10
-    each take twice the timeout and raise no alarm; the hang in step 15 (the device call
-    14 x 8) does."""
+def test_one_process_hang_is_reported_after_a_slow_eval_and_save(tmp_path):
+    """8 devices: the evaluation at step 10 and the checkpoint save at step 10 each take 1.5
+    times the step bound and raise no alarm (they have their own); the hang in step 15 (the
+    device call 14 x 8) does. (A slow first step: the test on real steps below.)"""
     workdir = tmp_path / "run"
-    slow = str(2 * TIMEOUT_S)
+    slow = str(1.5 * TIMEOUT_S)
     env = {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JDDP_TEST_SLOW_FIRST_S": slow,
         "JDDP_TEST_SLOW_EVAL_S": slow,
         "JDDP_TEST_SLOW_SAVE_S": slow,
         "JDDP_TEST_HANG_AT": str(14 * 8),

@@ -34,6 +34,7 @@ from jddp.loop.steps import Steps
 from jddp.observe import goodput
 from jddp.runtime import processes
 from jddp.runtime.rollback import RollbackPolicy, Rollbacks
+from jddp.runtime.watchdog import HangBound
 from jddp.runtime.workdir import check_workdir, hold_workdir
 
 __all__ = [
@@ -64,7 +65,7 @@ def fit(
     log_every: int = 50,
     checkpoint_every: int = 500,
     max_to_keep: int = 3,
-    hang_timeout_s: float = 0.0,
+    hang_timeout_s: float | HangBound | None = None,
     hooks: Iterable[Hook] = (),
     learning_rate: Callable[[int], float] | None = None,
     eval_extras: Callable[[dict], dict] | None = None,

@@ -3,6 +3,7 @@
 evaluation, the preemption check and the checkpoints. Each has `due(tick)` and acts on the
 `Tick`, the step as they all see it."""
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -123,7 +124,8 @@ class RecordKeeper:
 
 class Evaluator:
     """Every `evaluation.every` steps and at the last: the eval means (and extras) join the
-    step's record; the watchdog waits meanwhile, and goodput books it as `eval`."""
+    step's record; the watchdog bounds each batch by its pause bound, and goodput books it as
+    `eval`."""
 
     def __init__(self, trainer, evaluation: Evaluation, watchdog, ledger):
         self.trainer, self.evaluation, self.watchdog, self.ledger = (
@@ -136,10 +138,12 @@ class Evaluator:
         return self.pass_fn is not None and (tick.last or (every > 0 and tick.step % every == 0))
 
     def __call__(self, tick: Tick) -> None:
-        with self.watchdog.paused(f"evaluation at step {tick.step}"), self.ledger.timing("eval"):
-            results = evaluate_metrics(
-                self.trainer, tick.state, self.pass_fn(), self.evaluation.extras
-            )
+        with (
+            self.watchdog.paused(f"evaluation at step {tick.step}") as pause,
+            self.ledger.timing("eval"),
+        ):  # each batch is progress: a long evaluation is no hang, a stuck batch is
+            batches = pause.each(self.pass_fn())
+            results = evaluate_metrics(self.trainer, tick.state, batches, self.evaluation.extras)
         tick.record |= {f"eval_{k}": v for k, v in results.items() if k != "count"}
 
 
@@ -147,13 +151,14 @@ class Saver:
     """Every `checkpointing.every` steps, at the last, and when preempted: a checkpoint of the
     state (consolidated: the run goes on from what it saved), with the data's position and
     what `checkpointing.meta` adds. A save that failed to write stops the run at the next
-    step. The watchdog waits meanwhile; goodput books it as `save`."""
+    step. The watchdog bounds it by its pause bound; SIGTERM and Ctrl-C wait for it
+    (`PreemptionWatch.saving`); goodput books it as `save`."""
 
     def __init__(self, trainer, checkpoints, checkpointing: Checkpointing, rollbacks, placed,
-                 watchdog, ledger):  # fmt: skip
+                 watchdog, preemption, ledger):  # fmt: skip
         self.trainer, self.checkpoints, self.checkpointing = trainer, checkpoints, checkpointing
         self.rollbacks, self.placed = rollbacks, placed  # the data's position is saved too
-        self.watchdog, self.ledger = watchdog, ledger
+        self.watchdog, self.preemption, self.ledger = watchdog, preemption, ledger
 
     def due(self, tick: Tick) -> bool:
         return self.checkpoints is not None
@@ -163,8 +168,14 @@ class Saver:
         if self.checkpoints.due(tick.step) or tick.preempted or tick.last:
             with self.ledger.timing("steps"):  # it waits for the step to finish
                 nonfinite_steps(self.trainer, tick.state, tick.step)  # never save a NaN state
-            with self.watchdog.paused(f"checkpoint save at step {tick.step}"):
+            with self._guarded(f"checkpoint save of step {tick.step}"):
                 tick.state = self.save(tick.state, tick.step)
+
+    @contextlib.contextmanager
+    def _guarded(self, what: str):
+        """`what` bounded by the watchdog, and not cut short by SIGTERM or Ctrl-C."""
+        with self.watchdog.paused(what), self.preemption.saving(what):
+            yield
 
     def save(self, state, step: int) -> TrainState:
         """Saves `state` as step `step`; returns the state to go on from."""
@@ -181,7 +192,7 @@ class Saver:
     def wait(self) -> None:
         """Lets a save in flight commit (a started save is a good one)."""
         if self.checkpoints is not None:
-            with self.ledger.timing("save"):
+            with self._guarded("checkpoint save"), self.ledger.timing("save"):
                 self.checkpoints.wait()
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from jddp.core.state import TrainState
 from jddp.errors import ConfigError
 from jddp.runtime.rollback import RollbackPolicy
+from jddp.runtime.watchdog import HangBound
 
 Batch = Mapping[str, np.ndarray]
 Hook = Callable[[int, TrainState, dict], None]
@@ -74,16 +75,16 @@ class Evaluation:
 class Settings:
     """Everything `fit` is told besides the trainer, the data and the start: `num_steps`, one
     object per concern, nan_policy=rollback's `rollback` policy, the watchdog's
-    `hang_timeout_s` (0: off), `profile_steps` ((first step, count) traced into
-    workdir/profile) and `device_prefetch` (batches placed ahead of the step). A bad setting is
-    a ConfigError when it is made."""
+    `hang_timeout_s` (None: adaptive to the step time; 0: off; else seconds, or a `HangBound`),
+    `profile_steps` ((first step, count) traced into workdir/profile) and `device_prefetch`
+    (batches placed ahead of the step). A bad setting is a ConfigError when it is made."""
 
     num_steps: int
     checkpointing: Checkpointing = Checkpointing()
     records: Records = Records()
     evaluation: Evaluation = Evaluation()
     rollback: RollbackPolicy | None = None
-    hang_timeout_s: float = 0.0
+    hang_timeout_s: float | HangBound | None = None
     profile_steps: tuple[int, int] = (0, 0)
     device_prefetch: int = 2
 
@@ -97,6 +98,14 @@ class Settings:
         ):
             if not isinstance(value, int | np.integer) or value < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        hang = self.hang_timeout_s
+        if not isinstance(hang, type(None) | HangBound) and (
+            not isinstance(hang, int | float | np.number) or not 0 <= hang < float("inf")
+        ):
+            raise ConfigError(
+                f"hang_timeout_s must be None (adaptive), 0 (off), seconds > 0 or a HangBound, "
+                f"got {hang!r}"
+            )
         if self.rollback is not None and self.checkpointing.every == 0:
             raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
         self.evaluation.pass_fn()

@@ -53,7 +53,7 @@ class Steps:
         )  # fmt: skip
         saver = hooks.Saver(
             self.trainer, self.checkpoints, settings.checkpointing, self.rollbacks, placed,
-            watchdog, ledger,
+            watchdog, preemption, ledger,
         )  # fmt: skip
         registered = (  # (when, what), in this order after every step
             (records.due, records.open),
@@ -91,17 +91,20 @@ class Steps:
                     break
                 ledger.tick(step)
         finally:
-            watchdog.close()
             profiler.stop()
-            preemption.close()
             records.close()
-            if self.checkpoints is not None:
-                saver.wait()  # a started save is a good one: let it commit
-                self.checkpoints.close()
+            try:
+                if self.checkpoints is not None:
+                    # A started save is a good one: it commits, watched, whatever signal comes.
+                    saver.wait()
+                    self.checkpoints.close()
+            finally:
+                watchdog.close()
+                preemption.close()
             spent = ledger.end()
         if jax.process_index() == 0 and settings.records.goodput_line:
             logging.info("%s", goodput.summary_line(spent))
-        if tick is not None and tick.preempted:
+        if tick is not None and (tick.preempted or preemption.interrupted):
             hooks.log_stop(preemption, self.checkpoints, tick.step, self.workdir)
         return state
 

@@ -62,8 +62,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.spike_window = 32  # ... the median of this many recent losses
     c.max_rollbacks = 3  # ... stop after this many rollbacks in a row to one checkpoint
     # Seconds without a finished training step (after the first) before every process writes
-    # its threads' stacks to WORKDIR/hang-<process>.txt and the job exits; 0 = off.
-    c.hang_timeout_s = 0.0
+    # its threads' stacks to WORKDIR/hang-<process>.txt and the job exits; 0 = off; unset (None)
+    # = adaptive: 20x the median step, at least 10 minutes and twice the first step.
+    c.hang_timeout_s = ml_collections.config_dict.placeholder(float)
     c.init_from = ""  # a workdir or checkpoint/export dir whose parameters start this run
     c.init_from_optimizer = False  # ... and its optimizer state too
     c.allow_config_change = False  # resume checkpoints written by another model config
@@ -127,7 +128,6 @@ _NON_NEGATIVE = (
     "peak_flops_per_device",
     "profile_start_step",
     "profile_num_steps",
-    "hang_timeout_s",
 )
 # Real-valued keys with a bounded range: (low, high, whether high itself is allowed).
 _RANGES = {
@@ -172,6 +172,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(
                 f"{key} must be a finite number >= 0, got {config[key]!r}; set --config.{key}"
             )
+    hang = config.hang_timeout_s
+    if hang is not None and (not _is_finite_number(hang) or hang < 0):
+        raise ConfigError(
+            f"hang_timeout_s must be a finite number >= 0 (0: off), or unset (adaptive), got "
+            f"{hang!r}; set --config.hang_timeout_s"
+        )
     if not _is_finite_number(config.learning_rate) or config.learning_rate <= 0:
         raise ConfigError(
             f"learning_rate must be a finite number > 0, got {config.learning_rate!r}; set "

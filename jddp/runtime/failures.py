@@ -9,6 +9,7 @@ import time
 
 from jddp.errors import INTERRUPTED_EXIT_CODE, RETRYABLE_EXIT_CODE
 from jddp.errors import MISTAKE_EXIT_CODE as USAGE_EXIT_CODE
+from jddp.runtime.heartbeat import Silence
 from jddp.runtime.job import HANG_EXIT_CODE, Outcome
 
 # Restarts after a retryable end (75) or to grow that --max_restarts does not count, in a row;
@@ -109,8 +110,11 @@ class Restarts:
 
 
 def what_failed(outcome: Outcome, nproc: int) -> str:
-    """`process 1 of 2 failed (killed by SIGKILL)`, or for a hang the processes behind."""
+    """`process 1 of 2 failed (killed by SIGKILL)`, or for a hang the processes behind, or the
+    process that stopped making progress without its watchdog getting to run."""
     rank, code = outcome.failed, outcome.codes[outcome.failed]
+    if outcome.silent is not None and outcome.silent.rank == rank:
+        return _silent(outcome.silent, nproc)
     if code == HANG_EXIT_CODE and _STACKS.search(outcome.errors.get(rank, "")):
         return _hang(outcome, nproc)
     return f"process {rank} of {nproc} failed ({describe_code(code)})"
@@ -149,6 +153,28 @@ def _hang(outcome: Outcome, nproc: int) -> str:
         "the next step (on its devices or in a host callback) while the others wait for it in a "
         "collective "
         f"(stacks: {', '.join(stacks[rank] for rank in sorted(stacks))})"
+    )
+
+
+_STATES = {  # /proc/PID/stat's state letter, of a process that makes no progress
+    "T": "it is stopped (SIGSTOP, or Ctrl-Z)",
+    "t": "it is stopped by a debugger",
+    "D": "it waits inside the kernel (a disk, a network file system or a driver)",
+    "Z": "it is exiting",
+}
+
+
+def _silent(silent: Silence, nproc: int) -> str:
+    """A process that could not run its own watchdog, as the launcher found it."""
+    state = _STATES.get(
+        silent.state, "it runs, but its watchdog thread cannot (held by native code?)"
+    )
+    if silent.silent_s is None:  # a peer failed first, having lost it
+        return f"hang: process {silent.rank} of {nproc} stopped making progress: {state}"
+    return (
+        f"hang: process {silent.rank} of {nproc} stopped making progress: no heartbeat from its "
+        f"watchdog for {silent.silent_s:.0f} s (its bound: {silent.bound_s:g} s); {state}; "
+        "killed it, no stacks (it could not write them)"
     )
 
 

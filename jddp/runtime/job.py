@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jddp.runtime import orphans
+from jddp.runtime import heartbeat, orphans
 
 HOLD_S = 0.5  # a line is printed this long after it was read, unless its process was muted
 SETTLE_S = 0.5  # after a failure, how long the others may take to end on their own
@@ -41,6 +41,7 @@ class Outcome:
     failed: int | None
     errors: dict[int, str]
     stopped: bool
+    silent: heartbeat.Silence | None = None  # the failed process, when its heartbeat stopped
 
 
 class _Output:
@@ -116,9 +117,17 @@ def run_processes(
     end. The first that fails stops the others (SIGKILL, once they had SETTLE_S to end by
     themselves). `stop_when()`, asked about once a second, asks them to stop (SIGTERM: they save
     a checkpoint at a step they agree on, and end). SIGINT and SIGTERM reach every process (and
-    SIGHUP, as SIGTERM), and `on_signal()` is called. Each process is killed if this one dies."""
+    SIGHUP, as SIGTERM), and `on_signal()` is called. Each process is killed if this one dies. A
+    process whose watchdog's heartbeat (jddp/runtime/heartbeat.py) stops for its bound counts as
+    failed (`Outcome.silent`)."""
     output, children, relays, exits = _Output(), [], [], queue.Queue()
     stopping = threading.Event()
+    # A process whose watchdog cannot run (stopped, frozen) is ended from here: each child is
+    # told where its watchdog's heartbeat goes.
+    heartbeats, own_env_for = heartbeat.Watch(), env_for
+
+    def env_for(rank: int) -> dict:
+        return heartbeats.env(rank, own_env_for(rank))
 
     def forward(signum, _frame):
         stopping.set()
@@ -151,7 +160,7 @@ def run_processes(
                 target=lambda r=rank, c=child: exits.put((r, c.wait(), time.monotonic())),
                 daemon=True,
             ).start()
-        failed, failed_at = _wait(children, exits, stopping, stop_when)
+        failed, failed_at, silent = _wait(children, exits, stopping, stop_when, heartbeats)
         if failed is not None:
             # A survivor may notice the loss (a reset connection) before the waiter thread gets
             # to run on a busy machine: its lines still held back are dropped too.
@@ -162,19 +171,22 @@ def run_processes(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        heartbeats.close()
     output.close(relays)
     return Outcome(
         codes={rank: child.wait() for rank, child in enumerate(children)},
         failed=failed,
         errors=dict(output.errors),
         stopped=stopping.is_set(),
+        silent=silent,
     )
 
 
-def _wait(children, exits, stopping, stop_when) -> tuple[int | None, float]:
-    """Waits until every child ended ((None, 0)) or one failed ((its rank, when it ended)).
-    While they stop (asked to), one that fails leaves the others STOP_GRACE_S to end: they may
-    wait for it in a collective."""
+def _wait(children, exits, stopping, stop_when, heartbeats) -> tuple[int | None, float, object]:
+    """Waits until every child ended ((None, 0, None)) or one failed ((its rank, when it ended,
+    None)) or fell silent ((its rank, now, its `heartbeat.Silence`)). While they stop (asked
+    to), one that fails leaves the others STOP_GRACE_S to end: they may wait for it in a
+    collective."""
     ended, next_ask, kill_at = 0, time.monotonic() + 1.0, float("inf")
     while ended < len(children):
         try:
@@ -182,6 +194,9 @@ def _wait(children, exits, stopping, stop_when) -> tuple[int | None, float]:
         except queue.Empty:
             if time.monotonic() >= kill_at:
                 _kill(children)
+            silent = heartbeats.silent(_running(children))
+            if silent is not None:
+                return silent.rank, time.monotonic(), silent
             if time.monotonic() >= next_ask:
                 next_ask = time.monotonic() + 1.0
                 if not stopping.is_set() and stop_when():
@@ -192,10 +207,19 @@ def _wait(children, exits, stopping, stop_when) -> tuple[int | None, float]:
             continue
         ended += 1
         if code != 0 and not stopping.is_set():
-            return rank, when
+            # A peer of a stopped process fails first (JAX's own heartbeat declares it lost):
+            # the stopped one is the cause.
+            behind = heartbeat.stopped(_running(children))
+            if behind is not None:
+                return behind.rank, when, behind
+            return rank, when, None
         if code != 0:
             kill_at = min(kill_at, time.monotonic() + STOP_GRACE_S)
-    return None, 0.0
+    return None, 0.0, None
+
+
+def _running(children) -> dict[int, int]:
+    return {rank: child.pid for rank, child in enumerate(children) if child.poll() is None}
 
 
 def _wait_all(children, seconds: float) -> None:

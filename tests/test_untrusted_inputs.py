@@ -153,3 +153,30 @@ def test_a_file_system_without_flock_is_one_line(tmp_path, monkeypatch, code):
             pass
     assert not isinstance(error.value, WorkdirBusy)  # the same command fails the same way
     assert_one_line(error, "does not lock files", os.strerror(code), "local_lock=flock")
+
+
+def test_the_data_dirs_preparation_lock_is_opened_as_the_workdirs_is(tmp_path, monkeypatch):
+    from jddp.data import datasets
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    os.symlink(victim, data_dir / ".lock")
+    with pytest.raises(DataError) as error:
+        with datasets._exclusive(str(data_dir / ".lock")):
+            pass
+    assert_one_line(error, "a symbolic link", "remove it")
+    assert victim.read_text() == "precious\n"  # neither followed nor truncated
+    (data_dir / ".held").write_text("an older holder\n")
+    with datasets._exclusive(str(data_dir / ".held")):
+        assert (data_dir / ".held").read_text() == "an older holder\n"
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    with pytest.raises(DataError) as error:
+        with datasets._exclusive(str(data_dir / ".held")):
+            pass
+    assert_one_line(error, "no working flock", "local disk")

@@ -12,6 +12,7 @@ tokenized by a Hugging Face tokenizer (jddp/data/tokenizer.py) instead of by cha
 import contextlib
 import dataclasses
 import difflib
+import errno
 import fcntl
 import functools
 import os
@@ -230,12 +231,28 @@ def _exclusive(path: str):
         yield
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as lock:
+    try:  # never through a link planted in a shared data dir, never truncating
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise DataError(
+            f"the data dir's lock file {path} cannot be opened ({e.strerror}"
+            f"{': a symbolic link' if e.errno == errno.ELOOP else ''}); remove it (jddp "
+            "creates a plain file)"
+        ) from None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError as e:
+        os.close(lock)
+        raise DataError(
+            f"cannot lock {path} ({e.strerror}): its file system has no working flock (NFS "
+            "without lockd, Lustre without the flock mount option); use a data dir on a local "
+            "disk, or mount with locking"
+        ) from None
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
 
 
 def _own_dataset_spec(own: user_data.OwnData, tokenizer=None) -> DatasetSpec:

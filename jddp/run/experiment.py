@@ -17,7 +17,8 @@ from absl import logging
 
 from jddp import data, loop
 from jddp.checkpoints import hf
-from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints.export import export_params
+from jddp.checkpoints.folder import check_checkpoints_dir
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
@@ -33,7 +34,7 @@ from jddp.runtime.rollback import RollbackPolicy
 def check_workdir(workdir: str, *, resumable: bool) -> None:
     """`jddp.runtime.workdir.check_workdir` and the checkpoint folder's own checks (readable;
     checkpoints only where checkpointing is on), their fixes worded for the command line."""
-    checkpoint.check_checkpoints_dir(
+    check_checkpoints_dir(
         os.path.join(workdir, "checkpoints"),
         checkpointing=resumable,
         names=("--workdir", "--config.checkpoint_every"),
@@ -234,7 +235,7 @@ def train_and_evaluate(
         record_hook(step, state, {})
         if not final_eval:  # resumed at the last step, before its export
             final_eval = loop.evaluate_metrics(trainer, state, eval_pass(), objective.eval_extras)
-        checkpoint.export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
+        export_params(os.path.join(workdir, "export"), trainer.host_state(state).params)
         summary = {f"eval_{k}": v for k, v in final_eval.items() if k != "count"}
         summary["wall_time_sec"] = time.perf_counter() - start_time
         if jax.process_index() == 0:

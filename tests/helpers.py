@@ -101,7 +101,8 @@ def save_and_restore(writer, state, reader, sample_batch, directory: str, step: 
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
     `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns
     (step, state, meta)."""
-    from jddp.checkpoints.store import Checkpoints, restore_layout
+    from jddp.checkpoints.compatibility import restore_layout
+    from jddp.checkpoints.store import Checkpoints
 
     checkpoints = Checkpoints(directory, every=step, max_to_keep=2)
     checkpoints.save(step, writer.global_state(state), {"data": None}, force=True)

@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp.checkpoints.store import shapes_by_path  # noqa: E402
+from jddp.checkpoints.compatibility import shapes_by_path  # noqa: E402
 from tests.reference import (  # noqa: E402
     TENSOR_RULES,
     SmallNet,

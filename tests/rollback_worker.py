@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp.checkpoints.store import shapes_by_path  # noqa: E402
+from jddp.checkpoints.compatibility import shapes_by_path  # noqa: E402
 from tests.reference import SmallNet, make_batches, optimizer_for, per_example_ce  # noqa: E402
 
 POISONED, STEPS, EVERY = 7, 14, 4

@@ -22,7 +22,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jddp
-from jddp.checkpoints import damage, store, weights
+from jddp.checkpoints import damage, orbax_noise, weights
+from jddp.checkpoints.folder import numbered
+from jddp.checkpoints.peek import peek_latest
 from jddp.errors import CheckpointUnreadable
 from jddp.run.cli import exit_code
 from tests.helpers import assert_one_line, snapshot
@@ -94,10 +96,10 @@ def read_beside(workdir, action: str):
                 return ("none",)
             return "state", int(state.step), trainer().host_state(state).params
         if action == "peek":
-            found = store.peek_latest(str(workdir / "checkpoints"))
+            found = peek_latest(str(workdir / "checkpoints"))
             return ("none",) if found is None else ("meta", found[0]["step"])
         if action == "export":  # what jddp-export reads
-            if not store.numbered(str(workdir / "checkpoints")):  # none committed yet
+            if not numbered(str(workdir / "checkpoints")):  # none committed yet
                 return ("none",)
             found = weights.load_weights(str(workdir))
             step = int(found.source.split(os.sep)[-2])
@@ -228,4 +230,4 @@ def test_real_damage_is_skipped_by_readers_and_set_aside_by_the_holder_without_t
     assert_same(params[STEPS], undisturbed[1][STEPS])
     assert [p.split("-")[0] for p in os.listdir(workdir / "checkpoints_damaged")] == [str(STEPS)]
     gc.collect()
-    assert reported == [] and store._suspended_reads() == []
+    assert reported == [] and orbax_noise.suspended_reads() == []

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jddp
-from jddp.checkpoints import store
+from jddp.checkpoints.peek import peek_latest
 from jddp.errors import TrainingHalted
 from tests.helpers import BeforeRerun, assert_one_line, committed_checkpoints
 from tests.reference import (
@@ -98,7 +98,7 @@ def test_a_nan_batch_is_rolled_back_and_skipped_and_a_resume_skips_it_too(tmp_pa
         "skipped_batches": [5, 7],
         "in_a_row": 1,
     }
-    meta = store.peek_latest(str(workdir / "checkpoints"))[0]
+    meta = peek_latest(str(workdir / "checkpoints"))[0]
     assert meta["step"] == STEPS and meta["skipped_batches"] == [[5, 7]]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from jddp.checkpoints import store
+from jddp.checkpoints import peek
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.layer_stacks import Stack
 from jddp.core.task import Task
@@ -26,15 +26,15 @@ from tests.tiny_gpt_config import gpt_config
 
 @pytest.fixture
 def metadata_reads(monkeypatch):
-    """The directories whose newest checkpoint's metadata was read (`store.peek_latest`, the
+    """The directories whose newest checkpoint's metadata was read (`peek.peek_latest`, the
     one reader of it), in order."""
-    reads, read = [], store.peek_latest
+    reads, read = [], peek.peek_latest
 
     def counted(directory):
         reads.append(directory)
         return read(directory)
 
-    monkeypatch.setattr(store, "peek_latest", counted)
+    monkeypatch.setattr(peek, "peek_latest", counted)
     return reads
 
 

@@ -2,7 +2,8 @@
 path: structure (empty nodes included: optax's EmptyState, an unused gradient compression state),
 shapes and dtypes, with stacked and per-layer blocks compared layer by layer. A state that does
 not fit is another model or setup, never damage: `Checkpoints.restore_latest` raises the
-ShapeError this gives and moves nothing."""
+ShapeError this gives and moves nothing. Also the parameters' shapes by path (what `init_from`
+compares), and how a checkpoint whose layers are stacked differently from this run's is read."""
 
 import jax
 import numpy as np
@@ -128,3 +129,54 @@ def is_misfit(error: Exception) -> bool:
     structure, or a shape it would have to truncate or pad), rather than because of the files."""
     text = str(error)
     return "tree structures do not match" in text or "is not compatible with the stored" in text
+
+
+def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
+    """{"params/hidden_0/kernel": (64, 256), ...} for any tree of arrays or array metadata."""
+    return {
+        path_str(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def first_mismatch(expected: dict, actual: dict, source: str) -> str | None:
+    """The first parameter whose path or shape differs between two `shapes_by_path` dicts."""
+    for path, shape in expected.items():
+        if path not in actual:
+            return f"{source} has no parameter {path!r} (the model's has shape {shape})"
+        if actual[path] != shape:
+            return (
+                f"parameter {path!r} has shape {actual[path]} in {source} but {shape} in the model"
+            )
+    for path, shape in actual.items():
+        if path not in expected:
+            return f"{source} has a parameter {path!r} of shape {shape} that the model lacks"
+    return None
+
+
+def model_mismatch(abstract_state, saved_shapes: dict, source: str) -> str | None:
+    """The first path or shape where a checkpoint's state (`saved_shapes`, by path) differs from
+    `abstract_state`, layer by layer (stacked and per-layer blocks compare equal); None if it
+    fits."""
+    return first_mismatch(
+        layer_stacks.per_layer_shapes(shapes_by_path(abstract_state)),
+        layer_stacks.per_layer_shapes(saved_shapes),
+        source,
+    )
+
+
+def restore_layout(abstract_state, saved_shapes):
+    """(what to restore into, a function to this run's layout or None): a checkpoint whose
+    layers are stacked differently from this run's (a pipelined run's, a plain run's) is read in
+    its own layout and converted on the devices, into this run's shardings."""
+    ours = layer_stacks.is_stacked(shapes_by_path(abstract_state))
+    if layer_stacks.is_stacked(saved_shapes) == ours:
+        return abstract_state, None
+    target = (
+        layer_stacks.to_per_layer(abstract_state)
+        if ours
+        else layer_stacks.to_stacked(abstract_state)
+    )
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+    convert = layer_stacks.to_stacked if ours else layer_stacks.to_per_layer
+    return target, jax.jit(convert, out_shardings=shardings)

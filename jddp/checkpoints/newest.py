@@ -8,7 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jddp.checkpoints import store
+from jddp.checkpoints import peek
+from jddp.checkpoints.compatibility import shapes_by_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,7 @@ class NewestCheckpoint:
         """Reads `workdir/checkpoints`' newest checkpoint's metadata files (nothing when
         `checkpointing` is off: such a run resumes nothing)."""
         directory = os.path.join(workdir, "checkpoints")
-        found = store.peek_latest(directory) if checkpointing else None
+        found = peek.peek_latest(directory) if checkpointing else None
         return cls(directory, *(found or ()))
 
     @property
@@ -44,4 +45,4 @@ class NewestCheckpoint:
 
     def saved_shapes(self) -> dict[str, tuple[int, ...]]:
         """{path: shape} of every saved state leaf."""
-        return store.shapes_by_path(self.saved_tree)
+        return shapes_by_path(self.saved_tree)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jddp.checkpoints import store
+from jddp.checkpoints.compatibility import restore_layout
 from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
 from jddp.errors import CheckpointError, UsageError, WorkdirError
@@ -74,7 +74,7 @@ def restore(directory: str, trainer, sample_batch: Batch, *, step: int | None = 
     abstract = trainer.abstract_state(sample_batch)
     checkpoints = Checkpoints(folder, read_only=True)  # beside a live run: it changes nothing
     try:
-        found = checkpoints.restore_latest(abstract, layout=store.restore_layout, step=step)
+        found = checkpoints.restore_latest(abstract, layout=restore_layout, step=step)
     finally:
         checkpoints.close()
     return None if found is None else found[1]

@@ -14,14 +14,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from jddp.checkpoints.store import (
-    META,
-    STATE,
-    numbered,
-    read_failure,
-    saved_tree,
-    shapes_by_path,
-)
+from jddp.checkpoints.compatibility import shapes_by_path
+from jddp.checkpoints.damage import META, STATE
+from jddp.checkpoints.folder import numbered
+from jddp.checkpoints.peek import saved_tree
+from jddp.checkpoints.read_verdicts import read_failure
 from jddp.errors import CheckpointError
 from jddp.runtime.quiet import library_warnings_muted
 

@@ -27,7 +27,7 @@ _PER_LAYER_KEY = re.compile(rf"^{PER_LAYER}(\d+)$")
 
 
 def is_stacked(shapes: dict[str, tuple]) -> bool:
-    """Whether a `{path: shape}` dict (jddp.checkpoints.store.shapes_by_path) holds stacked
+    """Whether a `{path: shape}` dict (jddp.checkpoints.compatibility.shapes_by_path) holds stacked
     blocks."""
     return any(f"/{STACKED}/" in f"/{path}" for path in shapes)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 import jax
 from absl import logging
 
-from jddp.checkpoints import store
+from jddp.checkpoints.folder import check_checkpoints_dir
 from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
 from jddp.data.prefetch import prefetch_to_device
@@ -108,9 +108,7 @@ def fit(
         profile_steps=profile_steps,
         device_prefetch=device_prefetch,
     )
-    store.check_checkpoints_dir(
-        os.path.join(workdir, "checkpoints"), checkpointing=checkpoint_every > 0
-    )
+    check_checkpoints_dir(os.path.join(workdir, "checkpoints"), checkpointing=checkpoint_every > 0)
     check_workdir(workdir, resumable=checkpoint_every > 0, name="workdir")
     # An iterator is used as it is (one with `__next__` but no `__iter__` too), else iterated.
     batches = train_batches if hasattr(train_batches, "__next__") else iter(train_batches)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jddp.checkpoints import store
+from jddp.checkpoints.compatibility import restore_layout
 from jddp.errors import DataError
 from jddp.version import __version__
 
@@ -22,7 +22,7 @@ def restore_or_start(trainer, checkpoints, sample_batch, seed, given, check, led
         abstract = trainer.abstract_state(sample_batch)
         with ledger.timing("restore"):
             step, state, meta = checkpoints.restore_latest(
-                abstract, check, store.restore_layout, fix="or pass a new workdir to train afresh"
+                abstract, check, restore_layout, fix="or pass a new workdir to train afresh"
             )
         return step, state, meta
     if given is None:

@@ -8,7 +8,7 @@ import os
 import jax
 from absl import logging
 
-from jddp.checkpoints import store
+from jddp.checkpoints.compatibility import restore_layout
 from jddp.checkpoints.store import Checkpoints
 from jddp.core.state import TrainState
 from jddp.errors import DataError
@@ -148,7 +148,7 @@ class Steps:
                 to_step, restored, _ = self.checkpoints.restore_latest(
                     self.trainer.abstract_state(self.sample_batch),
                     self.settings.checkpointing.check,
-                    store.restore_layout,
+                    restore_layout,
                     fix="or pass a new workdir to train afresh",
                 )
         note = self.rollbacks.rolled_back(step, to_step, reason)

@@ -46,7 +46,7 @@ def program_quiet() -> quiet.SharedChange:
     """What jddp's programs keep off their console: orbax's and TFDS's INFO chatter, and the
     reports of checkpoint and TensorBoard failures that jddp has reported itself in one line
     (some come late: when the garbage collector reaches orbax's abandoned tasks, or at exit)."""
-    from jddp.checkpoints.store import FAILURES_REPORTED
+    from jddp.checkpoints.orbax_noise import FAILURES_REPORTED
     from jddp.observe.metrics_writer import TENSORBOARDX_FAILURES
 
     return quiet.together(quiet.LIBRARY_INFO_KEPT_OUT, FAILURES_REPORTED, TENSORBOARDX_FAILURES)

@@ -17,7 +17,8 @@ from absl import logging
 
 from jddp import data, loop
 from jddp.checkpoints import hf
-from jddp.checkpoints import store as checkpoint
+from jddp.checkpoints.export import export_params
+from jddp.checkpoints.folder import check_checkpoints_dir
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import check_divisible
 from jddp.errors import ConfigError
@@ -36,7 +37,7 @@ SUMMARY = "summary.json"
 def check_workdir(workdir: str, *, resumable: bool) -> None:
     """`jddp.runtime.workdir.check_workdir` and the checkpoint folder's own checks (readable;
     checkpoints only where checkpointing is on), their fixes worded for the command line."""
-    checkpoint.check_checkpoints_dir(
+    check_checkpoints_dir(
         os.path.join(workdir, "checkpoints"),
         checkpointing=resumable,
         names=("--workdir", "--config.checkpoint_every"),
@@ -264,7 +265,7 @@ def write_export(workdir: str, params) -> None:
     replaced only once the new one is complete (written beside it, then swapped in)."""
     export = os.path.join(workdir, "export")
     with atomic_write.replacing_directory(export, swap=jax.process_index() == 0) as staged:
-        checkpoint.export_params(staged, params)
+        export_params(staged, params)
 
 
 def _rollback_policy(config) -> RollbackPolicy | None:

@@ -23,12 +23,12 @@ def export_run(
     files it copied)."""
     from jddp import models
     from jddp.checkpoints import hf, weights
-    from jddp.checkpoints import store as checkpoint
+    from jddp.checkpoints.peek import peek_latest
 
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(workdir):
         raise CheckpointError(f"{workdir} does not exist; pass the --workdir of a jddp run")
-    found = checkpoint.peek_latest(directory)
+    found = peek_latest(directory)
     if found is None:
         raise CheckpointError(
             f"{workdir} holds no checkpoint; pass the --workdir of a run that saved one "

@@ -12,7 +12,6 @@ from absl import logging
 
 from jddp import models
 from jddp.checkpoints import compatibility, hf, weights
-from jddp.checkpoints import store as checkpoint
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core import layer_stacks
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
@@ -217,7 +216,7 @@ def _check_comm_state(meta, saved_shapes, config, abstract_state, directory) -> 
     run keeps: its error feedback and factors belong to the compression it was saved with."""
     ours = {
         path: shape
-        for path, shape in checkpoint.shapes_by_path(abstract_state).items()
+        for path, shape in compatibility.shapes_by_path(abstract_state).items()
         if path.startswith("comm_state/")
     }
     if ours == {p: s for p, s in saved_shapes.items() if p.startswith("comm_state/")}:
@@ -252,7 +251,7 @@ def _check_init_from(config, abstract_state, model) -> None:
     if model_state is not None and jax.tree.leaves(abstract_state.model_state):
         trees.append((abstract_state.model_state, model_state))
     for tree, shapes in trees:
-        mismatch = checkpoint.model_mismatch(tree, shapes, f"init_from {saved!r}")
+        mismatch = compatibility.model_mismatch(tree, shapes, f"init_from {saved!r}")
         if mismatch:
             raise CheckpointError(f"{mismatch}; point init_from at weights of the same model")
     if config.init_from_optimizer and weights.jddp_state_in(config.init_from) is None:
@@ -286,7 +285,7 @@ def _init_from(trainer, state, config, sample_batch):
             "%s holds no batch statistics: the model's start from their initial values",
             saved.source,
         )
-    stacked = layer_stacks.is_stacked(checkpoint.shapes_by_path(state.params))
+    stacked = layer_stacks.is_stacked(compatibility.shapes_by_path(state.params))
     convert = layer_stacks.to_stacked if stacked else layer_stacks.to_per_layer
     state = trainer.replace_state(
         state,
@@ -295,7 +294,7 @@ def _init_from(trainer, state, config, sample_batch):
     )
     if config.init_from_optimizer:
         abstract = trainer.abstract_state(sample_batch)
-        target, to_ours = checkpoint.restore_layout(
+        target, to_ours = compatibility.restore_layout(
             abstract, weights.state_shapes(config.init_from)
         )
         loaded = weights.load_state(config.init_from, target)

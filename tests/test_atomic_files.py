@@ -12,7 +12,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jddp.checkpoints import hf, hf_files, store
+from jddp.checkpoints import hf, hf_files
+from jddp.checkpoints.export import export_params
 from jddp.checkpoints.weights import load_params
 from jddp.errors import CheckpointError
 from jddp.run import experiment
@@ -80,7 +81,7 @@ def test_force_keeps_the_old_export_until_the_new_one_is_complete(tmp_path):
     for interruption in (RuntimeError, KeyboardInterrupt):
         with pytest.raises(interruption):  # the new export written, then cut before the swap
             with atomic_write.replacing_directory(export) as staged:
-                store.export_params(staged, second)
+                export_params(staged, second)
                 assert sorted(os.listdir(workdir)) == ["export", "export.next"]
                 raise interruption
         assert sorted(os.listdir(workdir)) == ["export"]  # nothing of the cut one is left

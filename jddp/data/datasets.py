@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from jddp.data import text, transforms, user_data
+from jddp.data import text, token_file, transforms, user_data
 from jddp.data import tokenizer as tokenizer_lib
 from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.cifar import Cifar10, Cifar100
@@ -289,13 +289,16 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
     if spec.own is not None:
         return Dataset(spec, spec.own.train, spec.own.eval, transform)
     if spec.builder_class is None and spec.tokenizer is not None:  # a text file: one document
-        documents = {spec.train_split: [text.read_text_file(spec.text_file)], spec.eval_split: None}
+        tokens = token_file.tokenized_text_file(
+            spec.text_file, spec.tokenizer, options.resolved_data_dir, _exclusive
+        )  # a token file, encoded by the first run
         fraction = text.TEXT_FILE_TEST_FRACTION
+        parts = dict(zip(splits, tokenizer_lib.split_tokens(tokens, fraction), strict=True))
         where = {
             spec.train_split: f"the first {1 - fraction:g} of the tokens of {spec.text_file}",
             spec.eval_split: f"the last {fraction:g} of the tokens of {spec.text_file}",
         }
-        return _tokenized_splits(spec, options, documents, where, transform, fraction)
+        return _windows(spec, options, parts, where, transform, "tokens")
     if spec.builder_class is None:  # a local text file, read a window at a time
         tokens = text.text_file_tokens(spec.text_file, spec.vocabulary)
         where = {split: f"the {split} part of {spec.text_file}" for split in splits}

@@ -3,7 +3,8 @@
 Token i is character `vocabulary[i]`; vocabularies are sorted by code point. A split's text is one
 token sequence; its examples are windows of it (`TokenWindows`), which `transforms.NextCharacter`
 turns into `inputs` and `targets`. Text tokenized by a Hugging Face tokenizer (tokenizer.py) is
-one token array as well, cut into the same windows.
+one token array as well (a text file's, a memory-mapped token file: token_file.py), cut into the
+same windows.
 
 A text file is never held whole: `scan_text_file` reads it a chunk at a time for its vocabulary,
 its length in characters and a small index (the characters before every block of bytes), and
@@ -15,6 +16,7 @@ import codecs
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -133,20 +135,37 @@ def _too_few_characters(path: str) -> DataError:
     return DataError(f"data.text_file {path!r} holds fewer than 2 distinct characters")
 
 
-def read_text_file(path: str) -> str:
-    """The UTF-8 text of `path` whole (a tokenizer's one document), or a DataError naming the
-    problem."""
+def read_text_pieces(path: str, max_chars: int) -> Iterator[str]:
+    """The UTF-8 text of `path` in successive pieces of at most `max_chars` characters (a
+    tokenizer's input), each but the last ending after its last line break, else after its last
+    space or tab; the file is read SCAN_CHUNK_BYTES at a time, never whole. A DataError for a
+    file that is not UTF-8."""
     _check_text_path(path)
+    decoder, text, offset = codecs.getincrementaldecoder("utf-8")(), "", 0
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise _not_utf8(path, e, e.start) from None
+        with open(path, "rb") as f:
+            while True:
+                chunk, pending = f.read(SCAN_CHUNK_BYTES), decoder.getstate()[0]
+                try:
+                    text += decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(path, e, offset - len(pending) + e.start) from None
+                offset += len(chunk)
+                while len(text) > max_chars or (text and not chunk):
+                    piece = text[:max_chars]
+                    cut = _piece_end(piece) if len(text) > max_chars else len(piece)
+                    yield piece[:cut]
+                    text = text[cut:]
+                if not chunk:
+                    return
     except OSError as e:
         raise DataError(f"data.text_file {path!r} cannot be read: {e.strerror}") from None
-    if len(set(text)) < 2:
-        raise _too_few_characters(path)
-    return text
+
+
+def _piece_end(piece: str) -> int:
+    """Where to cut `piece`: after its last line break, else its last space or tab, else at its
+    end (a line with no space in `max_chars` characters)."""
+    return piece.rfind("\n") + 1 or max(piece.rfind(" "), piece.rfind("\t")) + 1 or len(piece)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,6 +183,11 @@ class TextFileIndex:
 
 def _identity(stat: os.stat_result) -> tuple:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def file_identity(path: str) -> tuple:
+    """(device, inode, size, mtime_ns) of `path`: another value is another file, or changed."""
+    return _identity(os.stat(path))
 
 
 def scan_text_file(path: str) -> TextFileIndex:
@@ -220,7 +244,24 @@ def _scan(path: str, identity: tuple, chunk_bytes: int, block_bytes: int) -> Tex
     )  # fmt: skip
 
 
-class TextTokens:
+class TokenReads:
+    """Slices and `np.asarray` of a token source that is read a window at a time (`len` and
+    `windows(starts, length)`), as int32 arrays."""
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        start, stop, step = part.indices(len(self))
+        if step != 1:
+            raise ValueError(f"{type(self).__name__} are sliced with a step of 1")
+        if stop <= start:
+            return np.zeros(0, np.int32)
+        return self.windows(np.array([start]), stop - start)[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        tokens = self[:]
+        return tokens if dtype is None else tokens.astype(dtype)
+
+
+class TextTokens(TokenReads):
     """Characters [start, stop) of a scanned file as int32 token ids, read from the file when
     asked: `len`, slices, `windows` and `np.asarray` as a 1-D token array would. Pickled (to a
     loader worker), it carries the index, not the text."""
@@ -235,18 +276,6 @@ class TextTokens:
 
     def __len__(self) -> int:
         return self.stop - self.start
-
-    def __getitem__(self, part: slice) -> np.ndarray:
-        start, stop, step = part.indices(len(self))
-        if step != 1:
-            raise ValueError("TextTokens are sliced with a step of 1")
-        if stop <= start:
-            return np.zeros(0, np.int32)
-        return self.windows(np.array([start]), stop - start)[0]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        tokens = self[:]
-        return tokens if dtype is None else tokens.astype(dtype)
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """int32 [len(starts), length]: the tokens from each start (relative to this split)."""

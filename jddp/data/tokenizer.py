@@ -7,11 +7,17 @@ text (text.py), so order, shuffling, resume and per-process reading stay those o
 
 Eval split by a fraction: the last fraction of the documents where there are several, else (one
 document, as a text file is) the last fraction of its tokens.
+
+A large document (a text file) is encoded a piece at a time (`encode_pieces`): its pieces without
+the post-processor's special tokens, joined where a text held back from one encode and encoded
+again with the next gives the same token, and the special tokens added once around the whole.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -25,6 +31,15 @@ EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 # has tokens for is a damaged file (an id of 2**31 would size it), not a vocabulary.
 MAX_ID_SPREAD = 2
 _ENCODE_CHUNK = 1024  # documents per encode_batch call: bounds the Encoding objects held at once
+# The longest text one encode call gets. An encode's peak is ~600 bytes a token (its Encoding's
+# tokens, offsets, masks): 256 KiB of English peaked at 80 MB here, 1 MiB at 260 MB, and 1 MiB
+# encodes left the heap fragmented (the resident set drifting up by 100 MB over 40 of them).
+ENCODE_CHARS = 1 << 18
+# A cut between two encodes: the tokens of the text's last CUT_CONTEXT characters are held back and
+# encoded again with the next piece, after CUT_CONTEXT characters that come before them.
+CUT_CONTEXT = 1024
+HELD_CHARS = 4 * CUT_CONTEXT  # the most text one encode passes on to the next
+PIECE_CHARS = ENCODE_CHARS - HELD_CHARS  # a piece of text, with what is held, fits one encode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +77,68 @@ class TextTokenizer:
     def decode(self, tokens) -> str:
         """Token ids back to text, special tokens (the end-of-document token) kept."""
         return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+
+    def encode_pieces(self, pieces: Iterable[str]) -> Iterator[np.ndarray]:
+        """One document given as successive pieces of text (each at most PIECE_CHARS characters)
+        as int32 arrays that together are its `pack`: the ids of `encode(text)` of the whole
+        text, then the end-of-document id; no encode call gets more than ENCODE_CHARS.
+
+        The rule at a cut: each encode is without special tokens; the tokens starting in its last
+        CUT_CONTEXT characters are held back, and that text is encoded again at the head of the
+        next piece, after up to CUT_CONTEXT characters of context; the second encode continues
+        after the last token given, found in it with the same characters and id. Tokens that
+        depend on no more than CUT_CONTEXT characters around them come out as the whole text's
+        (tried: byte-level BPE, SentencePiece-style BPE, word-level); a longer run the tokenizer
+        never splits may come out split differently. The post-processor's special tokens (a BOS
+        first) are added once, around the whole document."""
+        tokenizer = self._untruncated()
+        first, last = _added_around(tokenizer)
+        yield np.array(first, np.int32)
+        held, held_at, given = "", 0, None  # carried text, where it starts; the last token given
+        pieces = iter(pieces)
+        piece = next(pieces, None)
+        while piece is not None:
+            following, window = next(pieces, None), held + piece
+            encoding = tokenizer.encode(window, add_special_tokens=False)
+            ids = np.asarray(encoding.ids, np.int64)
+            starts, ends = (held_at + np.asarray(encoding.offsets, np.int64).reshape(-1, 2)).T
+            end = held_at + len(window)
+            if given is None:
+                begin = 0
+            else:  # after the last token given; if this encode lacks it, after its characters
+                same = (starts == given[0]) & (ends == given[1]) & (ids == given[2])
+                begin = _first(same) + 1 if same.any() else _first(starts >= given[1])
+            stop = (
+                len(ids)
+                if following is None
+                else begin + _first(starts[begin:] >= end - CUT_CONTEXT)
+            )
+            yield ids[begin:stop].astype(np.int32)
+            if stop > begin:
+                given = (int(starts[stop - 1]), int(ends[stop - 1]), int(ids[stop - 1]))
+            # Held: from CUT_CONTEXT before the last token given; nothing past it starts earlier.
+            keep = max(end - HELD_CHARS, held_at if given is None else given[0] - CUT_CONTEXT)
+            held, held_at, piece = window[keep - held_at :], keep, following
+        yield np.array([*last, self.eos_id], np.int32)
+
+    def identity(self) -> str:
+        """A digest of the tokenizer (all it is: normalizer, model, post-processor...) and its
+        end-of-document id: the same digest, the same tokens."""
+        digest = hashlib.sha256(self.tokenizer.to_str().encode())
+        digest.update(str(self.eos_id).encode())
+        return digest.hexdigest()
+
+    def _untruncated(self):
+        """The tokenizer, or a copy without the truncation or padding a tokenizer.json may set
+        (a piece truncated would lose text)."""
+        if self.tokenizer.truncation is None and self.tokenizer.padding is None:
+            return self.tokenizer
+        from tokenizers import Tokenizer
+
+        copy = Tokenizer.from_str(self.tokenizer.to_str())
+        copy.no_truncation()
+        copy.no_padding()
+        return copy
 
 
 def load_tokenizer(path: str, eos_token: str = "") -> TextTokenizer:
@@ -166,7 +243,24 @@ def held_out_documents(count: int, fraction: float, where: str) -> int:
     return held
 
 
-def split_tokens(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(the first 1 - `fraction` of `tokens`, the last `fraction`): one document's split."""
+def split_tokens(tokens, fraction: float):
+    """(the first 1 - `fraction` of `tokens`, the last `fraction`): one document's split, as
+    arrays, or as `part`s of a token file."""
     cut = int(len(tokens) * (1 - fraction))
+    if hasattr(tokens, "part"):
+        return tokens.part(0, cut), tokens.part(cut, len(tokens))
     return tokens[:cut], tokens[cut:]
+
+
+def _added_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after a text (a BOS, or [CLS] and [SEP])."""
+    encoding = tokenizer.encode("a", add_special_tokens=True)
+    text = [i for i, sequence in enumerate(encoding.sequence_ids) if sequence is not None]
+    if not text:  # "a" gave no token: all the added ones go first
+        return encoding.ids, []
+    return encoding.ids[: text[0]], encoding.ids[text[-1] + 1 :]
+
+
+def _first(flags: np.ndarray) -> int:
+    """The index of the first true flag, or len(flags) if none is."""
+    return int(np.argmax(flags)) if flags.any() else len(flags)

@@ -9,17 +9,16 @@ identity (device, inode, size, modification time) and the tokenizer's: a job's p
 loader workers and later runs read the one file; a changed text or tokenizer is encoded again.
 """
 
-import contextlib
 import glob
 import hashlib
 import os
-import uuid
 
 import numpy as np
 
 from jddp.data import text
 from jddp.data import tokenizer as tokenizer_lib
 from jddp.errors import DataError
+from jddp.runtime import atomic_write
 from jddp.runtime.fs import directory_problem
 
 FOLDER = "tokenized"  # under the data dir, beside TFDS's datasets and `decoded/`
@@ -95,27 +94,14 @@ def _write(target: str, path: str, identity: tuple, tokenizer, dtype: np.dtype) 
     Called under the lock: a temporary file of the same name left behind is a dead encode's."""
     folder, name = os.path.split(target)
     os.makedirs(folder, exist_ok=True)
-    for left in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial")):
+    left_by = f".{glob.escape(name)}.*{atomic_write.TEMPORARY_SUFFIX}"
+    for left in glob.glob(os.path.join(glob.escape(folder), left_by)):
         os.unlink(left)
-    partial = os.path.join(folder, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(partial, "wb") as out:
-            for ids in _encoded(path, tokenizer):
-                out.write(ids.astype(dtype).tobytes())
-            out.flush()
-            os.fsync(out.fileno())
-        if _identity(path) != identity:
+    with atomic_write.replacing(target, binary=True) as out:
+        for ids in _encoded(path, tokenizer):
+            out.write(ids.astype(dtype).tobytes())
+        if _identity(path) != identity:  # nothing is published
             raise DataError(
                 f"data.text_file {path!r} changed while it was tokenized; leave it unchanged "
                 "while a run reads it"
             )
-        os.replace(partial, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-        raise
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

@@ -23,7 +23,7 @@ _DIRECTORY_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, e
 
 def write_text(path: str, text: str) -> None:
     """Writes `text` (UTF-8) to `path`, whole or not at all."""
-    with _replacing(path) as f:
+    with replacing(path) as f:
         f.write(text)
 
 
@@ -32,21 +32,25 @@ def write_json(path: str, document, *, durable: bool = True, **dump_options) -> 
     at all: a value that cannot be serialized leaves the old file as it was. Without `durable`
     nothing is fsynced: still whole when the process dies, but not when the machine does (for a
     file rewritten every second, that is made durable at longer intervals)."""
-    with _replacing(path, durable) as f:
+    with replacing(path, durable=durable) as f:
         json.dump(document, f, **dump_options)
         f.write("\n")
 
 
+TEMPORARY_SUFFIX = ".tmp"  # `.NAME.RANDOM.tmp` beside NAME while it is written
+
+
 @contextlib.contextmanager
-def _replacing(path: str, durable: bool = True):
-    """A text file to write; on leaving the block it is fsynced (`durable`) and renamed to
-    `path`, or, on an exception, removed."""
+def replacing(path: str, *, binary: bool = False, durable: bool = True):
+    """A file to write (text, UTF-8, or `binary`); on leaving the block it is fsynced
+    (`durable`) and renamed to `path`, or, on an exception, removed."""
     folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    name = f".{os.path.basename(path)}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}"
+    temporary = os.path.join(folder, name)
     # 0o666 less the umask, as open(path, "w") would create it (mkstemp's 0o600 would not)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             yield f
             f.flush()
             if durable:

@@ -344,3 +344,20 @@ def tiny_llama_config(**overrides):
         tie_word_embeddings=False,
     )
     return transformers.LlamaConfig(**(fields | overrides))
+
+
+def config_flags(settings: dict) -> list[str]:
+    """{dotted config key: value} as the command's `--config.KEY=VALUE` flags."""
+    return [f"--config.{key}={value}" for key, value in settings.items()]
+
+
+def configured(config, settings: dict):
+    """`config` with each {dotted key: value} of `settings` set, as `config_flags(settings)` set
+    them on the command line; returns `config`."""
+    for key, value in settings.items():
+        *path, leaf = key.split(".")
+        node = config
+        for name in path:
+            node = node[name]
+        node[leaf] = value
+    return config

@@ -115,24 +115,28 @@ def _final_params(workdir):
 
 
 def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
-    """The pipelined run's config.json records the model_args config.json filled in; jddp-export
-    of it: transformers' logits equal jddp's from the run's newest checkpoint, and the
-    checkpoint's tokenizer and special token ids go along."""
+    """The pipelined run's config.json records the model_args config.json filled in; exported
+    (float32, and bfloat16 by jddp-export): transformers' logits equal jddp's from the run's
+    newest checkpoint, and the checkpoint's tokenizer and special token ids go along."""
     from jddp.models import Llama
 
     recorded = json.loads((llama_dir / "run" / "config.json").read_text())["model_args"]
     assert recorded["num_kv_heads"] == 2 and recorded["vocab_size"] == VOCAB
 
-    out = llama_dir / "export"
-    exported = _export("--format=hf", pipelined_run, out, "--max_shard_size=20KB")
+    # The installed command writes the bfloat16 export; the float32 one, held to transformers'
+    # logits, by the function it calls (`export_run`), here: a process less.
+    out, half = llama_dir / "export", llama_dir / "export-bf16"
+    flags = ["--max_shard_size=20KB", "--dtype=bfloat16"]
+    exported = _export("--format=hf", pipelined_run, half, *flags)
     assert exported.returncode == 0, exported.stderr
-    assert (out / "model.safetensors.index.json").exists()
-    assert (out / "tokenizer.json").read_bytes() == (
-        llama_dir / "llama" / "tokenizer.json"
-    ).read_bytes()
+    export.export_run(str(pipelined_run), str(out), max_shard_bytes=20_000)
     original = json.loads((llama_dir / "llama" / "config.json").read_text())
-    written = json.loads((out / "config.json").read_text())
-    assert written["eos_token_id"] == original["eos_token_id"] is not None
+    tokenizer = (llama_dir / "llama" / "tokenizer.json").read_bytes()
+    for folder in (out, half):
+        assert (folder / "model.safetensors.index.json").exists()
+        assert (folder / "tokenizer.json").read_bytes() == tokenizer
+        written = json.loads((folder / "config.json").read_text())
+        assert written["eos_token_id"] == original["eos_token_id"] is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
@@ -144,13 +148,14 @@ def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
     assert_error_exit(again, "not empty")
 
     # bfloat16 on disk: each tensor the float32 export's, rounded; it imports back as those.
-    half = llama_dir / "export-bf16"
-    assert _export("--format=hf", pipelined_run, half, "--dtype=bfloat16").returncode == 0
     full_tensors, half_tensors = safetensors_in(out), safetensors_in(half)
     for name, value in full_tensors.items():
         assert half_tensors[name].dtype == jnp.bfloat16, (name, half_tensors[name].dtype)
         np.testing.assert_array_equal(half_tensors[name], value.astype(jnp.bfloat16))
     assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(half)  # the command's output
+    their_embedding = loaded.get_input_embeddings().weight.detach().float().numpy()
+    assert np.array_equal(their_embedding, half_tensors["model.embed_tokens.weight"])
     model = hf.create_model(str(half))
     trainer = jddp.Trainer(model, lambda *_: 0.0, optax.sgd(0.0), input_key="inputs")
     state = hf.load(trainer, trainer.abstract_state({"inputs": tokens}), str(half))

@@ -39,7 +39,8 @@ def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path, optimized):
     config = digits_cnn.get_config()
     config.compute_dtype = "bfloat16"
     config.grad_accum_steps = 2
-    config.num_train_steps = config.eval_every = 80  # 0.978 here (as at 150 steps)
+    # 0.950 here in 40 steps (seeds 1 and 2: 0.944, 0.933; 0.978 in 80 steps, as in 150).
+    config.num_train_steps = config.eval_every = 40
     summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= 0.9
 

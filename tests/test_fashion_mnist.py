@@ -51,8 +51,13 @@ def test_eval_counts_each_test_image_once(fashion_mnist):
 
 
 def test_fashion_mnist_cnn_reaches_90_percent(fashion_mnist, tmp_path, optimized):
-    summary = train_and_evaluate(fashion_mnist_cnn.get_config(), str(tmp_path / "run"))
-    # 700 steps of 128 (1.5 epochs) on 8 simulated devices reached 0.909 here.
+    config = fashion_mnist_cnn.get_config()
+    # 600 of its 700 steps of 128 (1.3 epochs), the schedule shortened with them: 0.904 here
+    # on 8 devices (700 steps: 0.909); on one device, seeds 0, 1, 2: 0.905, 0.911, 0.909.
+    # Checkpoints are not what this test checks.
+    config.num_train_steps = config.eval_every = 600
+    config.checkpoint_every = 0
+    summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= 0.90
 
 

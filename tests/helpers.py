@@ -382,3 +382,20 @@ def tiny_jddp_llama():
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
     rng = np.random.default_rng(0)
     return model, jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
+
+
+def config_flags(settings: dict) -> list[str]:
+    """{dotted config key: value} as the command's `--config.KEY=VALUE` flags."""
+    return [f"--config.{key}={value}" for key, value in settings.items()]
+
+
+def configured(config, settings: dict):
+    """`config` with each {dotted key: value} of `settings` set, as `config_flags(settings)` set
+    them on the command line; returns `config`."""
+    for key, value in settings.items():
+        *path, leaf = key.split(".")
+        node = config
+        for name in path:
+            node = node[name]
+        node[leaf] = value
+    return config

@@ -13,9 +13,25 @@ from jddp.run.experiment import train_and_evaluate
 from tests.helpers import run_cli
 
 
-def test_default_experiment_converges(tmp_path):
-    summary = train_and_evaluate(digits_mlp.get_config(), str(tmp_path / "run"))
-    # digits_mlp on 8 devices reaches 0.989 in 600 steps (global batch 128); demand 0.95.
+def digits_mlp_run(workdir, strategy) -> tuple[dict, list[str]]:
+    """The default experiment, 100 of its 600 steps, under `strategy`: (its summary, the lines
+    of its metrics.jsonl)."""
+    config = digits_mlp.get_config()
+    config.num_train_steps, config.eval_every, config.log_every = 100, 100, 100
+    config.parallel.strategy = strategy
+    summary = train_and_evaluate(config, str(workdir))
+    return summary, (workdir / "metrics.jsonl").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return digits_mlp_run(tmp_path_factory.mktemp("ddp") / "run", "ddp")
+
+
+def test_default_experiment_converges(ddp_run):
+    summary, _ = ddp_run
+    # digits_mlp on 8 devices reaches 0.981 in 100 steps (global batch 128; 0.989 in its 600);
+    # demand 0.95.
     assert summary["eval_accuracy"] >= 0.95
 
 
@@ -23,7 +39,8 @@ def test_cnn_with_bfloat16_compute_and_accumulation_learns(tmp_path, optimized):
     config = digits_cnn.get_config()
     config.compute_dtype = "bfloat16"
     config.grad_accum_steps = 2
-    config.num_train_steps = config.eval_every = 80  # 0.978 here (as at 150 steps)
+    # 0.950 here in 40 steps (seeds 1 and 2: 0.944, 0.933; 0.978 in 80 steps, as in 150).
+    config.num_train_steps = config.eval_every = 40
     summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= 0.9
 
@@ -63,27 +80,19 @@ def test_cli_writes_metrics_events_and_config(tmp_path):
     assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
 
 
-def test_zero3_experiment_learns_and_holds_less_per_device_than_ddp(tmp_path):
-    first_records = {}
-    for strategy in ("ddp", "zero3"):
-        config = digits_mlp.get_config()
-        config.num_train_steps, config.eval_every, config.log_every = 100, 100, 100
-        config.parallel.strategy = strategy
-        summary = train_and_evaluate(config, str(tmp_path / strategy))
-        assert summary["eval_accuracy"] > 0.9
-        lines = (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()
-        first_records[strategy] = json.loads(lines[0])
-    ddp, zero3 = first_records["ddp"], first_records["zero3"]
+def test_zero3_experiment_learns_and_holds_less_per_device_than_ddp(tmp_path, ddp_run):
+    (ddp_summary, ddp_lines), (zero3_summary, zero3_lines) = (
+        ddp_run,
+        digits_mlp_run(tmp_path / "run", "zero3"),
+    )
+    assert ddp_summary["eval_accuracy"] > 0.9 and zero3_summary["eval_accuracy"] > 0.9
+    ddp, zero3 = json.loads(ddp_lines[0]), json.loads(zero3_lines[0])
     assert zero3["state_bytes_per_device"] < ddp["state_bytes_per_device"] / 3
     assert zero3["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
 
 
-def test_metrics_are_written_with_full_float_precision(tmp_path):
-    workdir = tmp_path / "run"
-    config = digits_mlp.get_config()
-    config.num_train_steps, config.log_every, config.eval_every, config.warmup_steps = 3, 1, 3, 0
-    train_and_evaluate(config, str(workdir))
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+def test_metrics_are_written_with_full_float_precision(ddp_run):
+    for line in ddp_run[1]:
         record = json.loads(line)
         for key in ("loss", "grad_norm", "accuracy"):  # the step's float32 metrics
             value = record.get(key)

@@ -51,8 +51,11 @@ def test_eval_counts_each_test_image_once(fashion_mnist):
 
 
 def test_fashion_mnist_cnn_reaches_90_percent(fashion_mnist, tmp_path, optimized):
-    summary = train_and_evaluate(fashion_mnist_cnn.get_config(), str(tmp_path / "run"))
-    # 700 steps of 128 (1.5 epochs) on 8 simulated devices reached 0.909 here.
+    config = fashion_mnist_cnn.get_config()
+    # The config as shipped, 700 steps of 128 (1.5 epochs): 0.909 here on 8 simulated devices
+    # (600 steps gave 0.904, too thin a margin). Checkpoints are not what this test checks.
+    config.checkpoint_every = 0
+    summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert summary["eval_accuracy"] >= 0.90
 
 

@@ -68,7 +68,9 @@ def test_char_level_model_learns_a_text_and_reports_perplexity():
     rng = np.random.default_rng(0)
     state = trainer.init(seed=0, sample_batch=data.batch(data.train, rng, 1, 32))
     losses = []
-    for _ in range(150):
+    # 80 steps (150 gave about the same margins: the last losses 0.58 of the first against 0.62
+    # here, perplexity 14.4 against 16.7, accuracy 0.24 against 0.23).
+    for _ in range(80):
         state, metrics = trainer.step(state, data.batch(data.train, rng, 32, 32))
         losses.append(float(metrics["loss"]))
     assert losses[0] == pytest.approx(np.log(vocab), rel=0.1)  # starts near uniform guessing

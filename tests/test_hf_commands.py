@@ -18,10 +18,16 @@ import transformers
 
 import jddp
 from jddp.checkpoints import hf
+from jddp.errors import JddpError
+from jddp.run import export
 from tests.helpers import (
     BeforeRerun,
     assert_error_exit,
+    assert_error_output,
+    assert_one_line,
     checkout_env,
+    config_flags,
+    configured,
     safetensors_in,
     snapshot,
     tiny_llama_config,
@@ -48,26 +54,29 @@ def llama_dir(tmp_path_factory):
     return root
 
 
-def _train_flags(root, workdir, checkpoint="llama"):
+def _settings(root, checkpoint="llama") -> dict:
     """A few SGD steps (Adam would turn rounding into visible differences between layouts) of
-    the Llama on the text file, tokenized by the checkpoint's tokenizer."""
-    return [
-        f"--workdir={root / workdir}",
-        "--config.model=llama",
-        f"--config.init_from=hf:{root / checkpoint}",
-        "--config.dataset=text_file",
-        f"--config.data.text_file={root / 'text.txt'}",
-        f"--config.data.tokenizer={root / 'llama'}",
-        "--config.data.seq_len=16",
-        "--config.global_batch_size=8",
-        "--config.num_train_steps=4",
-        "--config.checkpoint_every=4",
-        "--config.eval_every=4",
-        "--config.log_every=2",
-        "--config.optimizer=sgd",
-        "--config.learning_rate=0.5",
-        "--config.min_lr_ratio=1.0",  # constant: a run stopped and resumed is the same run
-    ]
+    the Llama on the text file, tokenized by the checkpoint's tokenizer: {config key: value}."""
+    return {
+        "model": "llama",
+        "init_from": f"hf:{root / checkpoint}",
+        "dataset": "text_file",
+        "data.text_file": str(root / "text.txt"),
+        "data.tokenizer": str(root / "llama"),
+        "data.seq_len": 16,
+        "global_batch_size": 8,
+        "num_train_steps": 4,
+        "checkpoint_every": 4,
+        "eval_every": 4,
+        "log_every": 2,
+        "optimizer": "sgd",
+        "learning_rate": 0.5,
+        "min_lr_ratio": 1.0,  # constant: a run stopped and resumed is the same run
+    }
+
+
+def _train_flags(root, workdir, checkpoint="llama"):
+    return [f"--workdir={root / workdir}", *config_flags(_settings(root, checkpoint))]
 
 
 def _train(root, *flags, workdir="run"):
@@ -106,24 +115,28 @@ def _final_params(workdir):
 
 
 def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
-    """The pipelined run's config.json records the model_args config.json filled in; jddp-export
-    of it: transformers' logits equal jddp's from the run's newest checkpoint, and the
-    checkpoint's tokenizer and special token ids go along."""
+    """The pipelined run's config.json records the model_args config.json filled in; exported
+    (float32, and bfloat16 by jddp-export): transformers' logits equal jddp's from the run's
+    newest checkpoint, and the checkpoint's tokenizer and special token ids go along."""
     from jddp.models import Llama
 
     recorded = json.loads((llama_dir / "run" / "config.json").read_text())["model_args"]
     assert recorded["num_kv_heads"] == 2 and recorded["vocab_size"] == VOCAB
 
-    out = llama_dir / "export"
-    exported = _export("--format=hf", pipelined_run, out, "--max_shard_size=20KB")
+    # The installed command writes the bfloat16 export; the float32 one, held to transformers'
+    # logits, by the function it calls (`export_run`), here: a process less.
+    out, half = llama_dir / "export", llama_dir / "export-bf16"
+    flags = ["--max_shard_size=20KB", "--dtype=bfloat16"]
+    exported = _export("--format=hf", pipelined_run, half, *flags)
     assert exported.returncode == 0, exported.stderr
-    assert (out / "model.safetensors.index.json").exists()
-    assert (out / "tokenizer.json").read_bytes() == (
-        llama_dir / "llama" / "tokenizer.json"
-    ).read_bytes()
+    export.export_run(str(pipelined_run), str(out), max_shard_bytes=20_000)
     original = json.loads((llama_dir / "llama" / "config.json").read_text())
-    written = json.loads((out / "config.json").read_text())
-    assert written["eos_token_id"] == original["eos_token_id"] is not None
+    tokenizer = (llama_dir / "llama" / "tokenizer.json").read_bytes()
+    for folder in (out, half):
+        assert (folder / "model.safetensors.index.json").exists()
+        assert (folder / "tokenizer.json").read_bytes() == tokenizer
+        written = json.loads((folder / "config.json").read_text())
+        assert written["eos_token_id"] == original["eos_token_id"] is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
@@ -135,13 +148,14 @@ def test_finetune_then_export_loads_in_transformers(llama_dir, pipelined_run):
     assert_error_exit(again, "not empty")
 
     # bfloat16 on disk: each tensor the float32 export's, rounded; it imports back as those.
-    half = llama_dir / "export-bf16"
-    assert _export("--format=hf", pipelined_run, half, "--dtype=bfloat16").returncode == 0
     full_tensors, half_tensors = safetensors_in(out), safetensors_in(half)
     for name, value in full_tensors.items():
         assert half_tensors[name].dtype == jnp.bfloat16, (name, half_tensors[name].dtype)
         np.testing.assert_array_equal(half_tensors[name], value.astype(jnp.bfloat16))
     assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(half)  # the command's output
+    their_embedding = loaded.get_input_embeddings().weight.detach().float().numpy()
+    assert np.array_equal(their_embedding, half_tensors["model.embed_tokens.weight"])
     model = hf.create_model(str(half))
     trainer = jddp.Trainer(model, lambda *_: 0.0, optax.sgd(0.0), input_key="inputs")
     state = hf.load(trainer, trainer.abstract_state({"inputs": tokens}), str(half))
@@ -209,41 +223,69 @@ def _reshape_tensor(path):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_careless_inputs_are_one_line_and_write_nothing(llama_dir):
+def _train_in_process(root, workdir, overrides: dict):
+    """`_train` as a library call: the packaged defaults, `_settings` and `overrides` (dotted
+    keys) trained into root / workdir by `train_and_evaluate`, which the command runs."""
+    from jddp.run.config import default_config
+    from jddp.run.experiment import train_and_evaluate
+
+    config = configured(default_config(), _settings(root) | overrides)
+    return train_and_evaluate(config, str(root / workdir))
+
+
+def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, capsys):
+    """Two mistakes through the command (its flags, one line and exit code 2); the others, each
+    found by the same checks of `train_and_evaluate` that the command reports that way, as the
+    library's one-line error with exit code 2 (a process start each would cost seconds)."""
     root = llama_dir
-    cases = {
+    on_the_command_line = {
         "contradiction": (
             ["--config.model_args.num_layers=3", "--config.model_args.dropout_rate=0.1"],
             ["num_layers=3", "config.json: 2", "remove them from model_args"],
         ),
-        "other model": (["--config.model=gpt"], ["holds a llama model", "model='llama'"]),
+        "characters": (["--config.data.tokenizer="], ["tokenized by characters", "tokenizer.json"]),
+    }
+    in_the_library = {
+        "other model": ({"model": "gpt"}, ["holds a llama model", "model='llama'"]),
         "no weights": (
-            [f"--config.init_from=hf:{_broken(root, 'no-weights', _drop_weights)}"],
+            {"init_from": f"hf:{_broken(root, 'no-weights', _drop_weights)}"},
             ["holds no model.safetensors"],
         ),
         "missing shard": (
-            [f"--config.init_from=hf:{_broken(root, 'no-shard', _drop_shard)}"],
+            {"init_from": f"hf:{_broken(root, 'no-shard', _drop_shard)}"},
             ["lacks the shard " + _shard_of(root / "llama", "model.norm.weight")],
         ),
         "wrong shape": (
-            [f"--config.init_from=hf:{_broken(root, 'reshaped', _reshape_tensor)}"],
+            {"init_from": f"hf:{_broken(root, 'reshaped', _reshape_tensor)}"},
             ["'model.norm.weight' has shape (31,)", "(32,)"],
         ),
-        "hub name": (["--config.init_from=hf:meta-llama/Llama-3.2-1B"], ["downloads nothing"]),
-        "optimizer": (["--config.init_from_optimizer=true"], ["weights only"]),
-        "characters": (["--config.data.tokenizer="], ["tokenized by characters", "tokenizer.json"]),
+        "hub name": ({"init_from": "hf:meta-llama/Llama-3.2-1B"}, ["downloads nothing"]),
+        "optimizer": ({"init_from_optimizer": True}, ["weights only"]),
     }
     before = snapshot(root)
     with ThreadPoolExecutor(2) as pool:
         results = pool.map(
-            lambda item: (item[0], _train(root, *item[1][0], workdir=item[0].replace(" ", "-"))),
-            cases.items(),
+            lambda item: (item[0], _train(root, *item[1][0], workdir=item[0])),
+            on_the_command_line.items(),
         )
+        for name, (overrides, words) in in_the_library.items():
+            with pytest.raises(JddpError) as error:
+                _train_in_process(root, name.replace(" ", "-"), overrides)
+            assert error.value.exit_code == 2, name
+            assert_one_line(error, *words)
         for name, result in results:
-            assert_error_exit(result, *cases[name][1])
+            assert_error_exit(result, *on_the_command_line[name][1])
     assert snapshot(root) == before  # no workdir made, no checkpoint touched
 
-    assert_error_exit(_export("--format=hf", root / "nowhere", root / "out"), "does not exist")
-    assert_error_exit(_export("--format=onnx", root, root / "out"), "invalid choice")
-    assert_error_exit(_export("--format=hf", root, root / "out"), "holds no checkpoint")
+    # jddp-export's: its parser's in-process (one line, exit 2); the rest as the library's
+    # one-line errors, which the command reports as the "not empty" one above.
+    with pytest.raises(SystemExit) as exited:
+        export.main(["--format=onnx", str(root), str(root / "out")])
+    assert exited.value.code == 2
+    assert_error_output(capsys.readouterr().err, "invalid choice")
+    for workdir, words in ((root / "nowhere", "does not exist"), (root, "holds no checkpoint")):
+        with pytest.raises(JddpError) as error:
+            export.export_run(str(workdir), str(root / "out"), max_shard_bytes=1)
+        assert error.value.exit_code == 2
+        assert_one_line(error, words)
     assert snapshot(root) == before

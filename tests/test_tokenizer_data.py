@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from experiments.configs import shakespeare_gpt_tiny
 from jddp import data
 from jddp.checkpoints.weights import load_params
 from jddp.data.shakespeare import TEST_WORKS
 from jddp.errors import ConfigError, DataError, UsageError
+from jddp.run.experiment import train_and_evaluate
 from tests import fake_files
-from tests.helpers import assert_accuracy_over, assert_error_exit, assert_one_line, run_cli
+from tests.helpers import assert_accuracy_over, assert_one_line, config_flags, configured, run_cli
 from tests.tiny_tokenizer import VOCAB_SIZE, WORDS, save_tokenizer
 
 SEQ_LEN = 8
@@ -264,27 +266,28 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(folder, tmp_p
     assert_one_line(error, f"vocab_size={VOCAB_SIZE - 1}", f"dataset's {VOCAB_SIZE}")
 
 
-TINY_GPT = [
-    "--config=experiments/configs/shakespeare_gpt_tiny.py",
-    "--config.dataset=text_file",
-    f"--config.data.seq_len={SEQ_LEN}",
-    "--config.model_args.num_layers=1",
-    "--config.model_args.embed_dim=32",
-    f"--config.model_args.max_seq_len={SEQ_LEN}",
-    "--config.global_batch_size=16",
-    "--config.num_train_steps=4",
-    "--config.warmup_steps=0",
-    "--config.log_every=4",
-    "--config.eval_every=4",
-    "--config.checkpoint_every=4",
-]
+CONFIG_FILE = "experiments/configs/shakespeare_gpt_tiny.py"
+TINY_GPT = {
+    "dataset": "text_file",
+    "data.seq_len": SEQ_LEN,
+    "model_args.num_layers": 1,
+    "model_args.embed_dim": 32,
+    "model_args.max_seq_len": SEQ_LEN,
+    "global_batch_size": 16,
+    "num_train_steps": 4,
+    "warmup_steps": 0,
+    "log_every": 4,
+    "eval_every": 4,
+    "checkpoint_every": 4,
+}
 
 
 def test_the_cli_trains_a_gpt_on_tokenized_text(folder, tmp_path):
     text = " ".join(documents(200, seed=7))
     (tmp_path / "corpus.txt").write_text(text)
     workdir = tmp_path / "run"
-    flags = [*TINY_GPT, f"--config.data.text_file={tmp_path}/corpus.txt", f"--workdir={workdir}"]
+    settings = TINY_GPT | {"data.text_file": f"{tmp_path}/corpus.txt"}
+    flags = [f"--config={CONFIG_FILE}", *config_flags(settings), f"--workdir={workdir}"]
     result = run_cli(*flags, f"--config.data.tokenizer={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     with open(workdir / "metrics.jsonl") as f:
@@ -301,8 +304,14 @@ def test_the_cli_trains_a_gpt_on_tokenized_text(folder, tmp_path):
     with open(workdir / "config.json") as f:
         assert json.load(f)["data"]["tokenizer"] == folder
 
-    # A bad tokenizer path: one line, exit code 2, nothing written.
+    # A bad tokenizer path: one line with exit code 2 (what the command prints and exits with
+    # for any JddpError; a second process would prove that again), nothing written.
     bad = tmp_path / "bad"
-    result = run_cli(*flags[:-1], f"--workdir={bad}", f"--config.data.tokenizer={tmp_path}/nope")
-    assert_error_exit(result, "data.tokenizer", "does not exist")
+    config = configured(
+        shakespeare_gpt_tiny.get_config(), settings | {"data.tokenizer": f"{tmp_path}/nope"}
+    )
+    with pytest.raises(DataError) as error:
+        train_and_evaluate(config, str(bad))
+    assert error.value.exit_code == 2
+    assert_one_line(error, "data.tokenizer", "does not exist")
     assert not bad.exists()

@@ -14,7 +14,7 @@ from experiments.configs import digits_mlp
 from jddp.errors import ConfigError, DataError, WorkdirError
 from jddp.run import config as config_lib
 from jddp.run.experiment import train_and_evaluate
-from tests.helpers import assert_error_output, assert_one_line, read_only_dir
+from tests.helpers import assert_error_output, assert_one_line, configured, read_only_dir
 
 
 @pytest.mark.parametrize(
@@ -50,14 +50,9 @@ def text_file_config(path):
 
 
 def with_values(config=None, **values):
-    config = config or digits_mlp.get_config()
-    for dotted, value in values.items():
-        *parents, key = dotted.split("__")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        node[key] = value
-    return config
+    """`config` (digits_mlp's) with `data__seq_len=8` and the like set (`__` for a dot)."""
+    settings = {dotted.replace("__", "."): value for dotted, value in values.items()}
+    return configured(config or digits_mlp.get_config(), settings)
 
 
 @pytest.mark.parametrize(

@@ -302,9 +302,12 @@ def test_the_experiment_path_trains_on_a_context_mesh(tmp_path):
     text.write_text(local_corpus(20_000))
     config = gpt_config(str(text), strategy="zero3", mesh="fsdp:2,context:4")
     config.parallel.context_attention = "all_gather"
+    config.checkpoint_every = 0  # what is compared is the evaluation, not a checkpoint
     summary = train_and_evaluate(config, str(tmp_path / "run"))
     # The same run under plain ddp (no context axis) is the reference for its eval loss.
-    plain = train_and_evaluate(gpt_config(str(text), strategy="ddp"), str(tmp_path / "ddp"))
+    config = gpt_config(str(text), strategy="ddp")
+    config.checkpoint_every = 0
+    plain = train_and_evaluate(config, str(tmp_path / "ddp"))
     assert summary["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["context"] == {"size": 4, "attention": "all_gather"}

@@ -28,7 +28,7 @@ from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.experiment import train_and_evaluate
 from tests import tiny_gpt
-from tests.helpers import save_and_restore
+from tests.helpers import compiled_train_step, save_and_restore
 from tests.reference import assert_trees_close, plain_training
 from tests.test_gpt import local_corpus
 from tests.test_multiprocess import launch
@@ -190,10 +190,7 @@ def test_bfloat16_compute_stays_close_to_one_device():
 # ------------------------------------------------------------------------- the compiled step
 def _compiled(mesh, attention="ring", seq=64):
     trainer = tiny_gpt.gpt_trainer("zero3", mesh, seq=seq, context_attention=attention)
-    batch = tiny_gpt.token_batches(steps=1, seq=seq)[0]
-    state = trainer.init(seed=0, sample_batch=batch)
-    placed = trainer.place_batch(batch).arrays
-    return trainer.strategy.lower_train_step(state, placed).compile().as_text()
+    return compiled_train_step(trainer, tiny_gpt.token_batches(steps=1, seq=seq)[0]).as_text()
 
 
 def test_the_ring_carries_the_formulas_bytes_and_no_rank_holds_the_whole_sequence():

@@ -23,7 +23,7 @@ from jddp.parallel.pipeline.schedule import (
     bubble_fraction,
     make_schedule,
 )
-from tests.helpers import save_and_restore
+from tests.helpers import compiled_train_step, save_and_restore
 from tests.reference import (
     SmallNet,
     assert_optimizer_states_close,
@@ -258,10 +258,8 @@ def compiled_step(mesh, schedule, microbatches, repeats=1):
     """({computation name: HLO text} of the compiled step, the loop over ticks' body, {loop
     body: the computations it reaches}) of `pipeline_trainer(...)`: compiled once per module."""
     trainer = pipeline_trainer(mesh, schedule, microbatches, repeats=repeats)
-    batch = token_batches(size=BATCH)[0]
-    state = trainer.init(seed=0, sample_batch=batch)
-    text = trainer.strategy.lower_train_step(state, trainer.place_batch(batch).arrays)
-    comps = hlo.computations(text.compile().as_text())
+    compiled = compiled_train_step(trainer, token_batches(size=BATCH)[0])
+    comps = hlo.computations(compiled.as_text())
     bodies = {b for t in comps.values() for b in re.findall(r"body=%([\w.\-]+)", t)}
     reach = {b: hlo.reachable(comps, [b]) for b in bodies}
     ticks = min(
@@ -360,10 +358,7 @@ def peak(*program):
     """The compiled step's peak bytes per device (as `Trainer.memory_report` reads it) of
     `stage_trainer(*program)`, lowered for the state's shapes and shardings: the peak is the
     program's, so no state is initialized."""
-    trainer, batch = stage_trainer(*program), stage_batch(program[1])
-    abstract = trainer.abstract_state(batch)
-    placed = trainer.place_batch(batch).arrays
-    return peak_bytes(trainer.strategy.lower_train_step(abstract, placed).compile())
+    return peak_bytes(compiled_train_step(stage_trainer(*program), stage_batch(program[1])))
 
 
 def kept_per_microbatch(remat, model_remat=False):

@@ -97,6 +97,13 @@ def train_from(trainer, params, batches):
     return state, history
 
 
+def compiled_train_step(trainer, batch):
+    """`trainer`'s train step compiled for `batch` and the state's shapes and shardings (the
+    program a real state runs, without initializing one)."""
+    placed = trainer.place_batch(batch).arrays
+    return trainer.strategy.lower_train_step(trainer.abstract_state(batch), placed).compile()
+
+
 def save_and_restore(writer, state, reader, sample_batch, directory: str, step: int = 10):
     """Saves `state` of `writer` as checkpoint `step` in `directory` and restores it into
     `reader`'s layout (orbax reshards on load; stacked and per-layer blocks convert); returns

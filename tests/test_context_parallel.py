@@ -28,7 +28,7 @@ from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.experiment import train_and_evaluate
 from tests import tiny_gpt
-from tests.helpers import save_and_restore
+from tests.helpers import compiled_train_step, save_and_restore
 from tests.reference import assert_trees_close, plain_training
 from tests.test_gpt import local_corpus
 from tests.test_multiprocess import launch
@@ -190,10 +190,7 @@ def test_bfloat16_compute_stays_close_to_one_device():
 # ------------------------------------------------------------------------- the compiled step
 def _compiled(mesh, attention="ring", seq=64):
     trainer = tiny_gpt.gpt_trainer("zero3", mesh, seq=seq, context_attention=attention)
-    batch = tiny_gpt.token_batches(steps=1, seq=seq)[0]
-    state = trainer.init(seed=0, sample_batch=batch)
-    placed = trainer.place_batch(batch).arrays
-    return trainer.strategy.lower_train_step(state, placed).compile().as_text()
+    return compiled_train_step(trainer, tiny_gpt.token_batches(steps=1, seq=seq)[0]).as_text()
 
 
 def test_the_ring_carries_the_formulas_bytes_and_no_rank_holds_the_whole_sequence():
@@ -302,9 +299,12 @@ def test_the_experiment_path_trains_on_a_context_mesh(tmp_path):
     text.write_text(local_corpus(20_000))
     config = gpt_config(str(text), strategy="zero3", mesh="fsdp:2,context:4")
     config.parallel.context_attention = "all_gather"
+    config.checkpoint_every = 0  # what is compared is the evaluation, not a checkpoint
     summary = train_and_evaluate(config, str(tmp_path / "run"))
     # The same run under plain ddp (no context axis) is the reference for its eval loss.
-    plain = train_and_evaluate(gpt_config(str(text), strategy="ddp"), str(tmp_path / "ddp"))
+    config = gpt_config(str(text), strategy="ddp")
+    config.checkpoint_every = 0
+    plain = train_and_evaluate(config, str(tmp_path / "ddp"))
     assert summary["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["context"] == {"size": 4, "attention": "all_gather"}

@@ -2,6 +2,7 @@
 the same training as one process and as one device, checkpoints that cross process counts,
 a lost peer that stops the job, and the environments of SLURM, Open MPI and Kubernetes."""
 
+import functools
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from jddp.checkpoints.store import Checkpoints
 from jddp.checkpoints.weights import load_params
 from jddp.core.tree_paths import nest_paths
 from jddp.run import optim
+from jddp.run.experiment import train_and_evaluate
 from jddp.run.factory import build_trainer
 from tests.helpers import PORT_TAKEN, REPO, launch_command
 from tests.reference import (
@@ -71,6 +73,32 @@ def launch(
     return process.returncode, output
 
 
+@functools.cache  # per strategy: the cases differ only in how the workers split the devices
+def one_process_and_one_device(strategy):
+    """The workers' training (tests/multiprocess_worker.py) in this one process on 4 devices:
+    (initial parameters, final parameters, losses), and (final parameters, losses) of the
+    single-device reference loop from those initial parameters."""
+    optimizer, batches = optimizer_for(clip=True), make_batches()
+    options = {"min_shard_size": 1} if strategy != "ddp" else {}
+    trainer = jddp.Trainer(
+        SmallNet(),
+        per_example_ce,
+        optimizer,
+        strategy=strategy,
+        devices=jax.devices()[:4],
+        grad_accum_steps=2,
+        **options,
+    )
+    state = trainer.init(seed=0, sample_batch=batches[0])
+    initial = trainer.host_state(state).params
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    one_process = (initial, trainer.host_state(state).params, losses)
+    return one_process, reference_training(initial, optimizer, batches)
+
+
 @pytest.mark.parametrize(
     "strategy,nproc,devices_per_proc",
     [(s, n, d) for s in ("ddp", "zero3") for n, d in ((2, 2), (4, 1))] + [("auto", 2, 2)],
@@ -87,31 +115,15 @@ def test_processes_train_what_one_process_and_one_device_train(
     # Process 0's coordinator listens on the address the launcher gave, loopback, only.
     if os.path.exists("/proc/net/tcp"):
         assert np.load(out)["coordinator_listens"].tolist() == ["127.0.0.1"]
-
-    # The single-device reference loop, from the same initial parameters.
-    optimizer, batches = optimizer_for(clip=True), make_batches()
-    expected, expected_losses = reference_training(initial, optimizer, batches)
+    (one_initial, one_final, losses), (expected, expected_losses) = one_process_and_one_device(
+        strategy
+    )
+    # The same initial parameters as one process with the same 4 devices, from which the
+    # single-device reference loop starts.
+    jax.tree.map(np.testing.assert_array_equal, one_initial, initial)
     assert_trees_close(final, expected)
     np.testing.assert_allclose(worker_losses, expected_losses, rtol=1e-5)
-
-    # One process with the same 4 devices.
-    options = {"min_shard_size": 1} if strategy != "ddp" else {}
-    trainer = jddp.Trainer(
-        SmallNet(),
-        per_example_ce,
-        optimizer,
-        strategy=strategy,
-        devices=jax.devices()[:4],
-        grad_accum_steps=2,
-        **options,
-    )
-    state = trainer.init(seed=0, sample_batch=batches[0])
-    jax.tree.map(np.testing.assert_array_equal, trainer.host_state(state).params, initial)
-    losses = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    assert_trees_close(final, trainer.host_state(state).params)
+    assert_trees_close(final, one_final)
     np.testing.assert_allclose(worker_losses, losses, rtol=1e-5)
 
 
@@ -131,15 +143,13 @@ def test_cli_across_processes_logs_like_one_process_and_its_checkpoint_restores_
     code, output = launch(2, 2, *CLI, f"--workdir={tmp_path / 'two'}")
     assert code == 0, output
     assert output.count("done: eval accuracy") == 1  # process 0 speaks for the job
-    one = subprocess.run(
-        [*CLI, f"--workdir={tmp_path / 'one'}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=HARD_TIMEOUT_SEC,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
-    assert one.returncode == 0, one.stderr
+    # The same config in this one process (its 8 devices; ddp's step is the global batch's mean
+    # on any number), through the CLI's own function: what is compared is the records.
+    config = digits_mlp.get_config()
+    for flag in CLI[3:]:  # --config.KEY=INTEGER
+        key, value = flag.removeprefix("--config.").split("=")
+        config[key] = int(value)
+    train_and_evaluate(config, str(tmp_path / "one"))
 
     def losses(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -152,7 +162,6 @@ def test_cli_across_processes_logs_like_one_process_and_its_checkpoint_restores_
     assert_trees_close(exported, load_params(str(tmp_path / "one")))
 
     # The checkpoint the two processes wrote, restored in this one process (8 devices).
-    config = digits_mlp.get_config()
     trainer = build_trainer(
         config, data.get_dataset("digits"), optim.learning_rate_schedule(config)
     )

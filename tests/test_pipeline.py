@@ -13,6 +13,7 @@ import pytest
 import jddp
 from jddp.core.tree_paths import path_str
 from jddp.observe import hlo
+from jddp.observe.memory import peak_bytes
 from jddp.parallel.pipeline import engine
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.pipeline.schedule import (
@@ -22,7 +23,7 @@ from jddp.parallel.pipeline.schedule import (
     bubble_fraction,
     make_schedule,
 )
-from tests.helpers import save_and_restore
+from tests.helpers import compiled_train_step, save_and_restore
 from tests.reference import (
     SmallNet,
     assert_optimizer_states_close,
@@ -257,10 +258,8 @@ def compiled_step(mesh, schedule, microbatches, repeats=1):
     """({computation name: HLO text} of the compiled step, the loop over ticks' body, {loop
     body: the computations it reaches}) of `pipeline_trainer(...)`: compiled once per module."""
     trainer = pipeline_trainer(mesh, schedule, microbatches, repeats=repeats)
-    batch = token_batches(size=BATCH)[0]
-    state = trainer.init(seed=0, sample_batch=batch)
-    text = trainer.strategy.lower_train_step(state, trainer.place_batch(batch).arrays)
-    comps = hlo.computations(text.compile().as_text())
+    compiled = compiled_train_step(trainer, token_batches(size=BATCH)[0])
+    comps = hlo.computations(compiled.as_text())
     bodies = {b for t in comps.values() for b in re.findall(r"body=%([\w.\-]+)", t)}
     reach = {b: hlo.reachable(comps, [b]) for b in bodies}
     ticks = min(
@@ -341,32 +340,42 @@ def test_a_stage_sends_only_once_its_whole_tick_is_done(program, conditionals):
         assert branches <= seen, (send, branches - seen)
 
 
-@functools.cache
-def peak_and_kernel(schedule, microbatches, remat="dots", model_remat=False):
-    """(compiled peak bytes per device, the stacked fc kernel) of stage:2 over the 4-layer tiny
-    GPT (with its own `remat` as `model_remat`) in `microbatches` micro-batches of 4 rows."""
-    batch = token_batches(steps=1, size=4 * microbatches)[0]
+def stage_batch(microbatches):
+    """One batch of `microbatches` micro-batches of 4 rows."""
+    return token_batches(steps=1, size=4 * microbatches)[0]
+
+
+@functools.cache  # all four arguments always given: one cache entry per program
+def stage_trainer(schedule, microbatches, remat, model_remat):
+    """stage:2 over the 4-layer tiny GPT (with its own `remat` as `model_remat`) in
+    `microbatches` micro-batches of 4 rows."""
     pipeline = PipelineOptions(microbatches, schedule, 1, remat)
-    trainer = gpt_trainer("zero1", "stage:2", layers=LAYERS, pipeline=pipeline, remat=model_remat)
-    state = trainer.init(seed=0, sample_batch=batch)
-    peak = trainer.memory_report(state, batch)["peak_bytes_per_device"]
-    return peak, state.params["blocks"]["mlp"]["fc"]["kernel"]
+    return gpt_trainer("zero1", "stage:2", layers=LAYERS, pipeline=pipeline, remat=model_remat)
 
 
-def kept_per_microbatch(*remat):
+@functools.cache
+def peak(*program):
+    """The compiled step's peak bytes per device (as `Trainer.memory_report` reads it) of
+    `stage_trainer(*program)`, lowered for the state's shapes and shardings: the peak is the
+    program's, so no state is initialized."""
+    return peak_bytes(compiled_train_step(stage_trainer(*program), stage_batch(program[1])))
+
+
+def kept_per_microbatch(remat, model_remat=False):
     """What GPipe's peak grows by per micro-batch from M = 4 to 8: one micro-batch's stash."""
-    return (peak_and_kernel("gpipe", 8, *remat)[0] - peak_and_kernel("gpipe", 4, *remat)[0]) / 4
+    return (peak("gpipe", 8, remat, model_remat) - peak("gpipe", 4, remat, model_remat)) / 4
 
 
 def test_each_stage_holds_its_layers_and_1f1b_holds_fewer_activations_than_gpipe():
     """stage:2 with micro-batches of 4 rows: every device holds 2 of the 4 layers. At M = 4S = 8
     micro-batches GPipe keeps all 8 micro-batches' activations for the backward, 1F1B at most
     2: its compiled peak is lower by about 6 micro-batches' worth."""
-    kernel = peak_and_kernel("1f1b", 8)[1]
+    state = stage_trainer("1f1b", 8, "dots", False).init(seed=0, sample_batch=stage_batch(8))
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]
     assert kernel.shape[0] == LAYERS
     assert {s.data.shape[0] for s in kernel.addressable_shards} == {LAYERS // 2}
     per_microbatch = kept_per_microbatch("dots")
-    saved = peak_and_kernel("gpipe", 8)[0] - peak_and_kernel("1f1b", 8)[0]
+    saved = peak("gpipe", 8, "dots", False) - peak("1f1b", 8, "dots", False)
     assert per_microbatch > 0 and saved == pytest.approx(6 * per_microbatch, rel=0.25)
 
 

@@ -3,6 +3,7 @@ plain (per-layer) runs exactly, both ways; the experiment path logs the schedule
 from another layout's weights; and stages on different processes train what one process
 trains."""
 
+import functools
 import json
 import sys
 
@@ -23,6 +24,7 @@ from tests.tiny_gpt_config import gpt_config
 LAYERS, BATCH = 4, 32
 
 
+@functools.cache  # one trainer (and its compiled steps) per layout for the whole module
 def trainer_for(strategy, mesh, repeats=1):
     staged = mesh and "stage" in mesh
     pipeline = PipelineOptions(microbatches=4, repeats=repeats) if staged else None
@@ -32,11 +34,13 @@ def trainer_for(strategy, mesh, repeats=1):
 @pytest.mark.parametrize(
     "source,target",
     [
-        (("zero1", "stage:2,fsdp:2"), ("ddp", None)),
+        # per-layer to stacked (zero3 to zero2, fsdp:8 to stage:4,fsdp:2)
         (("zero3", "fsdp:8"), ("zero2", "stage:4,fsdp:2")),
         # interleaved (2 groups of one layer per stage, held in the stages' order) to unrolled
-        # without stages, and from repeats=1 on other stages
+        # without stages: saved in the model's order, as a stack of repeats=1 is saved (the
+        # stacked-to-per-layer restore of every pipelined checkpoint)
         (("zero1", "stage:2,fsdp:2", 2), ("ddp", None)),
+        # stacked (repeats=1, saved as held) to interleaved on other stages
         (("zero2", "stage:4,fsdp:2"), ("zero1", "stage:2", 2)),
     ],
 )
@@ -67,7 +71,7 @@ def test_an_interleaved_state_evaluates_and_takes_weights_in_the_models_order():
     stages' order), the same state in the model's order (`global_state`), the host parameters
     placed into it (`replace_state`), and one device given those parameters evaluate alike."""
     batches = token_batches(size=BATCH)
-    trainer = trainer_for("zero1", "stage:2", repeats=2)
+    trainer = trainer_for("zero1", "stage:2", 2)
     state = trainer.init(seed=0, sample_batch=batches[0])
     for batch in batches[:2]:
         state, _ = trainer.step(state, batch)
@@ -86,34 +90,52 @@ def test_an_interleaved_state_evaluates_and_takes_weights_in_the_models_order():
         np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-6)
 
 
-def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(tmp_path):
-    """The CLI path on stage:2,fsdp:2,tensor:2 (1F1B): the first metrics record gives the
-    schedule, micro-batches and bubble; a plain ddp run starts from its parameters and a
-    pipelined GPipe run from ddp's, each exactly (a step of learning rate 1e-30 moves nothing
-    but exact zeros)."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("".join(chr(32 + i % 90) for i in range(20_000)))
-    pipelined = tmp_path / "pipelined"
+@pytest.fixture(scope="module")
+def default_and_pipelined(tmp_path_factory):
+    """A corpus, and the tiny GPT config with dropout 0.1 (2 layers, SGD, a record every step)
+    trained on it as it is (ddp, layers unrolled: `default`) and on stage:2,fsdp:4 (layers
+    stacked, 1F1B: `pipelined`), no checkpoints: the directory holding the three."""
+    root = tmp_path_factory.mktemp("runs")
+    text = root / "corpus.txt"
+    text.write_text("".join(chr(32 + i * 11 % 90) for i in range(5_000)))
+    pipeline = {"microbatches": 2, "schedule": "1f1b", "repeats": 1}
+    for name, parallel in (
+        ("default", {}),
+        ("pipelined", dict(strategy="zero1", mesh="stage:2,fsdp:4", pipeline=pipeline)),
+    ):
+        config = gpt_config(str(text), **parallel)
+        config.model_args.update(num_layers=2, dropout_rate=0.1)
+        config.log_every, config.checkpoint_every = 1, 0
+        # SGD: Adam would amplify rounding noise of near-zero gradients (see
+        # test_stages_on_different_processes_train_what_one_process_trains)
+        config.optimizer, config.learning_rate = "sgd", 0.5
+        train_and_evaluate(config, str(root / name))
+    return root
+
+
+def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(default_and_pipelined):
+    """The CLI path on stage:2,fsdp:2,tensor:2 (1F1B) starts from the default run's per-layer
+    parameters (its export), and a plain ddp run from the pipelined run's stacked ones (its
+    checkpoint), each exactly (a step of learning rate 1e-30 moves nothing but exact zeros);
+    the pipelined run's first metrics record gives the schedule, micro-batches and bubble."""
+    runs = default_and_pipelined
+    text, default = str(runs / "corpus.txt"), runs / "default"
+    pipelined, ddp = runs / "tensor_pipelined", runs / "ddp_from_pipelined"
     pipeline = {"microbatches": 4, "schedule": "1f1b", "repeats": 1}
     config = gpt_config(
-        str(text), strategy="zero1", mesh="stage:2,fsdp:2,tensor:2", pipeline=pipeline
+        text, str(default), strategy="zero1", mesh="stage:2,fsdp:2,tensor:2", pipeline=pipeline
     )
-    config.model_args.num_layers = LAYERS
+    config.model_args.num_layers = 2
     train_and_evaluate(config, str(pipelined))
     first = (pipelined / "metrics.jsonl").read_text().splitlines()[0]
     for key in ('"pipeline_schedule": "1f1b"', '"pipeline_microbatches": 4', '"pipeline_bubble"'):
         assert key in first
-    ddp, gpipe = tmp_path / "ddp", tmp_path / "gpipe"
-    config = gpt_config(str(text), str(pipelined), strategy="ddp")
-    config.model_args.num_layers = LAYERS
+    # ddp reads this run's checkpoint; this run read the default run's export (it saved none)
+    assert (pipelined / "checkpoints").is_dir() and not (default / "checkpoints").exists()
+    config = gpt_config(text, str(pipelined), strategy="ddp")
+    config.model_args.num_layers, config.checkpoint_every = 2, 0
     train_and_evaluate(config, str(ddp))
-    config = gpt_config(
-        str(text), str(ddp), strategy="zero1", mesh="data:2,stage:4", pipeline=pipeline
-    )
-    config.model_args.num_layers = LAYERS
-    config.parallel.pipeline.schedule = "gpipe"
-    train_and_evaluate(config, str(gpipe))
-    for source, target in ((pipelined, ddp), (ddp, gpipe)):
+    for source, target in ((default, pipelined), (pipelined, ddp)):
         source_params, target_params = (load_params(str(d / "export")) for d in (source, target))
         as_target = (
             layer_stacks.to_stacked if "blocks" in target_params else layer_stacks.to_per_layer
@@ -173,27 +195,15 @@ def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
     assert_trees_close(*exported)
 
 
-def test_a_pipelined_config_equals_the_configs_default_run_from_step_1(tmp_path):
+def test_a_pipelined_config_equals_the_configs_default_run_from_step_1(default_and_pipelined):
     """`scan_layers` is a layout, not another model: the tiny GPT config with dropout 0.1, run as
     it is (ddp, layers unrolled, no scan_layers set) and on stage:2,fsdp:4 (layers stacked, 1F1B),
     logs the same loss and gradient norm at every step from the first: the stacked layers start
     from the unrolled ones' parameters and draw the same dropout masks (before this, stacked
     layers were initialized differently: 2e-4 apart at step 1)."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("".join(chr(32 + i * 11 % 90) for i in range(5_000)))
-    pipeline = {"microbatches": 2, "schedule": "1f1b", "repeats": 1}
     runs = {}
-    for name, parallel in (
-        ("default", {}),
-        ("pipelined", dict(strategy="zero1", mesh="stage:2,fsdp:4", pipeline=pipeline)),
-    ):
-        config = gpt_config(str(text), **parallel)
-        config.model_args.update(num_layers=2, dropout_rate=0.1)
-        config.log_every, config.checkpoint_every = 1, 0
-        # SGD: Adam would amplify rounding noise of near-zero gradients (see the test above)
-        config.optimizer, config.learning_rate = "sgd", 0.5
-        train_and_evaluate(config, str(tmp_path / name))
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    for name in ("default", "pipelined"):
+        lines = (default_and_pipelined / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
     assert [r[0] for r in runs["default"]] == [1, 2, 3, 4]
     np.testing.assert_allclose(runs["pipelined"], runs["default"], rtol=1e-5)

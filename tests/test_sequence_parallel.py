@@ -3,6 +3,8 @@ reduce-scatter / all-gather pairs instead of all-reduces, and less activation me
 
 import pytest
 
+from jddp.observe.memory import peak_bytes
+from tests.helpers import compiled_train_step
 from tests.tiny_gpt import (
     BATCH,
     LAYERS,
@@ -31,11 +33,10 @@ def test_compiled_step_pairs_reduce_scatter_with_all_gather_and_holds_less():
     batch = token_batches(steps=1)[0]
     activation = (BATCH // 2) * SEQ * WIDTH * 4
     peaks = {}
-    for sp in (False, True):
+    for sp in (False, True):  # the peaks as Trainer.memory_report reads them (no state needed)
         trainer = gpt_trainer("zero3", "fsdp:2,tensor:4", sp)
-        state = trainer.init(seed=0, sample_batch=batch)
-        peaks[sp] = trainer.memory_report(state, batch)["peak_bytes_per_device"]
-    ops = tensor_group_ops(trainer, state, batch, tensor=4)
+        peaks[sp] = peak_bytes(compiled_train_step(trainer, batch))
+    ops = tensor_group_ops(trainer, trainer.abstract_state(batch), batch, tensor=4)
     pairs = 4 * LAYERS + 2
     assert sorted(op for op in ops if op[1] >= activation // 4) == sorted(
         [("all-gather", activation)] * pairs + [("reduce-scatter", activation // 4)] * pairs

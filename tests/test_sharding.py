@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import jddp
 from jddp.observe.hlo import collectives, total_bytes
 from jddp.observe.memory import peak_bytes
-from tests.helpers import small_net_trainer
+from tests.helpers import compiled_train_step, small_net_trainer
 from tests.reference import (
     CLIP_NORM,
     EVEN_PARAMS,
@@ -117,10 +117,7 @@ PARAM_BYTES = 4 * EVEN_PARAMS
 def test_compiled_step_holds_exactly_the_strategys_collectives(strategy):
     mesh = "data:2,fsdp:4" if strategy == "hybrid" else None
     trainer = even_trainer(strategy, **({"mesh": mesh} if mesh else {}))
-    batch = make_batches()[0]
-    state = trainer.init(seed=0, sample_batch=batch)
-    placed = trainer.place_batch(batch)
-    ops = collectives(trainer.strategy.lower_train_step(state, placed.arrays).compile().as_text())
+    ops = collectives(compiled_train_step(trainer, make_batches()[0]).as_text())
     kinds = {kind for kind, _, _ in ops}
     assert kinds <= {"all-reduce", "reduce-scatter", "all-gather"}, kinds
     all_reduce = total_bytes(ops, "all-reduce")  # scalars (loss, norm partials) left out

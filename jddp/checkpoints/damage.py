@@ -26,6 +26,7 @@ def damage_in(step_dir: str) -> str | None:
     """What shows that checkpoint `step_dir` is damaged, as a phrase ("state/d/ab12 is 312
     bytes, shorter than the 1230 its index needs"), or None when its files are complete. A file
     this process may not read raises the OSError (that is not damage)."""
+    step_dir = os.path.abspath(step_dir)  # tensorstore's file driver, as orbax, wants one
     for name in (COMMIT_MARKER, f"{STATE}/{COMMIT_MARKER}", f"{META}/{COMMIT_MARKER}"):
         if not os.path.isfile(os.path.join(step_dir, name)):
             return f"its commit marker {name} is missing"

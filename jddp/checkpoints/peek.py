@@ -47,6 +47,8 @@ def peek_latest(directory: str):
 def saved_tree(directory: str):
     """The array metadata tree of one saved item. Orbax warns when an item is read outside its
     step directory's manager (no step-level `_CHECKPOINT_METADATA` beside it); for a read-only
-    peek that is expected, so its warnings are muted here."""
+    peek that is expected, so its warnings are muted here. The path is made absolute: orbax
+    reads no item metadata under a relative one (and says so only in a warning)."""
+    directory = os.path.abspath(directory)
     with FAILURES_REPORTED.held(), quiet.library_warnings_muted("orbax"):  # damage fails here
         return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree

@@ -307,7 +307,7 @@ class TextTokens(TokenReads):
     def _read(self, offset: int, count: int) -> bytes:
         try:
             if self._file is None:
-                file = open(self.index.path, "rb")  # noqa: SIM115 (held while the source lives)
+                file = open(self.index.path, "rb")  # held while the source lives
                 if _identity(os.fstat(file.fileno())) != self.index.identity:
                     file.close()
                     raise self._changed()

@@ -13,10 +13,16 @@ Each error class maps to one code, its `exit_code`: a `JddpError` is a mistake (
 also a `RetryableError` (75).
 """
 
-DONE_EXIT_CODE = 0
 MISTAKE_EXIT_CODE = 2
 RETRYABLE_EXIT_CODE = 75
 INTERRUPTED_EXIT_CODE = 130
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """The first line of `error`'s text, cut to `limit` characters (with "..."): what a one-line
+    error quotes of another library's failure."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class JddpError(ValueError):

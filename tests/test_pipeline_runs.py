@@ -113,14 +113,17 @@ def default_and_pipelined(tmp_path_factory):
     return root
 
 
-def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(default_and_pipelined):
+def test_experiment_logs_the_schedule_and_init_from_crosses_layouts(
+    default_and_pipelined, tmp_path
+):
     """The CLI path on stage:2,fsdp:2,tensor:2 (1F1B) starts from the default run's per-layer
     parameters (its export), and a plain ddp run from the pipelined run's stacked ones (its
     checkpoint), each exactly (a step of learning rate 1e-30 moves nothing but exact zeros);
     the pipelined run's first metrics record gives the schedule, micro-batches and bubble."""
     runs = default_and_pipelined
     text, default = str(runs / "corpus.txt"), runs / "default"
-    pipelined, ddp = runs / "tensor_pipelined", runs / "ddp_from_pipelined"
+    # This test's own runs go to its own folder: the fixture's stay as the fixture made them.
+    pipelined, ddp = tmp_path / "tensor_pipelined", tmp_path / "ddp_from_pipelined"
     pipeline = {"microbatches": 4, "schedule": "1f1b", "repeats": 1}
     config = gpt_config(
         text, str(default), strategy="zero1", mesh="stage:2,fsdp:2,tensor:2", pipeline=pipeline

@@ -36,6 +36,7 @@ def test_resume_imports_only_the_model_the_config_names(tmp_path, monkeypatch):
     witness = tmp_path / "imported"
     monkeypatch.setenv("PLANTED_WITNESS", str(witness))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted_by_checkpoint", raising=False)  # removed after
     saved = {"model": "planted_by_checkpoint:Net", "model_args": {}}
     config = ml_collections.ConfigDict({"model": "mlp", "model_args": {}})
     changes = resume.config_changes(saved, config)

@@ -40,14 +40,15 @@ def damage_in(step_dir: str) -> str | None:
 
 
 def _read_json(step_dir: str, name: str):
-    """The parsed file, or a phrase saying why it is damaged."""
+    """The parsed file (a JSON object), or a phrase saying why it is damaged."""
     try:
         with open(os.path.join(step_dir, name), "rb") as f:
-            return json.loads(f.read())
+            parsed = json.loads(f.read())
     except FileNotFoundError:
         return f"{name} is missing"
     except ValueError:
         return f"{name} is not valid JSON"
+    return parsed if isinstance(parsed, dict) else f"{name} is not a JSON object"
 
 
 def _file_damage(state_dir: str, location: str, magic: bytes = b"") -> str | None:

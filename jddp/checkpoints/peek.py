@@ -11,8 +11,7 @@ from jddp.checkpoints import damage
 from jddp.checkpoints.damage import META, STATE
 from jddp.checkpoints.folder import numbered
 from jddp.checkpoints.orbax_noise import FAILURES_REPORTED
-from jddp.checkpoints.read_verdicts import first_line
-from jddp.errors import CheckpointUnreadable
+from jddp.errors import CheckpointUnreadable, first_line
 from jddp.runtime import quiet
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jddp.checkpoints import damage
-from jddp.errors import CheckpointError, CheckpointUnreadable
+from jddp.errors import CheckpointError, CheckpointUnreadable, first_line
 
 # What a failed read of a checkpoint is, agreed by every process: the worst one found counts.
 READ, DAMAGED, UNREADABLE = 0, 1, 2
@@ -73,11 +73,6 @@ def agreed_steps(steps: list[int]) -> list[int]:
     padded, known = np.zeros(count, np.int64), min(count, len(steps))
     padded[:known] = steps[:known]
     return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)]
-
-
-def first_line(error: Exception, limit: int = 200) -> str:
-    """The first line of `error`'s text, at most `limit` characters (for a one-line error)."""
-    return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
 def agreed_verdict(verdict: int, reason: str, source: str) -> tuple[int, str]:

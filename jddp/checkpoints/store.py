@@ -34,10 +34,9 @@ from jddp.checkpoints.read_verdicts import (
     READ,
     agreed_steps,
     agreed_verdict,
-    first_line,
     judge,
 )
-from jddp.errors import CheckpointError, CheckpointUnreadable, ShapeError
+from jddp.errors import CheckpointError, CheckpointUnreadable, ShapeError, first_line
 from jddp.observe.memory import format_bytes
 from jddp.runtime import processes, quiet
 from jddp.runtime.fs import write_failure
@@ -139,18 +138,18 @@ class Checkpoints:
 
     def due(self, step: int) -> bool:
         """Whether `step` is a checkpoint step (by interval, or a preemption across processes)."""
-        return self._manager.should_save(step)
+        return self._manager is not None and self._manager.should_save(step)
 
     def save(self, step: int, state, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Starts an asynchronous save if `step` is due (or `force`); returns whether it did.
         A step already saved is left as it is (one line in the log), not saved again."""
+        if self._manager is None:
+            raise CheckpointError(f"{self.directory} was opened read-only; it cannot save")
         if step in self._manager.all_steps():
             logging.info(
                 "checkpoint of step %d already in %s; not saved again", step, self.directory
             )
             return False
-        if self._manager is None:
-            raise CheckpointError(f"{self.directory} was opened read-only; it cannot save")
         unfinished = os.path.join(self.directory, f"{step}{_TMP_SUFFIX}")
         if not self.holds_workdir and os.path.exists(unfinished):
             raise CheckpointUnreadable(

@@ -73,7 +73,8 @@ def decoded_split(source, folder: str, features, chunk_size: int = 2048) -> Arra
         for name, values in columns.items():
             np.save(os.path.join(partial, f"{name}.npy"), np.stack(values))
         done = {"features": list(features), "num_examples": len(source)}
-        atomic_write.write_json(os.path.join(partial, _DONE), done)
+        # fsynced with the arrays next, before the folder's rename says "decoded"
+        atomic_write.write_json(os.path.join(partial, _DONE), done, durable=False)
         atomic_write.fsync_tree(partial)  # the arrays on disk before the name says "decoded"
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(partial, folder)

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jddp.data.tables import ArrayTable, HfTable, ParquetTable, RecordTable, Table, first_line
-from jddp.errors import ConfigError, DataError
+from jddp.data.tables import ArrayTable, HfTable, ParquetTable, RecordTable, Table
+from jddp.errors import ConfigError, DataError, first_line
 
 HF_INSTALL = "pip install 'jddp[hf]'"
 

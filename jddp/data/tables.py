@@ -14,15 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jddp.errors import DataError, DataUnreadable
+from jddp.errors import DataError, DataUnreadable, first_line
 
 _COLUMN_CHUNK = 4096  # rows per read when a whole column is read through read_batch
 ROW_GROUP_CACHE_BYTES = 64 << 20  # decoded Parquet row groups kept between batches, per table
-
-
-def first_line(error: BaseException, limit: int = 160) -> str:
-    line = (str(error).strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def is_text(values: np.ndarray) -> bool:

@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from jddp.data import own_formats, tables, tokenizer
-from jddp.errors import ConfigError, DataError
+from jddp.errors import ConfigError, DataError, first_line
 from jddp.runtime import user_code
 
 FILE_SCHEMES = {
@@ -94,7 +94,7 @@ def read_splits(name: DataName) -> dict[str, tables.Table]:
         returned = function()
     except Exception as e:  # the user's function failed: its own error, in one line
         raise DataError(
-            f"dataset function {name.text} failed: {type(e).__name__}: {tables.first_line(e)}"
+            f"dataset function {name.text} failed: {type(e).__name__}: {first_line(e)}"
         ) from None
     return own_formats.from_returned(returned, name.text)
 

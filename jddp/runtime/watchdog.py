@@ -198,7 +198,7 @@ class HangWatchdog:
                 self._fire(idle, limit, pausing, step_bound)
                 return
             if self._beat is not None:
-                self._beat.beat(step_bound)
+                self._beat.beat(limit)  # a pause is allowed its own, longer, bound
             if self._stop.wait(poll):
                 return
 

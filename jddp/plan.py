@@ -168,15 +168,33 @@ def print_published(points: list[dict]) -> None:
         )
 
 
+def print_series(series: list[dict]) -> None:
+    """Each series' fall from its first point to its last, published and predicted."""
+    print("\nSeries, first to last point (held: predicted drop within a third of the published):")
+    for s in series:
+        ends = f"{s['devices'][0]} -> {s['devices'][-1]} devices"
+        published = f"{s['published'][0]:.1%} -> {s['published'][-1]:.1%}"
+        predicted = f"{s['predicted'][0]:.1%} -> {s['predicted'][-1]:.1%}"
+        verdict = ("within" if s["within_rule"] else "outside") + " the rule"
+        print(f"{s['name']} ({ends}, {len(s['devices'])} points)")
+        print(
+            f"  published {published} (drop {s['published_drop'] * 100:.2f} points), "
+            f"predicted {predicted} (drop {s['predicted_drop'] * 100:.2f}): "
+            + (verdict if s["held"] else f"{verdict}; not held: {s['note']}")
+        )
+
+
 # -------------------------------------------------------------------------------- main
 def run_published() -> None:
-    from jddp.planner.published import published_points
+    from jddp.planner.published import published_points, series
 
     points = published_points()
+    trends = series(points)
     if _JSON.value:
-        print(json.dumps({"points": points}, indent=1))
+        print(json.dumps({"points": points, "series": trends}, indent=1))
     else:
         print_published(points)
+        print_series(trends)
 
 
 def run_plan() -> None:

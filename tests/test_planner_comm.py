@@ -4,14 +4,20 @@ Five
 programs cover every axis, ZeRO's gathers and scatters, sequence parallelism, gradients reduced
 in bfloat16, and pipelines with the backward in one tick and in two;
 experiments/bench/planner.py --bytes checks every layout without stages that compiles on 8
-devices (ddp and zero1 included)."""
+devices (ddp and zero1 included). The same programs check the network model
+(jddp/planner/network.py): the bytes each device sends across hosts of 2 and of 4 devices,
+from the planner's collectives and its mesh arithmetic, equal those of the compiled ops, each
+split by where its own replica groups' devices sit."""
 
+import math
+
+import numpy as np
 import pytest
 
 from experiments.bench.planner_programs import compiled_text, tiny_workload
 from jddp.observe.hlo import bytes_by_axes, collective_ops
-from jddp.planner import collective, comm
-from jddp.planner.layouts import Layout
+from jddp.planner import collective, comm, network
+from jddp.planner.layouts import AXES, Layout
 
 F32, BF16 = "float32", "bfloat16"
 CASES = [  # (layout, layers, micro-batches, gradients' dtype); every other layout: --bytes
@@ -38,3 +44,42 @@ def test_modelled_bytes_per_axis_equal_the_compiled_hlo(case):
     assert compiled == modelled
     assert layout.tensor == 1 or ("tensor",) in {axes for axes, _ in compiled}
     assert layout.stage == 1 or (("stage",), "collective-permute") in compiled
+
+    collectives = comm.step_collectives(workload, layout)
+    for per_host in (2, 4):
+        planned = sum(
+            c.count
+            * network.bytes_across_hosts(
+                network.op_phases(c.kind, c.nbytes, layout, c.axes, per_host)
+            )
+            for c in collectives
+        )
+        assert planned > 0 or layout.devices <= per_host  # one host: nothing crosses
+        assert planned == pytest.approx(
+            hlo_bytes_across_hosts(text, axis_names, device_ids, layout, per_host), rel=1e-12
+        )
+
+
+def hlo_bytes_across_hosts(text, axis_names, device_ids, layout, per_host) -> float:
+    """Bytes one device sends across hosts of `per_host` devices in the compiled step: each op
+    (scalars skipped, as bytes_by_axes skips them) split by its own first replica group (a
+    collective-permute by its slowest pair: the step waits for it), the devices numbered as the
+    planner lays a mesh out (its axis order, the last fastest)."""
+    strides = {a: math.prod(layout.sizes[b] for b in AXES[i + 1 :]) for i, a in enumerate(AXES)}
+    position = {
+        int(d): sum(i * strides[axis_names[k]] for k, i in enumerate(index))
+        for index, d in np.ndenumerate(device_ids)
+    }
+    total = 0.0
+    for op in collective_ops(text):
+        result = sum(b for b in op.sizes if b >= 5)
+        if not result:
+            continue
+        group = op.groups[0] if op.groups else tuple(position)
+        hosts = max(len({position[d] // per_host for d in g}) for g in op.groups or [group])
+        if op.kind != "collective-permute":
+            hosts = len({position[d] // per_host for d in group})
+        volume = result * len(group) if op.kind == "reduce-scatter" else result
+        rings = network.phases(op.kind, volume, len(group) // hosts, hosts)
+        total += op.executions * network.bytes_across_hosts(rings)
+    return total

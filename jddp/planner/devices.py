@@ -75,6 +75,11 @@ class DeviceProfile:
     # experiments.calibrate): what a tensor split does to a small model's projections. The
     # accelerator presets stay flat (no datasheet gives the curve).
     matmul_shape_rates: tuple[tuple[int, float], ...] = ()
+    # The relative standard deviation of one host's step time where the hosts meet over the
+    # inter-host network (jddp/planner/timing.py "slowest"): a step waits for the slowest of
+    # them. No datasheet gives it: solved once per system from one published multi-host run
+    # (`sources`); 0 where none is published (the GPUs; this machine's simulated hosts).
+    step_spread: float = 0.0
     sources: tuple[str, ...] = ()
 
     def links(self, kind: str) -> tuple[Link, Link]:
@@ -117,6 +122,10 @@ class DeviceProfile:
                 )
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"device {self.name!r}: efficiency={self.efficiency} not in (0, 1]")
+        if not (_finite(self.step_spread) and 0 <= self.step_spread < 1):
+            raise ConfigError(
+                f"device {self.name!r}: step_spread={self.step_spread} must be in [0, 1)"
+            )
         for field in ("latency_intra", "latency_inter", "overhead_intra", "overhead_inter"):
             value = getattr(self, field)
             if not (_finite(value) and value >= 0):  # NaN compares false: it would plan NaN
@@ -170,16 +179,29 @@ _GPU_EFFICIENCY = (
     "MAMF(A100)"
 )
 _SCALING_BOOK = (
-    "TPU HBM, ICI and DCN: Austin et al., 'How to Scale Your Model' (jax-ml.github.io/"
+    "TPU HBM and ICI: Austin et al., 'How to Scale Your Model' (jax-ml.github.io/"
     "scaling-book), Part 2 tables: ICI bidirectional per link v4 9e10, v5p 2e11, v5e 1e11 B/s; "
-    "DCN ~2.5e10 B/s per host (4 chips on v4/v5p, 8 on v5e); ~1 us per ICI hop"
+    "~1 us per ICI hop"
+)
+_STEP_SPREAD = (
+    "step_spread: solved from the calibration run MaxText 22B on 8x v4-128 (MaxText "
+    "configs/v4/README.md: 53.2% MFU against 56.7% on one slice); every TPU, the same "
+    "software and data-center network"
 )
 A100_MAMF, H100_MAMF, B200_MAMF = 0.869, 0.803, 0.776
 A100_EFFICIENCY = 0.638  # solved from Megatron-LM 310B (a calibration run of published.py)
+TPU_STEP_SPREAD = 0.0457  # solved from MaxText 22B on 8x v4-128 (a calibration run)
 
 
-def _gpu(name, peak, memory, hbm, nvlink, ib, efficiency, *sources) -> DeviceProfile:
-    """An NVIDIA GPU in a DGX-style host of 8: NVLink inside, one InfiniBand adapter each."""
+def _dcn_share(host_bandwidth: float, devices_per_machine: int) -> float:
+    """A device's share of its machine's data-center network bandwidth (bytes/s per direction):
+    every device of a machine runs its own ring across machines at the same time (SPMD), so
+    each gets 1 / `devices_per_machine` of the machine's NICs."""
+    return host_bandwidth / devices_per_machine
+
+
+def _gpu(name, peak, memory, hbm, nvlink, dcn_per_host, efficiency, *sources) -> DeviceProfile:
+    """An NVIDIA GPU in a DGX-style host of 8: NVLink inside, the host's NICs across hosts."""
     return DeviceProfile(
         name,
         peak_flops=peak,
@@ -187,7 +209,7 @@ def _gpu(name, peak, memory, hbm, nvlink, ib, efficiency, *sources) -> DevicePro
         memory=memory,
         memory_bandwidth=hbm,
         bw_intra=nvlink,
-        bw_inter=ib,
+        bw_inter=_dcn_share(dcn_per_host, 8),
         latency_intra=3.4e-6,
         latency_inter=9.6e-6,
         efficiency=efficiency,
@@ -196,28 +218,42 @@ def _gpu(name, peak, memory, hbm, nvlink, ib, efficiency, *sources) -> DevicePro
     )
 
 
-def _tpu(name, peak, memory, hbm, ici, dcn_per_chip, efficiency, slice_chips, *sources):
-    """A TPU: ICI inside a slice (`devices_per_host`), DCN between slices."""
+def _tpu(name, peak, memory, hbm, ici, dcn, efficiency, slice_chips, *sources):
+    """A TPU: ICI inside a slice (`devices_per_host`), DCN between slices; `dcn`: (bytes/s per
+    direction of one TPU machine's NICs, chips per machine)."""
     return DeviceProfile(
         name,
         peak_flops=peak,
         memory=memory,
         memory_bandwidth=hbm,
         bw_intra=ici,
-        bw_inter=dcn_per_chip,
+        bw_inter=_dcn_share(*dcn),
         latency_intra=1e-6,
-        latency_inter=9.6e-6,
+        latency_inter=9.6e-6,  # NCCL's network figure: no TPU DCN latency is published
         efficiency=efficiency,
         devices_per_host=slice_chips,
-        sources=(*sources, _SCALING_BOOK),
+        step_spread=TPU_STEP_SPREAD,
+        sources=(*sources, _SCALING_BOOK, _STEP_SPREAD),
     )
 
 
 _GPU_SCALED = round(A100_EFFICIENCY * H100_MAMF / A100_MAMF, 3)
+# Data-center network per machine, bytes/s per direction. GPUs: the DGX compute fabric, one
+# adapter per GPU (the storage / management NICs are left out).
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
+DGX_A100_DCN = 8 * 200 * GBIT  # DGX A100 user guide: 8x ConnectX-6 HDR InfiniBand 200 Gb/s
+DGX_H100_DCN = 8 * 400 * GBIT  # DGX H100 user guide: 8x ConnectX-7 NDR 400 Gb/s (OSFP)
+DGX_H200_DCN = 8 * 400 * GBIT  # DGX H200 datasheet: 8x ConnectX-7 400 Gb/s (as DGX H100)
+DGX_B200_DCN = 8 * 400 * GBIT  # DGX B200 datasheet: 8x ConnectX-7 400 Gb/s
+# TPUs: (per machine, chips per machine).
+TPU_V4_DCN = (2.5e10, 4)  # scaling-book Part 2: DCN ~2.5e10 B/s per host; 4 chips per v4 host
+TPU_V5P_DCN = (4 * 50 * GBIT, 4)  # Cloud TPU v5p docs: 50 Gb/s DCN per chip, 4 chips per host
+TPU_V5E_DCN = (2 * 100 * GBIT, 8)  # Cloud TPU v5e docs: 2 x 100 Gbps NICs per host of 8 chips
+# (6.4 Tbps per 256-chip pod: the same 200 Gb/s for each of its 32 hosts)
 PRESETS: dict[str, DeviceProfile] = {
     # NVLink 3: 300 GB/s per direction, NCCL models A100 at 235; one 200 Gb/s HDR adapter/GPU
     "a100-80gb": _gpu(
-        "a100-80gb", 312e12, 80 * GB, 2.039e12, 235 * GB, 25 * GB, A100_EFFICIENCY,
+        "a100-80gb", 312e12, 80 * GB, 2.039e12, 235 * GB, DGX_A100_DCN, A100_EFFICIENCY,
         "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 156 TF32, 80 GB HBM2e 2,039 GB/s, "
         "NVLink 600 GB/s (both directions)",
         "NCCL src/graph/tuning.cc: A100 (sm80) NVLink bus bandwidth capped at 235 GB/s",
@@ -225,14 +261,14 @@ PRESETS: dict[str, DeviceProfile] = {
     ),
     # NVLink 4: 900 GB/s both directions; one 400 Gb/s NDR adapter per GPU
     "h100": _gpu(
-        "h100", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, _GPU_SCALED,
+        "h100", 989e12, 80 * GB, 3.35e12, 450 * GB, DGX_H100_DCN, _GPU_SCALED,
         "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 3.35 TB/s, NVLink "
         "900 GB/s",
         "DGX H100 user guide: 8x ConnectX-7 400 Gb/s, one per GPU",
         _MAMF,
     ),
     "h200": _gpu(
-        "h200", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, _GPU_SCALED,
+        "h200", 989e12, 141 * GB, 4.8e12, 450 * GB, DGX_H200_DCN, _GPU_SCALED,
         "NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 141 GB HBM3e 4.8 TB/s, NVLink "
         "900 GB/s",
         "DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU",
@@ -240,7 +276,7 @@ PRESETS: dict[str, DeviceProfile] = {
     ),
     # NVLink 5: 1.8 TB/s both directions
     "b200": _gpu(
-        "b200", 2250e12, 180 * GB, 8.0e12, 900 * GB, 50 * GB,
+        "b200", 2250e12, 180 * GB, 8.0e12, 900 * GB, DGX_B200_DCN,
         round(A100_EFFICIENCY * B200_MAMF / A100_MAMF, 3),
         "NVIDIA DGX B200 datasheet: per GPU 2.25 PFLOP/s bf16 dense, 180 GB HBM3e 8 TB/s, "
         "NVLink 1.8 TB/s; 8x ConnectX-7 400 Gb/s",
@@ -248,21 +284,22 @@ PRESETS: dict[str, DeviceProfile] = {
     ),
     # efficiency solved from MaxText 22B on 1x v4-128 (a calibration run of published.py)
     "tpu-v4": _tpu(
-        "tpu-v4", 275e12, 32 * 2**30, 1.2e12, 9e10, 2.5e10 / 4, 0.808, 64,
+        "tpu-v4", 275e12, 32 * 2**30, 1.2e12, 9e10, TPU_V4_DCN, 0.808, 64,
         "Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 1,200 GB/s",
+        "scaling-book Part 2: DCN ~2.5e10 B/s per host, 4 chips per host",
         "efficiency: solved from the calibration run, MaxText 22B on 1x v4-128 (MaxText "
         "configs/v4/README.md: 56.7% MFU, full remat)",
     ),
     "tpu-v5p": _tpu(
-        "tpu-v5p", 459e12, 95 * 2**30, 2.765e12, 2e11, 2.5e10 / 4, 0.808, 64,
+        "tpu-v5p", 459e12, 95 * 2**30, 2.765e12, 2e11, TPU_V5P_DCN, 0.808, 64,
         "Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM 2,765 GB/s, DCN 50 Gb/s per chip",
         "efficiency: TPU v4's (same XLA TPU software; no v5p calibration run)",
     ),
     # efficiency solved from MaxText 16B on 1x v5e-256 (a calibration run of published.py)
     "tpu-v5e": _tpu(
-        "tpu-v5e", 197e12, 16 * GB, 8.19e11, 1e11, 2.5e10 / 8, 0.884, 256,
-        "Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 819 GB/s, DCN 6.4 Tbps per "
-        "256-chip pod",
+        "tpu-v5e", 197e12, 16 * GB, 8.19e11, 1e11, TPU_V5E_DCN, 0.884, 256,
+        "Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 819 GB/s, 8 chips per host, "
+        "2 x 100 Gbps NICs per host, DCN 6.4 Tbps per 256-chip pod",
         "efficiency: solved from the calibration run, MaxText 16B on 1x v5e-256 (MaxText "
         "configs/v5e/README.md: 61.10% MFU, full remat)",
     ),

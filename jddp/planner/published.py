@@ -8,6 +8,14 @@ One run per device type is the calibration run (`calibration=True`): the device'
 that one value is used for every other run on the hardware. Calibration runs are shown, but
 are not validation points. Chosen before looking at the predictions: Megatron-LM's 310B row
 (the A100 table's middle), MaxText's single-slice rows (no DCN: the least communication).
+One more calibrates the TPUs' `step_spread` (how far a step waits for the slowest slice): the
+largest multi-slice run of the older system, MaxText 22B on 8x v4-128; TPU v5e's series is
+predicted with it.
+
+Runs of one model on one system at several device counts form a series (`series`): how
+utilization falls as the job spans more hosts or slices. `python -m jddp.plan --published`
+reports each series' drop from its first to its last point; the rule the tests hold: the
+predicted drop within a third of the published one, every point within 15%.
 """
 
 import dataclasses
@@ -58,6 +66,8 @@ class PublishedRun:
     regather_in_backward: bool = False
     recompute_drops_output: bool = True
     calibration: bool = False
+    calibrates: str = "efficiency"  # or "step_spread": which device figure the run sets
+    series: str = ""  # the runs of one model on one system at several sizes share a name
 
     @functools.cached_property
     def workload(self) -> Workload:
@@ -134,15 +144,15 @@ def _megatron(name, h, layers, heads, tp, pp, mbs, gbs, gpus, percent, vpp_layer
         virtual_stages=layers // (pp * vpp_layers) if vpp_layers else 1,
         exposed_axes=("data",) if kw.pop("ddp_local", True) else (),
         recompute_drops_output=False,  # PyTorch reruns the whole layer
+        series="Megatron-LM Table 1 (weak scaling)",
         **kw,
     )
 
 
 def _maxtext(name, device, t, slices, chips, per_device_batch, mfu, **kw):
+    pod = f"{device.removeprefix('tpu-')}-{chips * 2 if device == 'tpu-v4' else chips}"
     return PublishedRun(
-        name=f"MaxText {name} on {slices}x {device.removeprefix('tpu-')}-{chips * 2}"
-        if device == "tpu-v4"
-        else f"MaxText {name} on {slices}x {device.removeprefix('tpu-')}-{chips}",
+        name=f"MaxText {name} on {slices}x {pod}",  # v4 counts 2 cores per chip
         source=MAXTEXT,
         quote=f"{name}, {slices} slice(s): {mfu}% MFU",
         device=device,
@@ -154,6 +164,7 @@ def _maxtext(name, device, t, slices, chips, per_device_batch, mfu, **kw):
         convention="maxtext",
         recompute=1.0,
         regather_in_backward=True,
+        series=f"MaxText {name} on {pod} slices",
         **kw,
     )
 
@@ -202,10 +213,18 @@ RUNS: tuple[PublishedRun, ...] = (
         exposed_axes=("data",),
         regather_in_backward=True,
     ),
+    # MaxText's tables: the same script and per-chip batch on 1, 2, 4, 8 (... 32) slices
     _maxtext("22B", "tpu-v4", MAXTEXT_22B, 1, 64, 16, 56.7, calibration=True),
-    _maxtext("22B", "tpu-v4", MAXTEXT_22B, 8, 64, 16, 53.2),
+    _maxtext("22B", "tpu-v4", MAXTEXT_22B, 2, 64, 16, 55.2),
+    _maxtext("22B", "tpu-v4", MAXTEXT_22B, 4, 64, 16, 54.3),
+    _maxtext(
+        "22B", "tpu-v4", MAXTEXT_22B, 8, 64, 16, 53.2, calibration=True, calibrates="step_spread"
+    ),
     _maxtext("16B", "tpu-v5e", MAXTEXT_16B, 1, 256, 6, 61.10, calibration=True),
-    _maxtext("16B", "tpu-v5e", MAXTEXT_16B, 32, 256, 6, 54.65),
+    *(
+        _maxtext("16B", "tpu-v5e", MAXTEXT_16B, slices, 256, 6, mfu)
+        for slices, mfu in ((2, 59.37), (4, 59.14), (8, 58.27), (16, 56.56), (32, 54.65))
+    ),
 )
 
 
@@ -221,13 +240,17 @@ def predicted_utilization(run: PublishedRun, profile: DeviceProfile | None = Non
     }
 
 
-def solve_efficiency(run: PublishedRun) -> float:
-    """The device efficiency with which the planner reproduces `run` (bisection)."""
-    low, high = 0.01, 1.0
+def solve_calibration(run: PublishedRun) -> float:
+    """The value of the device figure `run` calibrates (`run.calibrates`: `efficiency` or
+    `step_spread`) with which the planner reproduces it (bisection; utilization rises with
+    efficiency and falls with the spread)."""
+    low, high = (0.01, 1.0) if run.calibrates == "efficiency" else (0.0, 0.5)
+    rises = run.calibrates == "efficiency"
     for _ in range(60):
         middle = (low + high) / 2
-        profile = dataclasses.replace(PRESETS[run.device], efficiency=middle)
-        if predicted_utilization(run, profile)["predicted_mfu"] < run.published:
+        profile = dataclasses.replace(PRESETS[run.device], **{run.calibrates: middle})
+        below = predicted_utilization(run, profile)["predicted_mfu"] < run.published
+        if below == rises:
             low = middle
         else:
             high = middle
@@ -253,6 +276,45 @@ def best_layout(run: PublishedRun) -> dict:
 def published_points() -> list[dict]:
     """Every run's `point` (`--published --json`'s points)."""
     return [point(run) for run in RUNS]
+
+
+def within_trend_rule(published_drop: float, predicted_drop: float) -> bool:
+    """Whether a series' predicted drop (first point's utilization minus its last's) is within
+    a third of its published drop."""
+    return abs(predicted_drop - published_drop) <= abs(published_drop) / 3
+
+
+def series(points: list[dict]) -> list[dict]:
+    """Each series of `points` (`published_points()`) from its first point to its last: the
+    published and predicted utilization at both ends and their drops; `held`: one model on
+    one system (a trend the network sets, held to the rule); `within_rule`: the predicted
+    drop within a third of the published one."""
+    runs = {run.name: run for run in RUNS}
+    grouped: dict[str, list[dict]] = {}
+    for p in points:
+        if runs[p["name"]].series:
+            grouped.setdefault(runs[p["name"]].series, []).append(p)
+    out = []
+    for name, members in grouped.items():
+        first, last = members[0], members[-1]
+        models = {(runs[p["name"]].transformer, runs[p["name"]].device) for p in members}
+        published_drop = first["published_mfu"] - last["published_mfu"]
+        predicted_drop = first["predicted_mfu"] - last["predicted_mfu"]
+        held = len(models) == 1
+        out.append(
+            {
+                "name": name,
+                "devices": [runs[p["name"]].layout.devices for p in members],
+                "published": [p["published_mfu"] for p in members],
+                "predicted": [p["predicted_mfu"] for p in members],
+                "published_drop": published_drop,
+                "predicted_drop": predicted_drop,
+                "held": held,
+                "within_rule": within_trend_rule(published_drop, predicted_drop),
+                "note": "" if held else "the model grows with the devices: held point by point",
+            }
+        )
+    return out
 
 
 def point(run: PublishedRun) -> dict:

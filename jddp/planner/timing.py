@@ -32,6 +32,13 @@ context     the ring's hops (jddp/planner/comm.py) run inside each layer's atten
             max(0, transfer - compute); the backward's last hop home has nothing to hide
             under. all_gather's gather and scatter are critical. Without async collectives
             every hop is exposed.
+slowest     the hosts (a TPU slice: its chips) joined over the inter-host network meet once a
+            step, in the gradient reduction, and each waits there for the slowest: a step of
+            P hosts is the mean step x (1 + spread x the expected maximum of P standard
+            normals) (jddp/planner/network.py `slowest_of`; `step_spread`, the relative
+            spread of one host's step, is the profile's: jddp/planner/devices.py). Inside a
+            host the devices meet at every layer's collectives, so their spread is part of
+            the measured efficiency
 links       a group of devices inside one host uses the intra-host link, a group spanning
             hosts runs hierarchically (jddp/planner/network.py); except on XLA:CPU
             (`every_group_crosses_hosts`): in a job of several processes every group, even
@@ -46,7 +53,7 @@ from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collect
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout
 from jddp.planner.memory_model import state_bytes
-from jddp.planner.network import collective_time
+from jddp.planner.network import collective_time, slowest_of
 from jddp.planner.stages import bubble_fraction, microbatches
 from jddp.planner.workload import Workload
 
@@ -63,6 +70,7 @@ class Prediction:
     comm_s: dict[str, float]  # per mesh axis: all communication time
     tokens_per_s: float
     mfu: float  # model FLOPs / (step x devices x peak)
+    sync_s: float = 0.0  # waiting for the slowest of the hosts joined over the network
 
     @property
     def exposed_total(self) -> float:
@@ -193,6 +201,8 @@ def predict(
     bubble = 0.0 if profile.shared_compute else bubble_fraction(workload, layout)
     bubble_s = (compute + pipelined) * bubble / (1 - bubble)
     step = compute + bubble_s + sum(exposed.values()) + optimizer
+    sync = step * profile.step_spread * slowest_of(math.ceil(layout.devices / devices_per_host))
+    step += sync
     peak_all = peak * layout.devices
     return Prediction(
         step_s=step,
@@ -203,6 +213,7 @@ def predict(
         comm_s=total,
         tokens_per_s=workload.global_batch * workload.tokens_per_example / step,
         mfu=workload.model_flops / (step * peak_all),
+        sync_s=sync,
     )
 
 

@@ -131,6 +131,8 @@ def print_table(rows: list[dict], header: str) -> None:
     table = []
     for r in rows:
         comm = ", ".join(f"{a} {_fmt_seconds(s)}" for a, s in r["exposed_comm_s"].items() if s)
+        if r["sync_s"]:  # waiting for the slowest host (jddp/planner/timing.py)
+            comm = ", ".join(filter(None, (comm, f"slowest host {_fmt_seconds(r['sync_s'])}")))
         table.append(
             (
                 r["layout"],

@@ -112,6 +112,7 @@ def plan_row(
         "exposed_comm_s": dict(sorted(p.exposed_s.items())),
         "comm_s": dict(sorted(p.comm_s.items())),
         "bubble_s": p.bubble_s,
+        "sync_s": p.sync_s,
         "predicted_tokens_per_s": p.tokens_per_s,
         "predicted_mfu": p.mfu,
     }

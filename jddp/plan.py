@@ -2,7 +2,7 @@
 
     python -m jddp.plan --config=experiments/configs/gpt_1b.py --devices=1024 \\
         --devices_per_host=8 --device=h100 [--top=10] [--json]
-    python -m jddp.plan --published [--json]     # the published runs it reproduces
+    python -m jddp.plan --published [--json]     # the published runs and series it reproduces
     python -m experiments.calibrate              # (a checkout) measure this machine as --device=cpu
 
 For ddp and every data x fsdp x tensor x stage mesh the model admits (zero1/2/3 where they
@@ -48,6 +48,12 @@ _BW_INTER = flags.DEFINE_string("bw_inter", "", "Bytes/s per device and directio
 _LAT_INTRA = flags.DEFINE_string("latency_intra", "", "Seconds per ring step inside a host.")
 _LAT_INTER = flags.DEFINE_string("latency_inter", "", "Seconds per ring step across hosts.")
 _EFFICIENCY = flags.DEFINE_float("efficiency", 0.0, "Fraction of peak compute reaches (0: preset).")
+_STEP_SPREAD = flags.DEFINE_float(
+    "step_spread",
+    None,
+    "Relative spread of one host's step time: a step waits for the slowest of the hosts "
+    "(TPU slices) joined over the data-center network (unset: the preset's; 0: none).",
+)
 _TOP = flags.DEFINE_integer("top", 0, "Show the best K plans (0: all).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON document instead of a table.")
 _STAGES = flags.DEFINE_bool("stages", True, "Plan meshes with pipeline stages too.")
@@ -94,6 +100,8 @@ def device_profile():
             overrides[field] = parse(flag.name, flag.value)
     if _EFFICIENCY.value:
         overrides["efficiency"] = _EFFICIENCY.value
+    if _STEP_SPREAD.value is not None:
+        overrides["step_spread"] = _STEP_SPREAD.value
     if "peak_flops" in overrides:
         overrides["float32_peak_flops"] = 0.0  # the number given is the peak
     profile = dataclasses.replace(profile, **overrides)

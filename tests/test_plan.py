@@ -156,9 +156,12 @@ def test_numbers_in_the_forms_the_help_shows():
     result = run_plan(
         "--devices=8", "--device=h100", "--peak_flops=989e12", "--bw_inter=0.05E3GB",
         "--latency_intra=3E-6", "--device_memory=80GiB", "--json", "--top=1",
+        "--step_spread=0.1", "--devices_per_host=4",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert len(json.loads(result.stdout)["rows"]) == 1
+    rows = json.loads(result.stdout)["rows"]
+    assert len(rows) == 1
+    assert rows[0]["sync_s"] > 0  # 2 hosts of 4, waiting for the slower
     for flag, value, words in [
         ("--peak_flops", "1.2.3", "is not an amount"),
         ("--latency_inter", "-1us", "is not a duration"),

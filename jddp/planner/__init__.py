@@ -8,7 +8,8 @@ comm.py       the collectives each layout runs per step, per mesh axis (exact: t
               the compiled HLO)
 auto.py       what XLA's partitioner gathers or moves under `auto`, and its collectives
 network.py    what a collective costs on the links a mesh axis crosses (ring formulas,
-              hierarchical across hosts)
+              hierarchical across hosts, the bytes each device sends over the data-center
+              network) and how long a step waits for the slowest of its hosts
 stages.py     the stage axis: micro-batches, bubble, sends per tick, the stage reduction (bytes
               exact against the compiled pipeline)
 shards.py     each parameter's layout on a mesh, from the partition rules

@@ -77,6 +77,10 @@ def test_bytes_across_hosts_share_the_machines_network_by_hand():
     assert (
         network.bytes_across_hosts(network.op_phases("all-reduce", 1e9, layout, ("data",), 32)) == 0
     )
+    # a step's: ddp's 8 MiB of gradients over 4 hosts of 8, the same eighths; none in one host
+    p = timing.predict(mlp_workload(), layout, PROFILE, 8)
+    assert p.bytes_across_hosts == pytest.approx(2 * 3 / 4 * 8 * 2**20 / 8)
+    assert timing.predict(mlp_workload(), layout, PROFILE, 32).bytes_across_hosts == 0
 
 
 def test_a_step_waits_for_the_slowest_host():

@@ -71,15 +71,19 @@ def main() -> None:
         f"GPT 6.7B, {args.global_batch} x 2,048 tokens per step, {profile.name} in hosts of "
         f"{profile.devices_per_host}"
     )
-    print("| hosts | GPUs | accumulation | best layout | step | tokens/s | MFU | exposed comm |")
-    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    print(
+        "| hosts | GPUs | accumulation | best layout | step | tokens/s | MFU | across hosts "
+        "per GPU | exposed comm |"
+    )
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         waits = r["exposed_comm_s"] | ({"slowest host": r["sync_s"]} if r["sync_s"] else {})
         comm = ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in waits.items() if s >= 5e-5)
         print(
             f"| {r['hosts']} | {r['hosts'] * profile.devices_per_host} | {r['grad_accum_steps']} "
             f"| {r['layout']} | {r['predicted_step_s']:.2f} s | "
-            f"{r['predicted_tokens_per_s']:,.0f} | {r['predicted_mfu']:.1%} | {comm or '-'} |"
+            f"{r['predicted_tokens_per_s']:,.0f} | {r['predicted_mfu']:.1%} | "
+            f"{r['bytes_across_hosts'] / 1e9:.2f} GB | {comm or '-'} |"
         )
 
 

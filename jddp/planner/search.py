@@ -113,6 +113,7 @@ def plan_row(
         "comm_s": dict(sorted(p.comm_s.items())),
         "bubble_s": p.bubble_s,
         "sync_s": p.sync_s,
+        "bytes_across_hosts": p.bytes_across_hosts,
         "predicted_tokens_per_s": p.tokens_per_s,
         "predicted_mfu": p.mfu,
     }

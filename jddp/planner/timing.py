@@ -53,7 +53,7 @@ from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collect
 from jddp.planner.devices import DeviceProfile
 from jddp.planner.layouts import Layout
 from jddp.planner.memory_model import state_bytes
-from jddp.planner.network import collective_time, slowest_of
+from jddp.planner.network import bytes_across_hosts, op_phases, phases_time, slowest_of
 from jddp.planner.stages import bubble_fraction, microbatches
 from jddp.planner.workload import Workload
 
@@ -71,6 +71,7 @@ class Prediction:
     tokens_per_s: float
     mfu: float  # model FLOPs / (step x devices x peak)
     sync_s: float = 0.0  # waiting for the slowest of the hosts joined over the network
+    bytes_across_hosts: float = 0.0  # one device's bytes over the inter-host network per step
 
     @property
     def exposed_total(self) -> float:
@@ -161,12 +162,12 @@ def predict(
     times: dict[tuple[str, str], float] = {}  # (phase, axis) -> seconds
     ops: dict[str, float] = {}  # phase -> collectives run in it
     pipelined = 0.0  # critical communication inside each micro-batch's work
+    across = 0.0  # bytes one device sends over the inter-host network
     collectives = comm.step_collectives(workload, layout, profile.partitioner_reduce_scatter)
     for c in _combined(collectives, profile):
-        intra, inter = profile.links(c.kind)
-        seconds = c.count * collective_time(
-            c.kind, c.nbytes, layout, c.axes, intra, inter, devices_per_host
-        )
+        rings = op_phases(c.kind, c.nbytes, layout, c.axes, devices_per_host)
+        seconds = c.count * phases_time(rings, *profile.links(c.kind))
+        across += c.count * bytes_across_hosts(rings)
         phase = c.phase
         pipelined += seconds if phase == CRITICAL else 0.0
         if not profile.overlap or any(a in exposed_axes for a in c.axes):
@@ -214,6 +215,7 @@ def predict(
         tokens_per_s=workload.global_batch * workload.tokens_per_example / step,
         mfu=workload.model_flops / (step * peak_all),
         sync_s=sync,
+        bytes_across_hosts=across,
     )
 
 

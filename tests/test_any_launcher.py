@@ -1,0 +1,138 @@
+"""A user's own script (tests/user_script.py: its model, its numpy data, `jddp.fit`, no jddp
+internals) runs unchanged under every launcher and gives the same parameters: one process of 4
+devices started by launch/slurm.sbatch (a stand-in `srun`) and by launch/kubernetes.yaml's pod
+environment; 2 processes x 2 devices under `jddp-launch`, killed and rerun by `--max_restarts`,
+equal at 1e-5. `hybrid`'s default mesh groups devices by host (fsdp within a process on CPU),
+and a mesh whose fsdp groups are one device is one warning naming the mesh to use."""
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jddp.parallel.mesh import build_mesh, by_host
+from jddp.parallel.zero import default_mesh_spec, unsharded_warning
+from tests.helpers import REPO, checkout_env, launch_command, small_net_trainer
+
+SCRIPT = os.path.join(REPO, "tests", "user_script.py")
+HARD_TIMEOUT_S = 300
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
+
+
+def run(command, env, cwd=REPO) -> str:
+    result = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=HARD_TIMEOUT_S
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output
+
+
+def params(workdir) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(workdir, "params.npz")) as saved:
+        return dict(saved)
+
+
+def assert_params_close(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def run_sbatch(tmp_path, workdir) -> str:
+    """launch/slurm.sbatch as SLURM runs it for a job of one task, given the user's command;
+    the stand-in `srun` runs the command as that task, in its SLURM environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = checkout_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_NTASKS="1",
+        SLURM_PROCID="0",
+        SLURM_SUBMIT_DIR=REPO,
+        XLA_FLAGS=FOUR_DEVICES,
+    )
+    sbatch = os.path.join(REPO, "launch", "slurm.sbatch")
+    return run(["bash", sbatch, sys.executable, SCRIPT, str(workdir)], env)
+
+
+def run_kubernetes_pod(workdir, port: int) -> str:
+    """Pod 0 of launch/kubernetes.yaml's Indexed Job, with the user's script as its command: the
+    manifest's environment, its coordinator's name mapped to this machine and the pod count to
+    one (the two-pod join is tests/test_runtime.py's), JOB_COMPLETION_INDEX as the Job sets it."""
+    with open(os.path.join(REPO, "launch", "kubernetes.yaml")) as f:
+        job = [d for d in yaml.safe_load_all(f) if d["kind"] == "Job"][0]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    host, _, _ = env["JDDP_COORDINATOR_ADDRESS"].rpartition(":")
+    assert host == f"{job['metadata']['name']}-0.{job['metadata']['name']}"  # pod 0's DNS name
+    env |= {"JDDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JDDP_NUM_PROCESSES": "1"}
+    return run(
+        [sys.executable, SCRIPT, str(workdir)],
+        checkout_env(**env, JOB_COMPLETION_INDEX="0", XLA_FLAGS=FOUR_DEVICES),
+    )
+
+
+def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result(tmp_path):
+    from jddp.runtime.launch import free_port
+
+    one = run_sbatch(tmp_path, tmp_path / "slurm")
+    assert "mesh data:1,fsdp:4 processes [[0, 0, 0, 0]] shard (16, 4)" in one, one
+    reference = params(tmp_path / "slurm")
+
+    pod = run_kubernetes_pod(tmp_path / "kubernetes", free_port())
+    assert "mesh data:1,fsdp:4" in pod, pod
+    assert_params_close(params(tmp_path / "kubernetes"), reference)
+
+    # 2 processes x 2 devices; process 1 dies (SIGKILL) at batch 12, after the step-8 save.
+    marker = tmp_path / "killed"
+    launcher = launch_command(2, 2)
+    output = run(
+        [*launcher[:-1], "--max_restarts=1", "--", "python", SCRIPT, str(tmp_path / "two")],
+        checkout_env(USER_SCRIPT_KILL_MARKER=str(marker)),
+    )
+    assert marker.exists(), output
+    assert "[launcher] process 1 of 2 failed (killed by SIGKILL)" in output, output
+    assert "restart 1 of 1: starting the job again" in output, output
+    # hybrid's default: fsdp over each process's own devices, replicas across processes.
+    assert "[0] mesh data:2,fsdp:2 processes [[0, 0], [1, 1]] shard (32, 4)" in output, output
+    assert not re.search(r"WorkdirError|Traceback|fsdp groups of one device", output), output
+    assert_params_close(params(tmp_path / "two"), reference)
+
+
+# ----------------------------------------------------------------- meshes by host, in-process
+def test_hybrid_groups_devices_by_host_whatever_the_processes_per_host():
+    # 4 processes of 2 devices on 2 hosts, listed out of host order (SLURM's cyclic ranks).
+    host_of_process = [0, 1, 0, 1]
+    devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+    ordered, hosts = by_host(devices, host_of_process)
+    assert hosts == 2 and default_mesh_spec("hybrid", hosts) == "data:2,fsdp:-1"
+    assert [d.id for d in ordered] == [0, 1, 4, 5, 2, 3, 6, 7]  # host 0's four, then host 1's
+    with pytest.raises(Exception, match=r"different numbers of devices \(\[2, 6\]\)"):
+        by_host(devices, [0, 1, 1, 1])
+
+
+def test_a_mesh_of_one_device_fsdp_groups_is_one_warning_naming_the_mesh_to_use():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        small_net_trainer("zero3", mesh="data:8,fsdp:1")
+        small_net_trainer("hybrid", mesh="data:2,fsdp:4")  # sharded: no warning
+        small_net_trainer("hybrid")  # one host: data:1,fsdp:8
+    messages = [str(w.message) for w in caught if "fsdp groups" in str(w.message)]
+    assert messages == [
+        "parallel.mesh 'data:8,fsdp:1' gives zero3 fsdp groups of one device: nothing is "
+        "sharded over fsdp and every one of the 8 replicas holds the whole optimizer state; use "
+        "'fsdp:8' (fsdp within a host, replicas across hosts)"
+    ]
+    # On 2 hosts the mesh named keeps a replica per host; other axes stay as written.
+    mesh = build_mesh("data:4,tensor:2", jax.devices())
+    assert "use 'data:2,fsdp:2,tensor:2'" in unsharded_warning("zero1", mesh, hosts=2)

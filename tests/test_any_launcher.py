@@ -1,9 +1,10 @@
 """A user's own script (tests/user_script.py: its model, its numpy data, `jddp.fit`, no jddp
 internals) runs unchanged under every launcher and gives the same parameters: one process of 4
-devices started by launch/slurm.sbatch (a stand-in `srun`) and by launch/kubernetes.yaml's pod
-environment; 2 processes x 2 devices under `jddp-launch`, killed and rerun by `--max_restarts`,
-equal at 1e-5. `hybrid`'s default mesh groups devices by host (fsdp within a process on CPU),
-and a mesh whose fsdp groups are one device is one warning naming the mesh to use."""
+devices started by launch/slurm.sbatch (a stand-in `srun`), and 2 processes x 2 devices under
+`jddp-launch`, killed and rerun by `--max_restarts`, equal at 1e-5. launch/kubernetes.yaml's two
+pods join as one job, and stop in one line when their workdirs are not one directory.
+`hybrid`'s default mesh groups devices by host (fsdp within a process on CPU), and a mesh whose
+fsdp groups are one device is one warning naming the mesh to use."""
 
 import os
 import re
@@ -24,6 +25,7 @@ from tests.helpers import REPO, checkout_env, launch_command, small_net_trainer
 SCRIPT = os.path.join(REPO, "tests", "user_script.py")
 HARD_TIMEOUT_S = 300
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 
 
 def run(command, env, cwd=REPO) -> str:
@@ -65,21 +67,34 @@ def run_sbatch(tmp_path, workdir) -> str:
     return run(["bash", sbatch, sys.executable, SCRIPT, str(workdir)], env)
 
 
-def run_kubernetes_pod(workdir, port: int) -> str:
-    """Pod 0 of launch/kubernetes.yaml's Indexed Job, with the user's script as its command: the
-    manifest's environment, its coordinator's name mapped to this machine and the pod count to
-    one (the two-pod join is tests/test_runtime.py's), JOB_COMPLETION_INDEX as the Job sets it."""
+def kubernetes_pods(tmp_path, port: int) -> list[subprocess.Popen]:
+    """The 2 pods of launch/kubernetes.yaml's Indexed Job with the user's script as their command
+    and 1 device each: the manifest's environment (its coordinator's name mapped to this
+    machine), JOB_COMPLETION_INDEX as the Job sets it, and each pod in a folder of its own, as
+    pods without the shared volume would be."""
     with open(os.path.join(REPO, "launch", "kubernetes.yaml")) as f:
         job = [d for d in yaml.safe_load_all(f) if d["kind"] == "Job"][0]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     host, _, _ = env["JDDP_COORDINATOR_ADDRESS"].rpartition(":")
     assert host == f"{job['metadata']['name']}-0.{job['metadata']['name']}"  # pod 0's DNS name
-    env |= {"JDDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JDDP_NUM_PROCESSES": "1"}
-    return run(
-        [sys.executable, SCRIPT, str(workdir)],
-        checkout_env(**env, JOB_COMPLETION_INDEX="0", XLA_FLAGS=FOUR_DEVICES),
-    )
+    env["JDDP_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+    pods = []
+    for index in range(int(env["JDDP_NUM_PROCESSES"])):
+        folder = tmp_path / f"pod{index}"
+        folder.mkdir()
+        pod_env = checkout_env(**env, JOB_COMPLETION_INDEX=str(index), XLA_FLAGS=ONE_DEVICE)
+        pods.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, "runs/a"],
+                cwd=folder,
+                env=pod_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return pods
 
 
 def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result(tmp_path):
@@ -89,9 +104,23 @@ def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result
     assert "mesh data:1,fsdp:4 processes [[0, 0, 0, 0]] shard (16, 4)" in one, one
     reference = params(tmp_path / "slurm")
 
-    pod = run_kubernetes_pod(tmp_path / "kubernetes", free_port())
-    assert "mesh data:1,fsdp:4" in pod, pod
-    assert_params_close(params(tmp_path / "kubernetes"), reference)
+    # Kubernetes pods join as one job; without a shared volume their workdirs differ: one line.
+    outputs = []
+    for pod in kubernetes_pods(tmp_path, free_port()):
+        try:
+            outputs.append(pod.communicate(timeout=HARD_TIMEOUT_S)[0])
+        finally:
+            pod.kill()
+    unshared = (
+        "WorkdirError: workdir 'runs/a' is not the same directory on every process: process 1 "
+        "does not see the file process 0 created in it; put the workdir on storage every host "
+        "mounts at the same path"
+    )
+    for output in outputs:
+        assert unshared in output.splitlines()[-1], output
+    # 1 device per process on CPU (each process its own host): hybrid warns, once, on process 0.
+    assert [o.count("gives hybrid fsdp groups of one device") for o in outputs] == [1, 0], outputs
+    assert "use 'fsdp:2'" in outputs[0]
 
     # 2 processes x 2 devices; process 1 dies (SIGKILL) at batch 12, after the step-8 save.
     marker = tmp_path / "killed"

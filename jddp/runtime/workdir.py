@@ -68,7 +68,7 @@ def hold_workdir(workdir: str):
 
 # How long a process looks for process 0's marker before calling the workdir another directory:
 # a network file system may show a file created on another host a moment late.
-_SHARED_GRACE_S = 10.0
+_SHARED_GRACE_S = 5.0
 
 
 def check_shared(workdir: str) -> None:
@@ -97,10 +97,11 @@ def check_shared(workdir: str) -> None:
     apart = [p for p, ok in enumerate(seen_by.reshape(-1)) if not ok]
     if apart:
         raise WorkdirError(
-            f"workdir {workdir!r} is not the same directory on every process: process"
-            f"{'es' * (len(apart) > 1)} {', '.join(map(str, apart))} do not see the file process "
-            f"0 created in it; put the workdir on storage every host mounts at the same path (a "
-            "shared file system), not on a disk of each host's own"
+            f"workdir {workdir!r} is not the same directory on every process: "
+            f"{'processes' if len(apart) > 1 else 'process'} {', '.join(map(str, apart))} "
+            f"{'do' if len(apart) > 1 else 'does'} not see the file process 0 created in it; "
+            "put the workdir on storage every host mounts at the same path (a shared file "
+            "system), not on a disk of each host's own"
         )
 
 

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 import yaml
 
+from jddp.errors import ConfigError
 from jddp.parallel.mesh import build_mesh, by_host
 from jddp.parallel.zero import default_mesh_spec, unsharded_warning
+from jddp.runtime.launch import free_port
 from tests.helpers import REPO, checkout_env, launch_command, small_net_trainer
 
 SCRIPT = os.path.join(REPO, "tests", "user_script.py")
@@ -98,29 +100,9 @@ def kubernetes_pods(tmp_path, port: int) -> list[subprocess.Popen]:
 
 
 def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result(tmp_path):
-    from jddp.runtime.launch import free_port
-
     one = run_sbatch(tmp_path, tmp_path / "slurm")
     assert "mesh data:1,fsdp:4 processes [[0, 0, 0, 0]] shard (16, 4)" in one, one
     reference = params(tmp_path / "slurm")
-
-    # Kubernetes pods join as one job; without a shared volume their workdirs differ: one line.
-    outputs = []
-    for pod in kubernetes_pods(tmp_path, free_port()):
-        try:
-            outputs.append(pod.communicate(timeout=HARD_TIMEOUT_S)[0])
-        finally:
-            pod.kill()
-    unshared = (
-        "WorkdirError: workdir 'runs/a' is not the same directory on every process: process 1 "
-        "does not see the file process 0 created in it; put the workdir on storage every host "
-        "mounts at the same path"
-    )
-    for output in outputs:
-        assert unshared in output.splitlines()[-1], output
-    # 1 device per process on CPU (each process its own host): hybrid warns, once, on process 0.
-    assert [o.count("gives hybrid fsdp groups of one device") for o in outputs] == [1, 0], outputs
-    assert "use 'fsdp:2'" in outputs[0]
 
     # 2 processes x 2 devices; process 1 dies (SIGKILL) at batch 12, after the step-8 save.
     marker = tmp_path / "killed"
@@ -138,6 +120,27 @@ def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result
     assert_params_close(params(tmp_path / "two"), reference)
 
 
+def test_kubernetes_pods_without_a_shared_workdir_stop_in_one_line(tmp_path):
+    """The manifest's pods join as one job (hybrid's mesh spans both: its one-device warning on
+    process 0), and find that their workdirs are not one directory."""
+    outputs = []
+    for pod in kubernetes_pods(tmp_path, free_port()):
+        try:
+            outputs.append(pod.communicate(timeout=HARD_TIMEOUT_S)[0])
+        finally:
+            pod.kill()
+    unshared = (
+        "WorkdirError: workdir 'runs/a' is not the same directory on every process: process 1 "
+        "does not see the file process 0 created in it; put the workdir on storage every host "
+        "mounts at the same path"
+    )
+    for output in outputs:
+        assert unshared in output.splitlines()[-1], output
+    # 1 device per process on CPU (each process its own host): hybrid warns, once, on process 0.
+    assert [o.count("gives hybrid fsdp groups of one device") for o in outputs] == [1, 0], outputs
+    assert "use 'fsdp:2'" in outputs[0]
+
+
 # ----------------------------------------------------------------- meshes by host, in-process
 def test_hybrid_groups_devices_by_host_whatever_the_processes_per_host():
     # 4 processes of 2 devices on 2 hosts, listed out of host order (SLURM's cyclic ranks).
@@ -146,7 +149,7 @@ def test_hybrid_groups_devices_by_host_whatever_the_processes_per_host():
     ordered, hosts = by_host(devices, host_of_process)
     assert hosts == 2 and default_mesh_spec("hybrid", hosts) == "data:2,fsdp:-1"
     assert [d.id for d in ordered] == [0, 1, 4, 5, 2, 3, 6, 7]  # host 0's four, then host 1's
-    with pytest.raises(Exception, match=r"different numbers of devices \(\[2, 6\]\)"):
+    with pytest.raises(ConfigError, match=r"different numbers of devices \(\[2, 6\]\)"):
         by_host(devices, [0, 1, 1, 1])
 
 

@@ -68,7 +68,7 @@ def hold_workdir(workdir: str):
 
 # How long a process looks for process 0's marker before calling the workdir another directory:
 # a network file system may show a file created on another host a moment late.
-_SHARED_GRACE_S = 5.0
+_SHARED_GRACE_S = 3.0
 
 
 def check_shared(workdir: str) -> None:

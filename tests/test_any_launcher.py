@@ -104,7 +104,7 @@ def test_a_users_script_runs_unchanged_under_every_launcher_with_the_same_result
     assert "mesh data:1,fsdp:4 processes [[0, 0, 0, 0]] shard (16, 4)" in one, one
     reference = params(tmp_path / "slurm")
 
-    # 2 processes x 2 devices; process 1 dies (SIGKILL) at batch 12, after the step-8 save.
+    # 2 processes x 2 devices; process 1 dies (SIGKILL) drawing batch 11, past the step-8 save.
     marker = tmp_path / "killed"
     launcher = launch_command(2, 2)
     output = run(

@@ -7,7 +7,7 @@ under any launcher (tests/test_any_launcher.py).
 Process 0 writes the final parameters to WORKDIR/params.npz and prints the mesh, the process of
 each of its devices and the shape of its first device's shard of the first kernel. With
 USER_SCRIPT_KILL_MARKER set, process 1 of a job kills itself (SIGKILL) the first time it draws
-batch 12, and creates that file, so that a rerun goes through.
+batch 11, and creates that file, so that a rerun goes through.
 """
 
 import os
@@ -35,7 +35,7 @@ def global_batches(inputs, labels):
     rng = np.random.default_rng(1)
     for index in range(10**9):
         marker = os.environ.get("USER_SCRIPT_KILL_MARKER")
-        if marker and index == 12 and jax.process_index() == 1 and not os.path.exists(marker):
+        if marker and index == 11 and jax.process_index() == 1 and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         rows = rng.choice(len(inputs), GLOBAL_BATCH, replace=False)
@@ -49,7 +49,7 @@ def main(workdir, strategy="hybrid"):
     trainer = jddp.Trainer(Net(), jddp.losses.softmax_cross_entropy, optax.adam(1e-2),
                            strategy=strategy, min_shard_size=1)  # fmt: skip
     batches = map(trainer.process_rows, global_batches(inputs, labels))
-    state = jddp.fit(trainer, batches, workdir=workdir, num_steps=STEPS, checkpoint_every=4,
+    state = jddp.fit(trainer, batches, workdir=workdir, num_steps=STEPS, checkpoint_every=8,
                      log_every=4)  # fmt: skip
     mesh = trainer.device_mesh
     processes = np.vectorize(lambda d: d.process_index)(mesh.mesh.devices).tolist()

@@ -9,7 +9,6 @@ import os
 import secrets
 import socket
 import stat
-import time
 
 import jax
 import numpy as np
@@ -66,11 +65,6 @@ def hold_workdir(workdir: str):
             os.close(fd)  # releases the flock; the file stays (deleting it would race)
 
 
-# How long a process looks for process 0's marker before calling the workdir another directory:
-# a network file system may show a file created on another host a moment late.
-_SHARED_GRACE_S = 3.0
-
-
 def check_shared(workdir: str) -> None:
     """A WorkdirError on every process unless `workdir` is the same directory on every process
     of the job (a no-op for one): process 0 creates a marker file of a random name in it, the
@@ -88,10 +82,13 @@ def check_shared(workdir: str) -> None:
         with open(marker, "w"):
             pass
     multihost_utils.sync_global_devices("jddp: workdir marker written")
-    deadline = time.monotonic() + _SHARED_GRACE_S
-    while not (seen := name in os.listdir(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.5)  # listing opens the directory: NFS revalidates it (close-to-open)
-    seen_by = np.asarray(multihost_utils.process_allgather(np.asarray([seen], np.int32)))
+    seen = False
+    for _ in range(2):  # a second look after the first one's round trip, should a cache lag
+        # Listing opens the directory, which NFS revalidates (close-to-open consistency).
+        seen = seen or name in os.listdir(workdir)
+        seen_by = np.asarray(multihost_utils.process_allgather(np.asarray([seen], np.int32)))
+        if seen_by.all():
+            break
     if jax.process_index() == 0:
         os.remove(marker)
     apart = [p for p, ok in enumerate(seen_by.reshape(-1)) if not ok]

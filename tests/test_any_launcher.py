@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, UsageError
 from jddp.parallel.mesh import build_mesh, by_host
 from jddp.parallel.zero import default_mesh_spec, unsharded_warning
 from jddp.runtime.launch import free_port
@@ -168,3 +168,20 @@ def test_a_mesh_of_one_device_fsdp_groups_is_one_warning_naming_the_mesh_to_use(
     # On 2 hosts the mesh named keeps a replica per host; other axes stay as written.
     mesh = build_mesh("data:4,tensor:2", jax.devices())
     assert "use 'data:2,fsdp:2,tensor:2'" in unsharded_warning("zero1", mesh, hosts=2)
+
+
+def test_a_script_that_used_jax_before_its_trainer_is_told_to_call_initialize(monkeypatch):
+    jax.devices()  # the backend runs: too late for jax.distributed
+    for name, value in {
+        "JDDP_COORDINATOR_ADDRESS": "127.0.0.1:1",
+        "JDDP_NUM_PROCESSES": "2",
+        "JDDP_PROCESS_ID": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError) as error:
+        small_net_trainer("ddp")
+    assert str(error.value) == (
+        "this process is one of a job (jddp-launch), but JAX was used before jddp could join it "
+        "(jax.distributed.initialize must come first); call jddp.initialize() at the top of "
+        "your script, before any other JAX call"
+    )

@@ -72,7 +72,8 @@ def detect(environ=None, *, coordinator_address=None, num_processes=None, proces
             )
         source = "jddp-launch" if environ.get("JDDP_PROCESS_ID") else "kubernetes"
         return Launch(source, environ["JDDP_COORDINATOR_ADDRESS"], count, process)
-    if environ.get("SLURM_JOB_ID") and (_int(environ, "SLURM_NTASKS") or 1) > 1:
+    # srun's tasks, not a shell inside `salloc -n 4` (no step: a plain `python` there is alone).
+    if environ.get("SLURM_STEP_NODELIST") and (_int(environ, "SLURM_NTASKS") or 1) > 1:
         return Launch("slurm")
     if environ.get("OMPI_MCA_orte_hnp_uri") and (_int(environ, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         return Launch("openmpi")

@@ -29,6 +29,7 @@ from jddp.loop import fit
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.strategies import STRATEGIES, batch_axis_name, device_mesh_for
 from jddp.run.config import default_config
+from jddp.runtime.processes import initialize
 from jddp.runtime.rollback import RollbackPolicy
 from jddp.trainer import PlacedBatch, Trainer
 from jddp.version import __version__ as __version__
@@ -57,4 +58,5 @@ __all__ = [
     "losses",
     "restore",
     "save",
+    "initialize",
 ]

@@ -23,6 +23,7 @@ from jddp.parallel.mesh import DDP_AXIS, DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.strategies import device_mesh_for, make_strategy
+from jddp.runtime.processes import join_launched_job
 
 # Programs dispatched ahead of the host before it waits. Unbounded dispatch of programs with
 # collectives can deadlock XLA:CPU, both across simulated devices in one process and across
@@ -99,6 +100,9 @@ class Trainer:
         powersgd_rank: int = GradComm.powersgd_rank,
         powersgd_start_step: int = GradComm.powersgd_start_step,
     ):
+        # A script started as one of a job (jddp-launch, SLURM, mpirun, Kubernetes, a TPU pod)
+        # joins it here, before anything looks at the devices.
+        join_launched_job()
         grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
@@ -167,6 +171,22 @@ class Trainer:
         stage (pipeline stages on different hosts) hold the same batch slices, so they pass the
         same block: a stage:2 mesh over 2 processes has blocks = 1, and both read every row."""
         return self.strategy.row_block()
+
+    def process_rows(self, global_batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This process's rows of `global_batch` (its `row_block`; the whole batch for one
+        process): what `step`, `place_batch`, `evaluate` and `jddp.fit` take, so that a script
+        that builds every global batch itself runs unchanged, and equal, on any process count."""
+        block, blocks = self.row_block
+        rows = self._check_entries(global_batch)
+        if rows % blocks:
+            raise ShapeError(
+                f"the global batch has {rows} rows, which do not split into {blocks} equal blocks "
+                "(one per process); make the global batch size a multiple of the process count"
+            )
+        part = rows // blocks
+        return jax.tree.map(
+            lambda x: np.asarray(x)[block * part : (block + 1) * part], global_batch
+        )
 
     def init(self, seed: int | jax.Array, sample_batch: Mapping[str, np.ndarray]) -> TrainState:
         """The initial state from `seed` (an int or a JAX key), placed on the devices (one

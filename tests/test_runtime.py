@@ -33,7 +33,16 @@ PROBE = (
     [
         ({}, runtime.Launch("single")),
         ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, runtime.Launch("single")),
-        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, runtime.Launch("slurm")),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, runtime.Launch("single")),  # salloc's shell
+        (
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "n[1-4]",
+                "SLURM_NTASKS": "4",
+                "SLURM_PROCID": "2",
+            },
+            runtime.Launch("slurm"),
+        ),
         (
             {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:5", "OMPI_COMM_WORLD_SIZE": "2"},
             runtime.Launch("openmpi"),

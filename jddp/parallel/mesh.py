@@ -178,6 +178,26 @@ def ddp_mesh(devices: Sequence[jax.Device]) -> DeviceMesh:
     return DeviceMesh(Mesh(np.asarray(devices), (DDP_AXIS,)))
 
 
+def by_host(
+    devices: Sequence[jax.Device], host_of_process: Sequence[int]
+) -> tuple[list[jax.Device], int]:
+    """(`devices` host by host, in order of process then device within a host; the number of
+    hosts): a mesh whose last axis is the devices of one host, and its first the hosts, reshapes
+    this list. A ConfigError when the hosts hold different numbers of the devices."""
+    ordered = sorted(devices, key=lambda d: (host_of_process[d.process_index], d.process_index))
+    per_host: dict[int, int] = {}
+    for device in ordered:
+        host = host_of_process[device.process_index]
+        per_host[host] = per_host.get(host, 0) + 1
+    if len(set(per_host.values())) > 1:
+        raise ConfigError(
+            f"the hosts hold different numbers of devices ({sorted(per_host.values())}), so no "
+            "mesh groups them by host; give every host the same device count, or write "
+            "parallel.mesh (e.g. 'fsdp:-1')"
+        )
+    return ordered, len(per_host)
+
+
 def build_mesh(
     spec: str,
     devices: Sequence[jax.Device],

@@ -6,6 +6,7 @@ the mesh), then the strategy (`make_strategy`). What callers may use of a strate
 """
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -20,13 +21,21 @@ from jddp.parallel.mesh import (
     DDP_AXIS,
     DeviceMesh,
     build_mesh,
+    by_host,
     ddp_mesh,
     parse_mesh_spec,
 )
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.protocol import Strategy
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
-from jddp.parallel.zero import STAGE_OF, ZeroStrategy, check_mesh_for, default_mesh_spec
+from jddp.parallel.zero import (
+    STAGE_OF,
+    ZeroStrategy,
+    check_mesh_for,
+    default_mesh_spec,
+    unsharded_warning,
+)
+from jddp.runtime.processes import host_of_processes
 
 STRATEGIES = ("ddp", *STAGE_OF)  # ddp, zero1, zero2, zero3, fsdp (= zero3), hybrid, auto
 
@@ -56,9 +65,11 @@ def device_mesh_for(
     allow_cross_host_context: bool = False,
 ) -> DeviceMesh:
     """The mesh strategy `name` runs on (`mesh` like "data:2,fsdp:2,tensor:2", or the strategy's
-    default), over `devices` (default: every device of every process); for ddp, one `batch`
-    axis over the devices, which its pmap maps over. A tensor axis across processes is refused
-    unless `allow_cross_host_tensor`, a context axis unless `allow_cross_host_context`."""
+    default: hybrid's `data:<hosts>,fsdp:<devices per host>` over the devices host by host, the
+    others' `fsdp:-1`), over `devices` (default: every device of every process); for ddp, one
+    `batch` axis over the devices, which its pmap maps over. A tensor axis across processes is
+    refused unless `allow_cross_host_tensor`, a context axis unless
+    `allow_cross_host_context`."""
     _check_name(name)
     devices = devices or jax.devices()
     if name == "ddp":
@@ -68,6 +79,9 @@ def device_mesh_for(
                 "zero1, zero2, zero3 or hybrid, or leave it empty"
             )
         return ddp_mesh(devices)
+    if not mesh and name == "hybrid":  # fsdp within a host, replicas across hosts
+        devices, hosts = by_host(devices, host_of_processes())
+        mesh = default_mesh_spec(name, hosts)
     device_mesh = build_mesh(
         mesh or default_mesh_spec(name),
         devices,
@@ -119,6 +133,9 @@ def make_strategy(
                 "zero1, zero2, zero3 or hybrid, or leave them empty"
             )
         return DDP(task, mesh, grad_comm)
+    warning = unsharded_warning(name, mesh, len(set(host_of_processes())))
+    if warning and jax.process_index() == 0:
+        warnings.warn(warning, stacklevel=3)
     strategy = AutoStrategy if name == "auto" else functools.partial(ZeroStrategy, name=name)
     return strategy(
         task,

@@ -20,8 +20,9 @@ as its rule says, under every stage. Over `context` the state is replicated as o
 per-device program is manual over it too, each context rank takes its two chunks of every
 sequence (jddp/parallel/context.py), and gradients and metrics are averaged over it.
 
-`fsdp` is another name for `zero3`; `hybrid` is zero3 whose default mesh replicates across hosts
-(`data:<processes>,fsdp:-1`).
+`fsdp` is another name for `zero3`; `hybrid` is zero3 whose default mesh shards within a host and
+replicates across hosts (`data:<hosts>,fsdp:<devices per host>`, whatever the processes per host;
+on CPU each process counts as a host: jddp/runtime/processes.py `host_of_processes`).
 """
 
 import dataclasses
@@ -65,9 +66,31 @@ STAGE_OF = {
 }
 
 
-def default_mesh_spec(name: str) -> str:
-    # Hybrid shards within a host and replicates across hosts (FSDP's HYBRID_SHARD).
-    return f"data:{jax.process_count()},fsdp:-1" if name == "hybrid" else "fsdp:-1"
+def default_mesh_spec(name: str, hosts: int = 1) -> str:
+    """The mesh `name` runs on when none is written, over devices ordered host by host
+    (`mesh.by_host`): hybrid shards within a host and replicates across the `hosts` (FSDP's
+    HYBRID_SHARD); the others shard over every device."""
+    return f"data:{hosts},fsdp:-1" if name == "hybrid" else "fsdp:-1"
+
+
+def unsharded_warning(name: str, mesh: DeviceMesh, hosts: int) -> str | None:
+    """The warning for a mesh whose fsdp groups are one device while it has replicas over
+    `data` (each replica then holds the whole state: ddp's memory, ZeRO's collectives), naming
+    the mesh to use over `hosts` hosts; None for any other mesh."""
+    data = mesh.size("data")
+    if mesh.size("fsdp") > 1 or data == 1:
+        return None
+    replicas = hosts if data % hosts == 0 and data > hosts else 1
+    sizes = {"data": replicas, "fsdp": data // replicas}
+    axes = [(role, sizes.get(role, size)) for role, size in mesh.mesh.shape.items()]
+    if "fsdp" not in mesh.mesh.shape:
+        axes.insert(list(mesh.mesh.shape).index("data") + 1, ("fsdp", sizes["fsdp"]))
+    better = ",".join(f"{role}:{size}" for role, size in axes if role != "data" or size > 1)
+    return (
+        f"parallel.mesh {mesh.describe()!r} gives {name} fsdp groups of one device: nothing is "
+        f"sharded over fsdp and every one of the {data} replicas holds the whole optimizer state; "
+        f"use {better!r} (fsdp within a host, replicas across hosts)"
+    )
 
 
 def check_mesh_for(name: str, mesh: DeviceMesh) -> None:

@@ -8,8 +8,14 @@ Sources, first found wins:
    stands in for the process id);
 3. JAX's own cluster detection, for SLURM (`srun`), Open MPI (`mpirun`) and Cloud TPU pods,
    when their variables say the job has more than one process.
+
+A user's script need not call anything: the first `jddp.Trainer` joins the job the environment
+describes (`join_launched_job`), as torchrun's and Accelerate's users expect of their scripts.
+`jddp.initialize()` does it explicitly, for a script that uses JAX before building a trainer.
+Importing jddp changes nothing.
 """
 
+import functools
 import hashlib
 import ipaddress
 import os
@@ -20,7 +26,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, UsageError
 from jddp.runtime import gloo_threads, orphans
 
 DEFAULT_HEARTBEAT_TIMEOUT_SEC = 30  # a dead peer ends the survivors within ~this long
@@ -66,7 +72,8 @@ def detect(environ=None, *, coordinator_address=None, num_processes=None, proces
             )
         source = "jddp-launch" if environ.get("JDDP_PROCESS_ID") else "kubernetes"
         return Launch(source, environ["JDDP_COORDINATOR_ADDRESS"], count, process)
-    if environ.get("SLURM_JOB_ID") and (_int(environ, "SLURM_NTASKS") or 1) > 1:
+    # srun's tasks, not a shell inside `salloc -n 4` (no step: a plain `python` there is alone).
+    if environ.get("SLURM_STEP_NODELIST") and (_int(environ, "SLURM_NTASKS") or 1) > 1:
         return Launch("slurm")
     if environ.get("OMPI_MCA_orte_hnp_uri") and (_int(environ, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         return Launch("openmpi")
@@ -83,10 +90,12 @@ def initialize(
     heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT_SEC,
 ) -> Launch:
     """Joins this process to its job with `jax.distributed.initialize` (call it before any other
-    JAX call); does nothing for a single process. CPU collectives go through gloo; process 0's
-    coordinator listens on the address it is given (`coordinator_bind_address`). Under
-    jddp-launch this process also ends with its launcher where the kernel would not see to it
-    (jddp/runtime/orphans.py)."""
+    JAX call); does nothing for a single process, or when the job is joined already. CPU
+    collectives go through gloo; process 0's coordinator listens on the address it is given
+    (`coordinator_bind_address`). Under jddp-launch this process also ends with its launcher
+    where the kernel would not see to it (jddp/runtime/orphans.py)."""
+    if jax.distributed.is_initialized():
+        return Launch("joined")
     launch = detect(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -115,6 +124,52 @@ def initialize(
         jax.device_count(),
     )
     return launch
+
+
+def join_launched_job() -> Launch:
+    """`initialize()` when this process's environment says it is one of a job (jddp-launch,
+    SLURM, Open MPI, Kubernetes, a TPU pod) and it has not joined yet; what a `Trainer` calls
+    before it looks at the devices. A UsageError in one line when JAX's backend started first
+    (then it is too late to join)."""
+    if jax.distributed.is_initialized():
+        return Launch("joined")
+    launch = detect()
+    if launch.source == "single":
+        return launch
+    if _backend_started():
+        raise UsageError(
+            f"this process is one of a job ({launch.source}), but JAX was used before jddp could "
+            "join it (jax.distributed.initialize must come first); call jddp.initialize() at "
+            "the top of your script, before any other JAX call"
+        )
+    return initialize()
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # a JAX that moved it: jax.distributed.initialize then says it
+        return False
+    return backends_are_initialized()
+
+
+@functools.cache
+def host_of_processes() -> tuple[int, ...]:
+    """The host of each process (0, 1, ... in the order of their first process): processes
+    whose devices share a machine's interconnect (NVLink, ICI) share a host. On CPU every
+    process is a host of its own, since its devices reach another process's only over gloo's
+    TCP, on one machine or two. Computed once: an all-gather of host names over the job."""
+    count = jax.process_count()
+    if count == 1:
+        return (0,)
+    if jax.devices()[0].platform == "cpu":
+        return tuple(range(count))
+    from jax.experimental import multihost_utils
+
+    name = hashlib.sha256(socket.gethostname().encode()).digest()[:8]
+    names = np.asarray(multihost_utils.process_allgather(np.frombuffer(name, np.uint32)))
+    first: dict[bytes, int] = {}
+    return tuple(first.setdefault(row.tobytes(), len(first)) for row in names)
 
 
 def coordinator_bind_address(coordinator_address: str | None, environ=None) -> str | None:

@@ -1,14 +1,17 @@
-"""A run's workdir: checked before anything is written, and held by one live run at a time
-(a lock file naming the holder; a lock left by a run that died is taken over)."""
+"""A run's workdir: checked before anything is written, held by one live run at a time (a lock
+file naming the holder; a lock left by a run that died is taken over), and checked to be the same
+directory on every process of a job (storage every host mounts)."""
 
 import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import socket
 import stat
 
 import jax
+import numpy as np
 
 from jddp.errors import WorkdirBusy, WorkdirError
 from jddp.runtime.fs import directory_problem
@@ -53,14 +56,50 @@ def hold_workdir(workdir: str):
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
         raise WorkdirError(f"workdir {workdir!r} cannot be created: {e.strerror}") from None
-    if jax.process_index() != 0:
-        yield
-        return
-    fd = _lock(workdir)
+    fd = _lock(workdir) if jax.process_index() == 0 else None
     try:
+        check_shared(workdir)
         yield
     finally:
-        os.close(fd)  # releases the flock; the file stays (deleting it would race)
+        if fd is not None:
+            os.close(fd)  # releases the flock; the file stays (deleting it would race)
+
+
+def check_shared(workdir: str) -> None:
+    """A WorkdirError on every process unless `workdir` is the same directory on every process
+    of the job (a no-op for one): process 0 creates a marker file of a random name in it, the
+    name goes to the others with a collective, and each looks for the file in its own
+    `workdir`; the verdicts are gathered, so every process stops, or none."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    token = np.frombuffer(secrets.token_bytes(8), np.uint32)
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token))  # process 0's
+    name = f".shared-{token.tobytes().hex()}"
+    marker = os.path.join(workdir, name)
+    if jax.process_index() == 0:
+        with open(marker, "w"):
+            pass
+    multihost_utils.sync_global_devices("jddp: workdir marker written")
+    seen = False
+    for _ in range(2):  # a second look after the first one's round trip, should a cache lag
+        # Listing opens the directory, which NFS revalidates (close-to-open consistency).
+        seen = seen or name in os.listdir(workdir)
+        seen_by = np.asarray(multihost_utils.process_allgather(np.asarray([seen], np.int32)))
+        if seen_by.all():
+            break
+    if jax.process_index() == 0:
+        os.remove(marker)
+    apart = [p for p, ok in enumerate(seen_by.reshape(-1)) if not ok]
+    if apart:
+        raise WorkdirError(
+            f"workdir {workdir!r} is not the same directory on every process: "
+            f"{'processes' if len(apart) > 1 else 'process'} {', '.join(map(str, apart))} "
+            f"{'do' if len(apart) > 1 else 'does'} not see the file process 0 created in it; "
+            "put the workdir on storage every host mounts at the same path (a shared file "
+            "system), not on a disk of each host's own"
+        )
 
 
 # The holder's "PID HOST", written over the start of the file and padded to this length

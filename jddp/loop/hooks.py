@@ -17,6 +17,7 @@ from jddp.loop.settings import Checkpointing, Evaluation, Records
 from jddp.loop.start import checkpoint_meta
 from jddp.observe.metrics_writer import MetricsWriter
 from jddp.observe.progress import Progress
+from jddp.observe.writers import check_writers
 
 SKIPPED = "skipped_batches"  # checkpoint metadata: the [first, last] batches rollbacks skipped
 
@@ -43,6 +44,14 @@ def evaluate_metrics(trainer, state, batches, extras=None) -> dict[str, float]:
     return means | (extras(means) if extras else {})
 
 
+def run_config(trainer, num_steps: int, records: Records) -> dict:
+    """What the trackers record as the run's config: the run's shape (as its checkpoints
+    record it), then the caller's `records.config` (the CLI's: the experiment config)."""
+    shape = checkpoint_meta(trainer, num_steps, None)
+    shape = {key: value for key, value in shape.items() if key not in ("step", "data")}
+    return {"num_steps": num_steps, **shape, **records.config}
+
+
 def nonfinite_steps(trainer, state, step: int) -> int:
     """The count of non-finite steps so far; unless the trainer skips them, any is the end."""
     count = int(state.nonfinite_steps)
@@ -65,7 +74,10 @@ class RecordKeeper:
     def __init__(self, trainer, records: Records, num_steps, workdir, start_step, ledger, due_eval):
         self.trainer, self.records, self.ledger, self.due_eval = trainer, records, ledger, due_eval
         is_writer = jax.process_index() == 0
-        self.writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)
+        self.writer = MetricsWriter(
+            workdir, start_step=start_step, enabled=is_writer,
+            writers=check_writers(records.writers), config=run_config(trainer, num_steps, records),
+        )  # fmt: skip
         self.progress = Progress(num_steps, first_step=start_step, enabled=is_writer)
         self.notes = dict(records.notes)  # join the next record written
         self.throughput = None  # set up at the first step

@@ -8,15 +8,38 @@ import glob
 import json
 import os
 import sys
+import threading
 
 import pytest
 
 import jddp
 from jddp.errors import ConfigError
+from jddp.runtime.workdir import hold_workdir
 from tests.helpers import assert_one_line
 from tests.test_loop import tiny_batches, tiny_trainer
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+class Recorder:
+    """A Writer of the user's own: keeps what it is given."""
+
+    def __init__(self, fail_on_config=False):
+        self.configs, self.entries, self.closed, self.fail = [], [], 0, fail_on_config
+
+    def write_config(self, config):
+        if self.fail:
+            raise RuntimeError("the tracker's server refused")
+        self.configs.append(config)
+
+    def write(self, step, scalars):
+        self.entries.extend((step, name, value) for name, value in scalars.items())
+
+    def rewind(self, step):
+        pass
+
+    def close(self):
+        self.closed += 1
 
 
 class Stop(Exception):
@@ -99,11 +122,13 @@ def test_wandb_and_mlflow_hold_metrics_jsonl_scalars_through_a_stop_and_resume(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.7+ asks for it
     workdir = str(tmp_path / "run")
 
+    own = Recorder()
+
     def run(**kwargs):
         return jddp.fit(
             tiny_trainer(), tiny_batches(), workdir=workdir, num_steps=4, log_every=1,
-            checkpoint_every=2, writers=TRACKERS, config={"lr": 0.01, "model": {"hidden": 16}},
-            **kwargs,
+            checkpoint_every=2, writers=(*TRACKERS, own),
+            config={"lr": 0.01, "model": {"hidden": 16}}, **kwargs,
         )  # fmt: skip
 
     with pytest.raises(Stop):
@@ -146,6 +171,9 @@ def test_wandb_and_mlflow_hold_metrics_jsonl_scalars_through_a_stop_and_resume(
     assert sum(1 for step, name, _ in history if step == 3 and name == "train/loss") == 2
     assert latest_by_step(history) == expected
 
+    assert latest_by_step(own.entries) == expected and own.closed == 2
+    assert own.configs[0] == own.configs[1] and own.configs[0]["lr"] == 0.01
+
 
 def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # how Python sees an uninstalled package
@@ -165,3 +193,25 @@ def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_pat
     with pytest.raises(ConfigError) as error:
         jddp.run.config.validate(config)
     assert_one_line(error, "'neptune'", "tensorboard, wandb, mlflow")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delitem(sys.modules, "mlflow")
+    with pytest.raises(ConfigError) as error:  # MLflow 3.7+ refuses a file store unless asked
+        jddp.fit(tiny_trainer(), tiny_batches(), workdir=str(workdir), num_steps=1,
+                 writers=("mlflow",))  # fmt: skip
+    assert_one_line(error, "MLflow cannot log to file:", "MLFLOW_ALLOW_FILE_STORE=true")
+    assert not workdir.exists()
+
+
+def test_a_tracker_that_fails_to_start_stops_the_run_and_leaves_nothing_running(tmp_path):
+    workdir = str(tmp_path / "run")
+    failing = Recorder(fail_on_config=True)
+    with pytest.raises(RuntimeError, match="refused"):
+        jddp.fit(tiny_trainer(), tiny_batches(), workdir=workdir, num_steps=2,
+                 writers=("tensorboard", failing))  # fmt: skip
+    assert failing.closed == 0  # it never opened; the run closed what had
+    names = [thread.name for thread in threading.enumerate()]
+    assert "jddp-hang-watchdog" not in names, names
+    with hold_workdir(workdir):  # the workdir's lock was let go
+        pass

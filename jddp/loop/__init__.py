@@ -88,7 +88,9 @@ def fit(
 
     A rerun of the same call resumes from the newest checkpoint in `workdir`, skipping the
     batches already trained on (through `get_state()` / `set_state()` when the iterator has them,
-    as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Every
+    as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Each
+    record goes to metrics.jsonl and to the trackers in `writers` (tensorboard, wandb, mlflow,
+    or `jddp.observe.writers.Writer`s; docs/trackers.md), which record `config`. Every
     argument is described in docs/loop.md; the keywords after `state` are `Settings`' (which
     `train` takes whole).
     """

@@ -21,11 +21,11 @@ class MlflowWriter:
     rollback, or a resume behind the last record) holds both, the later one last."""
 
     def __init__(self, workdir: str):
-        import mlflow
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
 
         self._metric, self._param = Metric, Param
-        self._client = mlflow.MlflowClient()
+        self._client = client()
         experiment = writers.project_name("MLFLOW_EXPERIMENT_NAME")
         try:
             self._run_id = self._resumed(writers.stored_run_id(workdir, "mlflow"))
@@ -38,11 +38,8 @@ class MlflowWriter:
                 )
                 self._run_id = run.info.run_id
                 writers.store_run_id(workdir, "mlflow", self._run_id)
-        except mlflow.exceptions.MlflowException as e:
-            raise ConfigError(
-                f"MLflow could not start a run at {mlflow.get_tracking_uri()}: {first_line(e)}; "
-                "set MLFLOW_TRACKING_URI to your tracking server"
-            ) from None
+        except MlflowException as e:
+            raise _start_error(e) from None
 
     def _resumed(self, run_id: str | None) -> str | None:
         """`run_id`, set running again, if the tracking server has it; else None."""
@@ -85,3 +82,30 @@ class MlflowWriter:
 
 def open_writer(workdir: str, start_step: int) -> MlflowWriter:
     return MlflowWriter(workdir)
+
+
+def client():
+    """MLflow's client on its tracking URI; a URI it cannot use (the default `sqlite:` without
+    the full `mlflow`, a file store MLflow 3.7+ refuses unless asked) is a ConfigError. Builds
+    no connection: checked before anything is written."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.MlflowClient()
+    except MlflowException as e:
+        raise _start_error(e) from None
+
+
+def check_environment() -> None:
+    client()
+
+
+def _start_error(error) -> ConfigError:
+    import mlflow
+
+    where = os.environ.get("MLFLOW_TRACKING_URI") or f"{mlflow.get_tracking_uri()} (the default)"
+    fix = "set MLFLOW_TRACKING_URI to your tracking server (http://HOST:5000)"
+    if "MLFLOW_ALLOW_FILE_STORE" in str(error):
+        fix = "set MLFLOW_ALLOW_FILE_STORE=true to log to this file store, or " + fix
+    return ConfigError(f"MLflow cannot log to {where}: {first_line(error, 100)}; {fix}")

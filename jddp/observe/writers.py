@@ -69,7 +69,7 @@ def check_writers(writers, key: str = "writers") -> tuple:
     for writer in writers:
         if isinstance(writer, Writer):
             continue
-        if writer not in BUILT_IN:
+        if not isinstance(writer, str) or writer not in BUILT_IN:
             raise ConfigError(
                 f"{key} names {writer!r}, which is no tracker; use {', '.join(BUILT_IN)}, or "
                 "pass an object with write_config, write, rewind and close"
@@ -80,6 +80,9 @@ def check_writers(writers, key: str = "writers") -> tuple:
                 f"{key} names {writer!r}, whose package {package} is not installed; "
                 f"pip install 'jddp[{extra}]'"
             )
+        module = importlib.import_module(f"jddp.observe.{BUILT_IN[writer][0]}")
+        if hasattr(module, "check_environment"):  # settings the tracker reads, where it has any
+            module.check_environment()
     return writers
 
 

@@ -33,7 +33,10 @@ class WandbWriter:
             if isinstance(e, wandb.errors.CommError) and not isinstance(
                 e, wandb.errors.AuthenticationError
             ):
-                raise RetryableError(f"W&B could not start a run: {first_line(e)}") from None
+                raise RetryableError(
+                    f"W&B could not start a run: {first_line(e)}; run the same command again "
+                    "to resume"
+                ) from None
             raise ConfigError(f"W&B could not start a run: {first_line(e)}; {offline}") from None
         if run_id is None:
             writers.store_run_id(workdir, "wandb", self._run.id)

@@ -219,6 +219,7 @@ def test_a_tracker_that_fails_to_start_stops_the_run_and_leaves_nothing_running(
     with pytest.raises(ZeroDivisionError):
         jddp.fit(tiny_trainer(), tiny_batches(), workdir=workdir, num_steps=2,
                  writers=("tensorboard", failing))  # fmt: skip
+    assert failing.closed == 1  # what was opened is closed
     names = [thread.name for thread in threading.enumerate()]
     assert "jddp-hang-watchdog" not in names, names
     with hold_workdir(workdir):  # the workdir's lock was let go

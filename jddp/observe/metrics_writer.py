@@ -38,12 +38,13 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         _drop_records_after(self.path, start_step)
         self._file = open(self.path, "a")
+        self._writers = []
         try:
             self._writers = writers_lib.open_writers(writers, workdir, start_step)
             for writer in self._writers:
                 writer.write_config(dict(config or {}))
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     def rewind(self, step: int) -> None:

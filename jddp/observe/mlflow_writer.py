@@ -49,7 +49,9 @@ class MlflowWriter:
 
         try:
             self._client.update_run(run_id, status="RUNNING")
-        except MlflowException:
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
             logging.warning(
                 "MLflow run %s of this workdir is not on %s; starting a new one",
                 run_id, self._client.tracking_uri,

@@ -80,7 +80,7 @@ def check_writers(writers, key: str = "writers") -> tuple:
                 f"{key} names {writer!r}, whose package {package} is not installed; "
                 f"pip install 'jddp[{extra}]'"
             )
-        module = importlib.import_module(f"jddp.observe.{BUILT_IN[writer][0]}")
+        module = _module(writer)
         if hasattr(module, "check_environment"):  # settings the tracker reads, where it has any
             module.check_environment()
     return writers
@@ -93,14 +93,18 @@ def open_writers(writers, workdir: str, start_step: int) -> list[Writer]:
     try:
         for writer in writers:
             if isinstance(writer, str):
-                module = importlib.import_module(f"jddp.observe.{BUILT_IN[writer][0]}")
-                writer = module.open_writer(workdir, start_step)
+                writer = _module(writer).open_writer(workdir, start_step)
             opened.append(writer)
     except BaseException:
         for writer in opened:
             writer.close()
         raise
     return opened
+
+
+def _module(name: str):
+    """The module of built-in tracker `name` (its package imported only when it opens)."""
+    return importlib.import_module(f"jddp.observe.{BUILT_IN[name][0]}")
 
 
 def scalars(record: Mapping) -> dict[str, float]:

@@ -5,12 +5,17 @@
 #   experiments/bench/gpu.sh --small    # a tiny GPT on any device (checks the script on a CPU)
 #
 # Needs only Python 3 with jax (GPU build), flax and optax: nothing is installed, nothing is
-# downloaded. Prints a table and writes bench_results/gpu_mfu.json (gpu_mfu_small.json).
+# downloaded. The Python is $PYTHON, else the checkout's .venv (docs/getting-started-gpu.md
+# installs there), else python3. Prints a table whose mfu column is model FLOPs / s over the
+# datasheet peak, and writes bench_results/gpu_mfu.json (gpu_mfu_small.json).
 # What runs and how MFU is counted: experiments/bench/gpu_mfu.py.
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
-PYTHON="${PYTHON:-python3}"
+if [[ -z ${PYTHON:-} ]]; then
+  PYTHON=python3
+  [[ -x .venv/bin/python ]] && PYTHON=.venv/bin/python
+fi
 TIME_LIMIT_SEC=470  # a hard stop under 8 minutes; no variant starts after 300 s
 
 fail() { echo "error: $*" >&2; exit 2; }

@@ -3,7 +3,8 @@
 
     state = jddp.fit(trainer, batches, workdir="runs/a", num_steps=1000, eval_batches=eval_set)
 
-`fit` owns its workdir: `metrics.jsonl` and TensorBoard files, the progress line, evaluation,
+`fit` owns its workdir: `metrics.jsonl` and the trackers' records (TensorBoard files, or W&B and
+MLflow runs: `writers=`), the progress line, evaluation,
 checkpoints with exact resume (the same call again continues bit for bit), a save on SIGTERM and
 on Ctrl-C, the hang watchdog, the throughput / MFU / memory report, where the wall time went
 (goodput, over every start of the workdir), and a lock that keeps a second run out. See
@@ -32,6 +33,7 @@ from jddp.loop.settings import Batch, Checkpointing, Evaluation, Hook, Records, 
 from jddp.loop.start import check_train_batches, checkpoint_meta
 from jddp.loop.steps import Steps
 from jddp.observe import goodput
+from jddp.observe.writers import DEFAULT_WRITERS
 from jddp.runtime import processes
 from jddp.runtime.rollback import RollbackPolicy, Rollbacks
 from jddp.runtime.watchdog import HangBound
@@ -78,13 +80,17 @@ def fit(
     notes: Mapping | None = None,
     rollback: RollbackPolicy | None = None,
     started_at: float | None = None,
+    writers: str | Iterable = DEFAULT_WRITERS,
+    config: Mapping | None = None,
 ) -> TrainState:
     """Trains `trainer` on `train_batches` up to step `num_steps` in `workdir`; returns the
     final state (on SIGTERM: the state it saved, whose `step` is below `num_steps`).
 
     A rerun of the same call resumes from the newest checkpoint in `workdir`, skipping the
     batches already trained on (through `get_state()` / `set_state()` when the iterator has them,
-    as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Every
+    as grain's do). Ctrl-C saves at the end of the step and raises KeyboardInterrupt. Each
+    record goes to metrics.jsonl and to the trackers in `writers` (tensorboard, wandb, mlflow,
+    or `jddp.observe.writers.Writer`s; docs/trackers.md), which record `config`. Every
     argument is described in docs/loop.md; the keywords after `state` are `Settings`' (which
     `train` takes whole).
     """
@@ -101,6 +107,8 @@ def fit(
             tokens_per_example,
             peak_flops_per_device,
             dict(notes or {}),
+            writers=writers,
+            config=dict(config or {}),
         ),  # fmt: skip
         evaluation=Evaluation(eval_batches, eval_every, eval_extras),
         rollback=rollback,

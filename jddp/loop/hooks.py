@@ -17,6 +17,7 @@ from jddp.loop.settings import Checkpointing, Evaluation, Records
 from jddp.loop.start import checkpoint_meta
 from jddp.observe.metrics_writer import MetricsWriter
 from jddp.observe.progress import Progress
+from jddp.observe.writers import check_writers
 
 SKIPPED = "skipped_batches"  # checkpoint metadata: the [first, last] batches rollbacks skipped
 
@@ -43,6 +44,14 @@ def evaluate_metrics(trainer, state, batches, extras=None) -> dict[str, float]:
     return means | (extras(means) if extras else {})
 
 
+def run_config(trainer, num_steps: int, records: Records) -> dict:
+    """What the trackers record as the run's config: the run's shape (as its checkpoints
+    record it), then the caller's `records.config` (the CLI's: the experiment config)."""
+    shape = checkpoint_meta(trainer, num_steps, None)
+    shape = {key: value for key, value in shape.items() if key not in ("step", "data")}
+    return {"num_steps": num_steps, **shape, **records.config}
+
+
 def nonfinite_steps(trainer, state, step: int) -> int:
     """The count of non-finite steps so far; unless the trainer skips them, any is the end."""
     count = int(state.nonfinite_steps)
@@ -59,18 +68,29 @@ def nonfinite_steps(trainer, state, step: int) -> int:
 class RecordKeeper:
     """Every `records.every` steps, at every evaluation and at the last step: a record of the
     step's metrics, rates, learning rate and goodput (`open`, then the evaluation adds to it),
-    written to metrics.jsonl and TensorBoard, shown on the progress line and handed to the
+    written to metrics.jsonl and the trackers, shown on the progress line and handed to the
     user's hooks (`write`). Process 0 writes; every process runs the hooks."""
 
     def __init__(self, trainer, records: Records, num_steps, workdir, start_step, ledger, due_eval):
         self.trainer, self.records, self.ledger, self.due_eval = trainer, records, ledger, due_eval
-        is_writer = jax.process_index() == 0
-        self.writer = MetricsWriter(workdir, start_step=start_step, enabled=is_writer)
-        self.progress = Progress(num_steps, first_step=start_step, enabled=is_writer)
+        self.workdir, self.num_steps, self.start_step = workdir, num_steps, start_step
+        self.is_writer = jax.process_index() == 0
+        self.writer = None  # opened by `start`
+        self.progress = Progress(num_steps, first_step=start_step, enabled=self.is_writer)
         self.notes = dict(records.notes)  # join the next record written
         self.throughput = None  # set up at the first step
         self.started = time.perf_counter()
         self.last_step, self.last_time = start_step, self.started
+
+    def start(self) -> None:
+        """Opens metrics.jsonl and the trackers (their start is where W&B or MLflow may fail:
+        called inside the loop, whose end closes what is open)."""
+        self.writer = MetricsWriter(
+            self.workdir, start_step=self.start_step, enabled=self.is_writer,
+            writers=check_writers(self.records.writers),
+            config=run_config(self.trainer, self.num_steps, self.records),
+        )  # fmt: skip
+        self.started = self.last_time = time.perf_counter()
 
     def first_step(self, report: dict, throughput) -> None:
         """The first step's memory report joins the first record; rates from `throughput`."""
@@ -119,7 +139,8 @@ class RecordKeeper:
 
     def close(self) -> None:
         self.progress.close()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class Evaluator:

@@ -10,6 +10,7 @@ import numpy as np
 
 from jddp.core.state import TrainState
 from jddp.errors import ConfigError
+from jddp.observe.writers import DEFAULT_WRITERS, check_writers
 from jddp.runtime.rollback import RollbackPolicy
 from jddp.runtime.watchdog import HangBound
 
@@ -36,7 +37,10 @@ class Records:
     schedule's rate, tokens/s from `tokens_per_example`, MFU against `peak_flops_per_device`
     (0: looked up or measured); `notes` join the first record; `hooks(step, state, record)`
     run after each record is written; `goodput_line`: the goodput summary logged at the end
-    (an entry point that prints its own at exit turns it off, so it shows once)."""
+    (an entry point that prints its own at exit turns it off, so it shows once); `writers`:
+    the trackers each record's numbers go to besides metrics.jsonl (names: tensorboard, wandb,
+    mlflow; or `jddp.observe.writers.Writer`s), which record `config` (JSON-able) at each
+    start."""
 
     every: int = 50
     hooks: tuple[Hook, ...] = ()
@@ -45,6 +49,8 @@ class Records:
     peak_flops_per_device: float = 0.0
     notes: Mapping = dataclasses.field(default_factory=dict)
     goodput_line: bool = True
+    writers: tuple = DEFAULT_WRITERS
+    config: Mapping = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +115,4 @@ class Settings:
         if self.rollback is not None and self.checkpointing.every == 0:
             raise ConfigError("rollback restores checkpoints: pass checkpoint_every > 0")
         self.evaluation.pass_fn()
+        check_writers(self.records.writers)

@@ -63,6 +63,7 @@ class Steps:
         )
         step, steps_run, tick = self.start_step, 0, None
         try:
+            records.start()
             if self.rollbacks and not self.checkpoints.steps():  # a checkpoint to go back to
                 state = saver.save(state, 0)
             while step < num_steps:

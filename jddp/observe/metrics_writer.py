@@ -1,43 +1,61 @@
-"""Where logged metrics go: `metrics.jsonl` and TensorBoard event files in the workdir."""
+"""Where logged metrics go: `metrics.jsonl` in the workdir, and the trackers (`Writer`s:
+TensorBoard by default, W&B, MLflow; jddp/observe/writers.py) each record's numbers."""
 
 import json
 import os
-import sys
+from collections.abc import Mapping
 
 from absl import logging
 
 from jddp.errors import WorkdirError
-from jddp.runtime import atomic_write, quiet
+from jddp.observe import writers as writers_lib
+from jddp.runtime import atomic_write
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard.
+    """Appends one JSON object per logged step to `metrics.jsonl` and sends its numbers to each
+    tracker in `writers` (names or `Writer`s, checked by `writers.check_writers`), which get the
+    run's `config` once they open.
 
     Only one process of a multi-process run should write: pass `enabled=False` elsewhere.
     """
 
-    def __init__(self, workdir: str, *, start_step: int = 0, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        start_step: int = 0,
+        enabled: bool = True,
+        writers=writers_lib.DEFAULT_WRITERS,
+        config: Mapping | None = None,
+    ):
         """Continues a run restored at `start_step`: records of later steps (written before the
-        run stopped, and about to be written again) are dropped from both."""
+        run stopped, and about to be written again) are dropped from metrics.jsonl and
+        TensorBoard."""
         self.enabled = enabled
         if not enabled:
             return
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tensorboard_dir = os.path.join(workdir, "tensorboard")
-        self._open(start_step)
-
-    def _open(self, step: int) -> None:
-        _drop_records_after(self.path, step)
+        _drop_records_after(self.path, start_step)
         self._file = open(self.path, "a")
-        self._tensorboard = _summary_writer_class()(self._tensorboard_dir, purge_step=step + 1)
+        self._writers = []
+        try:
+            self._writers = writers_lib.open_writers(writers, workdir, start_step)
+            for writer in self._writers:
+                writer.write_config(dict(config or {}))
+        except BaseException:
+            self.close()
+            raise
 
     def rewind(self, step: int) -> None:
-        """Drops the records after `step` from both, as a restart at `step` does (a rollback)."""
+        """Drops the records after `step`, as a restart at `step` does (a rollback)."""
         if not self.enabled:
             return
         self._file.close()
-        self._tensorboard.close()
-        self._open(step)
+        _drop_records_after(self.path, step)
+        self._file = open(self.path, "a")
+        for writer in self._writers:
+            writer.rewind(step)
 
     def write(self, step: int, metrics: dict) -> None:
         """One record: numbers (ints stay ints), and JSON-able notes such as `config_changes`,
@@ -56,21 +74,27 @@ class MetricsWriter:
                 f"could not write {self.path}: {e.strerror}; free space or move the workdir, "
                 "then run the same command to resume from the newest checkpoint"
             ) from None
-        for name, value in record.items():
-            if name != "step" and isinstance(value, int | float):
-                tag = f"eval/{name[5:]}" if name.startswith("eval_") else f"train/{name}"
-                self._tensorboard.add_scalar(tag, value, step)
+        numbers = writers_lib.scalars(record)
+        for writer in self._writers:
+            writer.write(step, numbers)
 
     def close(self) -> None:
-        """Closes both; TensorBoard files that cannot be written any more (a full disk) are a
-        warning, not an error: metrics.jsonl holds every record."""
+        """Closes metrics.jsonl and every tracker (each even if one before it failed)."""
         if not self.enabled:
             return
         try:
             self._file.close()
-            self._tensorboard.close()
         except OSError as e:
             logging.warning("could not finish writing %s: %s", self.path, e.strerror)
+        _close_all(self._writers)
+
+
+def _close_all(writers) -> None:
+    if writers:
+        try:
+            writers[0].close()
+        finally:
+            _close_all(writers[1:])
 
 
 def _drop_records_after(path: str, step: int) -> None:
@@ -128,33 +152,3 @@ def _step_of(line: str) -> int | None:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _from_tensorboardx(thing) -> bool:
-    module = getattr(thing, "__module__", "") or type(thing).__module__
-    return module.startswith("tensorboardX")
-
-
-# After `close` warned that TensorBoard files could not be written, tensorboardX retries at exit
-# (an atexit callback) and its writer thread fails: nothing new to say. Those reports come after
-# the run, so only a program that owns its process holds this (jddp/run/cli.py).
-TENSORBOARDX_FAILURES = quiet.together(
-    quiet.drop_unraisable(lambda unraisable: _from_tensorboardx(unraisable.object)),
-    quiet.drop_thread_errors(lambda args: _from_tensorboardx(args.thread)),
-)
-
-
-def _summary_writer_class():
-    """tensorboardX's `SummaryWriter`, imported when a writer first opens and without PyTorch:
-    tensorboardX imports torch where it is installed (about 1 s, for every process of a run)
-    only to accept torch tensors, and jddp logs floats. A torch the process already imported
-    is left as it is."""
-    blocked = "torch" not in sys.modules
-    if blocked:
-        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if blocked:
-            del sys.modules["torch"]
-    return SummaryWriter

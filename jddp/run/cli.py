@@ -47,7 +47,7 @@ def program_quiet() -> quiet.SharedChange:
     reports of checkpoint and TensorBoard failures that jddp has reported itself in one line
     (some come late: when the garbage collector reaches orbax's abandoned tasks, or at exit)."""
     from jddp.checkpoints.orbax_noise import FAILURES_REPORTED
-    from jddp.observe.metrics_writer import TENSORBOARDX_FAILURES
+    from jddp.observe.tensorboard_writer import TENSORBOARDX_FAILURES
 
     return quiet.together(quiet.LIBRARY_INFO_KEPT_OUT, FAILURES_REPORTED, TENSORBOARDX_FAILURES)
 

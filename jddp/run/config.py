@@ -13,6 +13,7 @@ import ml_collections
 
 from jddp.data.datasets import DataOptions
 from jddp.errors import ConfigError
+from jddp.observe.writers import check_writers
 from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
@@ -49,6 +50,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.momentum = 0.9  # sgd only
     c.compute_dtype = "float32"  # or bfloat16: activations and matmuls; float32 master weights
     c.log_grad_norm = True  # log the global norm of the averaged gradient (one extra pass)
+    # Where records go besides WORKDIR/metrics.jsonl: trackers, comma-separated, of
+    # tensorboard | wandb | mlflow ("" = none); W&B and MLflow are extras (jddp[wandb],
+    # jddp[mlflow]) configured by their own environment variables (docs/trackers.md).
+    c.log = ml_collections.ConfigDict()
+    c.log.writers = "tensorboard"
     # Cadence, in steps.
     c.log_every = 50
     c.eval_every = 500
@@ -213,6 +219,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.max_to_keep < 1:
         raise ConfigError(f"max_to_keep must be >= 1, got {config.max_to_keep}")
+    if not isinstance(config.log.writers, str):
+        raise ConfigError(
+            f"log.writers must be a string of comma-separated names, got {config.log.writers!r}"
+        )
+    check_writers(config.log.writers, "log.writers")
     for key, low in _DATA_MINIMUMS.items():
         value = config.data.get(key, low)
         if not isinstance(value, int) or value < low:

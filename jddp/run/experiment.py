@@ -206,6 +206,8 @@ def train_and_evaluate(
             peak_flops_per_device=config.peak_flops_per_device,
             notes=notes,
             goodput_line=False,  # jddp-train prints the workdir's at exit, after the export
+            writers=config.log.writers,
+            config=json.loads(config.to_json_best_effort()),
         ),
         evaluation=loop.Evaluation(eval_pass, config.eval_every, objective.eval_extras),
         rollback=_rollback_policy(config),

@@ -23,6 +23,7 @@ from jddp.models import user_models
 # (learning rate, steps, seed, batch size, model, data, dtype, ...) is refused unless
 # allow_config_change=true. A key ending in "." covers every key under it.
 RESUME_MAY_CHANGE = (
+    "log.",
     "log_every",
     "eval_every",
     "eval_batch_size",

@@ -4,6 +4,7 @@ a single-device reference of the algorithm written here from the paper; collecti
 from compiled HLO; PowerSGD's state restored onto another device count; bad settings refused."""
 
 import json
+import re
 import sys
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ import pytest
 import jddp
 from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError
+from jddp.observe import hlo
 from tests.helpers import small_net_trainer, train_steps
 from tests.reference import (
     EVEN_PARAMS,
@@ -57,7 +59,8 @@ def per_device_grads(params, batch, num_devices):
 
 
 # (strategy, mesh, bfloat16 roundings after the inputs'): all-reduce 1; hybrid's all-reduce of
-# per-group reduce-scatters 2 (reduce-scatters alone have 0, so 1 bounds them too).
+# per-group reduce-scatters 2 (reduce-scatters alone have 0, so 1 bounds them too; so it does
+# `native`'s, whose result is rounded to bfloat16).
 BF16_CASES = [
     ("ddp", None, 1),
     ("zero1", None, 1),
@@ -71,28 +74,76 @@ BF16_CASES = [
 def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
     strategy, mesh, roundings
 ):
-    trainer = small_net_trainer(
-        strategy, optimizer=recording_optimizer(), mesh=mesh, grad_comm_dtype="bfloat16"
-    )
+    """Both implementations (`collectives`: cpu, bit patterns and sums unrolled per device;
+    native, XLA's bfloat16 collectives) within the bound, and within a rounding of each other."""
     batches = make_batches(seed=3)[:2]
-    state = trainer.init(seed=0, sample_batch=batches[0])
-    params = trainer.host_state(state).params
-    worst = 0.0
-    for batch in batches:
-        state, _ = trainer.step(state, batch)
-        reduced = trainer.host_state(state).opt_state
-        expected = jax.tree.leaves(per_device_grads(params, batch, 8))
-        for got, devices in zip(jax.tree.leaves(reduced), expected, strict=True):
-            mean, mean_abs = devices.mean(0), np.abs(devices).mean(0)
-            bound = (
-                U * (roundings * mean_abs + np.abs(mean))
-                + (U * U + 2 * 8 * EPS) * mean_abs
-                + 2 * EPS * np.abs(mean)
-            )
-            error = np.abs(got - mean)
-            assert np.all(error <= bound), np.max(error / bound)
-            worst = max(worst, float(np.max(error / bound)))
-    assert worst > 0.05  # bfloat16-sized errors: the reduction really was in bfloat16
+    reduced = {}
+    for collectives in ("cpu", "native"):
+        trainer = small_net_trainer(
+            strategy,
+            optimizer=recording_optimizer(),
+            mesh=mesh,
+            grad_comm_dtype="bfloat16",
+            collectives=collectives,
+        )
+        state = trainer.init(seed=0, sample_batch=batches[0])
+        params = trainer.host_state(state).params
+        worst, reduced[collectives] = 0.0, []
+        for batch in batches:
+            state, _ = trainer.step(state, batch)
+            got_leaves = jax.tree.leaves(trainer.host_state(state).opt_state)
+            expected = jax.tree.leaves(per_device_grads(params, batch, 8))
+            for got, devices in zip(got_leaves, expected, strict=True):
+                mean, mean_abs = devices.mean(0), np.abs(devices).mean(0)
+                bound = (
+                    U * (roundings * mean_abs + np.abs(mean))
+                    + (U * U + 2 * 8 * EPS) * mean_abs
+                    + 2 * EPS * np.abs(mean)
+                )
+                error = np.abs(got - mean)
+                assert np.all(error <= bound), (collectives, np.max(error / bound))
+                worst = max(worst, float(np.max(error / bound)))
+                # one bfloat16 rounding of the result apart, and float32 sums in another order
+                reduced[collectives].append((got, 2 * U * np.abs(mean) + 4 * 8 * EPS * mean_abs))
+        assert worst > 0.05  # bfloat16-sized errors: the reduction really was in bfloat16
+    for (cpu, apart), (native, _) in zip(reduced["cpu"], reduced["native"], strict=True):
+        assert np.all(np.abs(cpu - native) <= apart)
+
+
+def compiled_step(trainer, batch):
+    """(the train step's StableHLO as lowered, its compiled HLO), from shapes alone."""
+    state = trainer.abstract_state(batch)
+    lowered = trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+def op_counts(hlo_text: str) -> dict[str, int]:
+    """How many of each collective, and of elementwise adds, a compiled program holds (fused
+    computations included)."""
+    return {kind: len(re.findall(rf" {kind}\(", hlo_text)) for kind in (*hlo.KINDS, "add")}
+
+
+# ddp's all-reduce, zero3's reduce-scatter (the gather's derivative), hybrid's both
+@pytest.mark.parametrize(
+    "strategy,mesh", [("ddp", None), ("zero3", None), ("hybrid", "data:2,fsdp:4")]
+)
+def test_native_bfloat16_compiles_to_the_plain_collectives_of_float32(strategy, mesh):
+    """The `native` choice, forced on CPU: its compiled step holds the float32 step's
+    collectives and as many adds (XLA's all-reduce / reduce-scatter; no all-to-all, no sums
+    unrolled per device, which the `cpu` choice's step has), asked for in bfloat16."""
+    batch = make_batches()[0]
+    options = {"strategy": strategy, "mesh": mesh, "grad_comm_dtype": "bfloat16"}
+    plain = op_counts(compiled_step(small_net_trainer(strategy, mesh=mesh), batch)[1])
+    lowered, compiled = compiled_step(small_net_trainer(**options, collectives="native"), batch)
+    native = op_counts(compiled)
+    assert native == plain and native["all-to-all"] == 0, (native, plain)
+    # Each gradient's reduction asked for in bfloat16 (XLA:CPU promotes them to float32 when it
+    # compiles; GPUs and TPUs run them on bfloat16 buffers).
+    bf16_ops = r'"stablehlo\.(?:all_reduce|reduce_scatter)"[^\n]*\n\s*\^bb0\(%\w+: tensor<bf16>'
+    assert len(re.findall(bf16_ops, lowered)) >= 4  # SmallNet's 4 gradients
+    # What the counts catch: the cpu choice's all-to-alls and unrolled float32 sums.
+    cpu = op_counts(compiled_step(small_net_trainer(**options, collectives="cpu"), batch)[1])
+    assert cpu["all-to-all"] > 0 and cpu["add"] > plain["add"], cpu
 
 
 def comm_bytes(trainer, batch):

@@ -5,13 +5,12 @@ Each step is one `jax.jit` with explicit in/out shardings and donated state. Ins
 `shard_map`, manual over the batch axes (`data`, `fsdp`), runs the shared core on every device's
 slice of the batch and performs exactly the ZeRO stage's collectives, written out, so every
 platform runs these and no others (XLA:CPU turns a sharding constraint on the gradients into an
-all-reduce plus a slice; GPU and TPU would find the reduce-scatter, but need not guess). The
-bfloat16 and multi-process variants of these collectives follow `parallel.collectives`
-(jddp/parallel/collectives.py). The `tensor` axis stays
-automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner inserts
-Megatron's activation all-reduces, so any Flax module is tensor-parallel without a change. The
-optimizer update then runs at the jit level on sharded arrays, so global-norm clipping sees the
-whole gradient and each device updates only what it holds.
+all-reduce plus a slice, twice the bytes of a reduce-scatter). How they run in bfloat16 and
+across processes follows `parallel.collectives` (jddp/parallel/collectives.py). The `tensor`
+axis stays automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner
+inserts Megatron's activation all-reduces, so any Flax module is tensor-parallel without a
+change. The optimizer update then runs at the jit level on sharded arrays, so global-norm
+clipping sees the whole gradient and each device updates only what it holds.
 
     stage   parameters  gradients         optimizer  collectives per step over fsdp
     zero1   replicated  all-reduced       sharded    all-reduce grads, all-gather params

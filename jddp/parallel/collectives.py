@@ -34,7 +34,8 @@ def check_collectives(choice) -> None:
 
 
 def resolve_collectives(choice: str, devices: Sequence[jax.Device]) -> str:
-    """ "cpu" or "native": `choice` itself, or for "auto" what `devices`' platform wants."""
+    """The choice to run, "cpu" or "native": `choice` itself, or for "auto" what the platform
+    of `devices` wants."""
     check_collectives(choice)
     if choice != "auto":
         return choice

@@ -373,14 +373,18 @@ def test_bad_settings_are_refused_in_one_line(options, words):
 
 @pytest.mark.parametrize(
     "options",
-    [{"grad_comm_dtype": "bfloat16"}, {"grad_compression": "powersgd", "powersgd_rank": 1}],
-    ids=["bfloat16", "powersgd"],
+    [
+        {"grad_comm_dtype": "bfloat16"},
+        {"grad_comm_dtype": "bfloat16", "collectives": "native"},
+        {"grad_compression": "powersgd", "powersgd_rank": 1},
+    ],
+    ids=["bfloat16", "bfloat16-native", "powersgd"],
 )
 def test_two_processes_train_what_two_devices_of_one_process_train(tmp_path, options):
     """Across processes on CPU the gradients cross as one flat buffer (bfloat16: one all-to-all
     and one all-gather; PowerSGD: the rest with every P, then every Q): the same numbers as the
-    per-tensor collectives inside one process (both choices of that packing forced in one
-    process: tests/test_collectives_choice.py)."""
+    per-tensor collectives inside one process. With `native` collectives forced they cross as
+    XLA's combined bfloat16 all-reduce, no flat buffer, over gloo as well: the same numbers."""
     out = str(tmp_path / "result.npz")
     worker = [sys.executable, "-m", "tests.multiprocess_worker", "ddp", out, json.dumps(options)]
     code, output = launch(2, 1, *worker)

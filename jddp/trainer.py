@@ -25,21 +25,31 @@ from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 from jddp.parallel.strategies import device_mesh_for, make_strategy
 from jddp.runtime.processes import join_launched_job
 
-# Programs dispatched ahead of the host before it waits. Unbounded dispatch of programs with
-# collectives can deadlock XLA:CPU, both across simulated devices in one process and across
-# processes over gloo (tens of steps in flight are enough); a small bound costs nothing, since the
-# host stays ahead of the devices anyway.
+# Programs dispatched ahead of the host before it waits, on XLA:CPU (`parallel.collectives=cpu`):
+# unbounded dispatch of programs with collectives can deadlock XLA:CPU, both across simulated
+# devices in one process and across processes over gloo (tens of steps in flight are enough); a
+# small bound costs nothing, since the host stays ahead of the devices anyway.
 MAX_STEPS_IN_FLIGHT = 4
 
 
-class InFlightBound:
-    """Waits for the oldest dispatched program once more than `limit` are outstanding."""
+def steps_in_flight_bound(collectives: str) -> int | None:
+    """The trainer's bound on steps in flight for a resolved `collectives` choice: 4 on XLA:CPU;
+    none with `native` collectives, where the runtime bounds its own queue (PjRt's GPU client
+    lets 32 executions run ahead of a device, then blocks the caller) and nothing deadlocks."""
+    return MAX_STEPS_IN_FLIGHT if collectives == "cpu" else None
 
-    def __init__(self, limit: int):
+
+class InFlightBound:
+    """Waits for the oldest dispatched program once more than `limit` are outstanding (None:
+    never waits, keeps nothing)."""
+
+    def __init__(self, limit: int | None):
         self.limit = limit
         self._outputs = collections.deque()
 
     def add(self, output: jax.Array) -> None:
+        if self.limit is None:
+            return
         self._outputs.append(output)
         if len(self._outputs) > self.limit:
             self._outputs.popleft().block_until_ready()
@@ -71,7 +81,9 @@ class Trainer:
     `nn.BatchNorm(axis_name="batch")`) reduces over the whole global batch under every strategy.
     `grad_comm_dtype` ("float32" or "bfloat16") and `grad_compression` ("none" or "powersgd",
     ddp only, with `powersgd_rank` and `powersgd_start_step`): how gradients cross devices, see
-    `jddp/parallel/grad_reduction.py`.
+    `jddp/parallel/grad_reduction.py`. `collectives` ("auto", "cpu" or "native"): XLA's own
+    collectives ("native", auto's choice on GPU and TPU) or XLA:CPU's and gloo's workarounds
+    ("cpu", auto's choice on CPU), see `jddp/parallel/collectives.py`.
     """
 
     def __init__(
@@ -99,15 +111,21 @@ class Trainer:
         grad_compression: str = GradComm.compression,
         powersgd_rank: int = GradComm.powersgd_rank,
         powersgd_start_step: int = GradComm.powersgd_start_step,
+        collectives: str = GradComm.collectives,
     ):
         # A script started as one of a job (jddp-launch, SLURM, mpirun, Kubernetes, a TPU pod)
         # joins it here, before anything looks at the devices.
         join_launched_job()
-        grad_comm = GradComm(grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step)
+        grad_comm = GradComm(
+            grad_comm_dtype, grad_compression, powersgd_rank, powersgd_start_step, collectives
+        )
         # The mesh first: the model's axis names are the strategy's.
         self.device_mesh = (
             mesh if isinstance(mesh, DeviceMesh) else device_mesh_for(strategy, mesh, devices)
         )
+        # Which platform's collectives, decided once for the mesh's devices.
+        grad_comm = grad_comm.on(list(self.device_mesh.mesh.devices.flat))
+        self.collectives = grad_comm.collectives
         # A layer reducing over "batch" (the Flax convention) reduces over the mesh's batch
         # axes; ddp's one axis has that name already.
         batch_axes = self.device_mesh.batch_axes
@@ -144,7 +162,7 @@ class Trainer:
             pipeline=pipeline,
             grad_comm=grad_comm,
         )
-        self._in_flight = InFlightBound(MAX_STEPS_IN_FLIGHT)
+        self._in_flight = InFlightBound(steps_in_flight_bound(self.collectives))
         self._abstract_for = None  # (input shape, dtype) the strategy was prepared for
         self._rows_checked = None  # the rows per batch `place_batch` found divisible
 

@@ -3,7 +3,9 @@ rounding bound derived in jddp/parallel/grad_reduction.py, under every strategy;
 a single-device reference of the algorithm written here from the paper; collective bytes read
 from compiled HLO; PowerSGD's state restored onto another device count; bad settings refused."""
 
+import functools
 import json
+import re
 import sys
 
 import flax.linen as nn
@@ -16,6 +18,7 @@ import pytest
 import jddp
 from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError
+from jddp.observe import hlo
 from tests.helpers import small_net_trainer, train_steps
 from tests.reference import (
     EVEN_PARAMS,
@@ -56,43 +59,106 @@ def per_device_grads(params, batch, num_devices):
     return jax.tree.map(lambda *g: np.stack(g).astype(np.float64), *grads)
 
 
-# (strategy, mesh, bfloat16 roundings after the inputs'): all-reduce 1; hybrid's all-reduce of
-# per-group reduce-scatters 2 (reduce-scatters alone have 0, so 1 bounds them too).
+# (strategy, mesh, bfloat16 roundings after the inputs', the `collectives` choices run): all-reduce
+# 1; hybrid's all-reduce of per-group reduce-scatters 2 (reduce-scatters alone have 0, so 1 bounds
+# them too; so it does `native`'s, whose result is rounded to bfloat16). `native`'s three
+# functions run under ddp (the mean), zero3 (the reduce-scatter, zero2's too) and hybrid (both
+# and the psum, zero1's too).
 BF16_CASES = [
-    ("ddp", None, 1),
-    ("zero1", None, 1),
-    ("zero2", None, 1),
-    ("zero3", None, 1),
-    ("hybrid", "data:2,fsdp:4", 2),
+    ("ddp", None, 1, ("cpu", "native")),
+    ("zero1", None, 1, ("cpu",)),
+    ("zero2", None, 1, ("cpu",)),
+    ("zero3", None, 1, ("cpu", "native")),
+    ("hybrid", "data:2,fsdp:4", 2, ("cpu", "native")),
 ]
 
 
-@pytest.mark.parametrize("strategy,mesh,roundings", BF16_CASES)
+@pytest.mark.parametrize(
+    "strategy,mesh,roundings,choices", BF16_CASES, ids=[c[0] for c in BF16_CASES]
+)
 def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
-    strategy, mesh, roundings
+    strategy, mesh, roundings, choices
 ):
-    trainer = small_net_trainer(
-        strategy, optimizer=recording_optimizer(), mesh=mesh, grad_comm_dtype="bfloat16"
-    )
+    """Both implementations (`collectives`: cpu, bit patterns and sums unrolled per device;
+    native, XLA's bfloat16 collectives) within the bound, and within a rounding of each other."""
     batches = make_batches(seed=3)[:2]
-    state = trainer.init(seed=0, sample_batch=batches[0])
-    params = trainer.host_state(state).params
-    worst = 0.0
-    for batch in batches:
-        state, _ = trainer.step(state, batch)
-        reduced = trainer.host_state(state).opt_state
-        expected = jax.tree.leaves(per_device_grads(params, batch, 8))
-        for got, devices in zip(jax.tree.leaves(reduced), expected, strict=True):
-            mean, mean_abs = devices.mean(0), np.abs(devices).mean(0)
-            bound = (
-                U * (roundings * mean_abs + np.abs(mean))
-                + (U * U + 2 * 8 * EPS) * mean_abs
-                + 2 * EPS * np.abs(mean)
-            )
-            error = np.abs(got - mean)
-            assert np.all(error <= bound), np.max(error / bound)
-            worst = max(worst, float(np.max(error / bound)))
-    assert worst > 0.05  # bfloat16-sized errors: the reduction really was in bfloat16
+    reduced, expected = {}, None
+    for collectives in choices:
+        trainer = small_net_trainer(
+            strategy,
+            optimizer=recording_optimizer(),
+            mesh=mesh,
+            grad_comm_dtype="bfloat16",
+            collectives=collectives,
+        )
+        state = trainer.init(seed=0, sample_batch=batches[0])
+        if expected is None:  # the same initial parameters under both choices
+            params = trainer.host_state(state).params
+            expected = [jax.tree.leaves(per_device_grads(params, b, 8)) for b in batches]
+        worst, reduced[collectives] = 0.0, []
+        for batch, devices_grads in zip(batches, expected, strict=True):
+            state, _ = trainer.step(state, batch)
+            got_leaves = jax.tree.leaves(trainer.host_state(state).opt_state)
+            for got, devices in zip(got_leaves, devices_grads, strict=True):
+                mean, mean_abs = devices.mean(0), np.abs(devices).mean(0)
+                bound = (
+                    U * (roundings * mean_abs + np.abs(mean))
+                    + (U * U + 2 * 8 * EPS) * mean_abs
+                    + 2 * EPS * np.abs(mean)
+                )
+                error = np.abs(got - mean)
+                assert np.all(error <= bound), (collectives, np.max(error / bound))
+                worst = max(worst, float(np.max(error / bound)))
+                # one bfloat16 rounding of the result apart, and float32 sums in another order
+                reduced[collectives].append((got, 2 * U * np.abs(mean) + 4 * 8 * EPS * mean_abs))
+        assert worst > 0.05  # bfloat16-sized errors: the reduction really was in bfloat16
+    if "native" in reduced:
+        for (cpu, apart), (native, _) in zip(reduced["cpu"], reduced["native"], strict=True):
+            assert np.all(np.abs(cpu - native) <= apart)
+
+
+def compiled_step(strategy: str, mesh=None, dtype="float32", collectives="auto"):
+    """(EvenNet's train step as lowered StableHLO, its compiled HLO) under `strategy`, from
+    shapes alone; compiled once per file for every test that reads it."""
+    return _compiled_step(strategy, mesh, dtype, collectives)
+
+
+@functools.cache
+def _compiled_step(strategy, mesh, dtype, collectives) -> tuple[str, str]:
+    trainer = small_net_trainer(
+        strategy, mesh=mesh, model=EvenNet(), grad_comm_dtype=dtype, collectives=collectives
+    )
+    batch = make_batches()[0]
+    state = trainer.abstract_state(batch)
+    lowered = trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+def op_counts(hlo_text: str) -> dict[str, int]:
+    """How many of each collective, and of elementwise adds, a compiled program holds (fused
+    computations included)."""
+    return {kind: len(re.findall(rf" {kind}\(", hlo_text)) for kind in (*hlo.KINDS, "add")}
+
+
+# ddp's all-reduce, zero3's reduce-scatter (the gather's derivative), hybrid's both
+@pytest.mark.parametrize(
+    "strategy,mesh", [("ddp", None), ("zero3", None), ("hybrid", "data:2,fsdp:4")]
+)
+def test_native_bfloat16_compiles_to_the_plain_collectives_of_float32(strategy, mesh):
+    """The `native` choice, forced on CPU: its compiled step holds the float32 step's
+    collectives and as many adds (XLA's all-reduce / reduce-scatter; no all-to-all, no sums
+    unrolled per device, which the `cpu` choice's step has), asked for in bfloat16."""
+    plain = op_counts(compiled_step(strategy, mesh)[1])
+    lowered, compiled = compiled_step(strategy, mesh, "bfloat16", "native")
+    native = op_counts(compiled)
+    assert native == plain and native["all-to-all"] == 0, (native, plain)
+    # Each gradient's reduction asked for in bfloat16 (XLA:CPU promotes them to float32 when it
+    # compiles; GPUs and TPUs run them on bfloat16 buffers).
+    bf16_ops = r'"stablehlo\.(?:all_reduce|reduce_scatter)"[^\n]*\n\s*\^bb0\(%\w+: tensor<bf16>'
+    assert len(re.findall(bf16_ops, lowered)) >= 3  # EvenNet's 3 gradients
+    # What the counts catch: the cpu choice's all-to-alls and unrolled float32 sums.
+    cpu = op_counts(compiled_step(strategy, mesh, "bfloat16", "cpu")[1])
+    assert cpu["all-to-all"] > 0 and cpu["add"] > plain["add"], cpu
 
 
 def comm_bytes(trainer, batch):
@@ -102,15 +168,13 @@ def comm_bytes(trainer, batch):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_bfloat16_moves_exactly_half_the_gradient_bytes(strategy):
-    batch = make_batches()[0]
+    """With the `cpu` choice (bit patterns); `native` on XLA:CPU moves float32."""
     grad_bytes = 4 * EVEN_PARAMS
     # Ring bytes per device of float32 gradients: an all-reduce moves twice the gradient, a
     # reduce-scatter once (ZeRO-2/3); parameter all-gathers are the same in both programs.
     grad_traffic = 2 * grad_bytes if strategy == "ddp" else grad_bytes
-    f32 = comm_bytes(small_net_trainer(strategy, model=EvenNet()), batch)
-    bf16 = comm_bytes(
-        small_net_trainer(strategy, model=EvenNet(), grad_comm_dtype="bfloat16"), batch
-    )
+    f32 = hlo.step_ring_bytes(compiled_step(strategy, None)[1])
+    bf16 = hlo.step_ring_bytes(compiled_step(strategy, None, "bfloat16", "cpu")[1])
     assert f32 - bf16 == grad_traffic // 2
     if strategy == "ddp":
         assert (f32, bf16) == (2 * grad_bytes, grad_bytes)
@@ -309,13 +373,18 @@ def test_bad_settings_are_refused_in_one_line(options, words):
 
 @pytest.mark.parametrize(
     "options",
-    [{"grad_comm_dtype": "bfloat16"}, {"grad_compression": "powersgd", "powersgd_rank": 1}],
-    ids=["bfloat16", "powersgd"],
+    [
+        {"grad_comm_dtype": "bfloat16"},
+        {"grad_comm_dtype": "bfloat16", "collectives": "native"},
+        {"grad_compression": "powersgd", "powersgd_rank": 1},
+    ],
+    ids=["bfloat16", "bfloat16-native", "powersgd"],
 )
 def test_two_processes_train_what_two_devices_of_one_process_train(tmp_path, options):
-    """Across processes the gradients cross as one flat buffer (bfloat16: one all-to-all and
-    one all-gather; PowerSGD: the rest with every P, then every Q): the same numbers as the
-    per-tensor collectives inside one process."""
+    """Across processes on CPU the gradients cross as one flat buffer (bfloat16: one all-to-all
+    and one all-gather; PowerSGD: the rest with every P, then every Q): the same numbers as the
+    per-tensor collectives inside one process. With `native` collectives forced they cross as
+    XLA's combined bfloat16 all-reduce, no flat buffer, over gloo as well: the same numbers."""
     out = str(tmp_path / "result.npz")
     worker = [sys.executable, "-m", "tests.multiprocess_worker", "ddp", out, json.dumps(options)]
     code, output = launch(2, 1, *worker)

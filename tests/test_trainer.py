@@ -182,11 +182,18 @@ def test_in_flight_bound_waits_for_the_oldest_beyond_its_limit():
         assert pending == outputs[max(0, count - 3) :]  # the newest 3: the oldest waited first
 
 
-def test_steps_dispatched_without_reading_their_metrics_stay_at_most_four_in_flight(monkeypatch):
-    """Training never reads its metrics here, so only the trainer's bound waits: after each
-    step at most MAX_STEPS_IN_FLIGHT (4) steps' outputs are outstanding, and no fewer than that
-    (it does not wait for every step)."""
-    trainer = make_trainer(num_devices=1)
+# (collectives, outstanding outputs after each of 8 steps): XLA:CPU's bound; none for native
+@pytest.mark.parametrize(
+    "collectives,outstanding", [("auto", [1, 2, 3, 4, 4, 4, 4, 4]), ("native", list(range(1, 9)))]
+)
+def test_steps_dispatched_without_reading_their_metrics_stay_at_most_four_in_flight_on_cpu(
+    monkeypatch, collectives, outstanding
+):
+    """Training never reads its metrics here, so only the trainer's bound waits: on CPU (auto's
+    choice there) after each step at most MAX_STEPS_IN_FLIGHT (4) steps' outputs are outstanding,
+    and no fewer than that (it does not wait for every step); with native collectives the
+    trainer never waits (the runtime bounds its own queue)."""
+    trainer = make_trainer(num_devices=1, collectives=collectives)
     state = trainer.init(seed=0, sample_batch=random_data(8))
     pending, train_step = [], trainer.strategy.train_step
 
@@ -195,12 +202,13 @@ def test_steps_dispatched_without_reading_their_metrics_stay_at_most_four_in_fli
         return state, {**metrics, "loss": Dispatched(pending)}
 
     monkeypatch.setattr(trainer.strategy, "train_step", recorded)
-    outstanding = []
+    seen = []
     for _ in range(8):
         state, _ = trainer.step(state, random_data(8))
-        outstanding.append(len(pending))
+        seen.append(len(pending))
     assert MAX_STEPS_IN_FLIGHT == 4
-    assert outstanding == [1, 2, 3, 4, 4, 4, 4, 4]
+    assert trainer.collectives == {"auto": "cpu"}.get(collectives, collectives)
+    assert seen == outstanding
 
 
 def test_init_takes_a_seed_or_a_key_and_refuses_anything_else_in_one_line():

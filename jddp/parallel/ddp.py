@@ -58,11 +58,12 @@ class DDP:
                 "full replica); use zero1, zero2, zero3 or hybrid, or leave it empty"
             )
         self.task = task
-        self.grad_comm = grad_comm or GradComm()
         self.device_mesh = mesh
         self.mesh = mesh.mesh  # placement only; pmap maps over its devices
         # Every device of every process; each process feeds and reads its local ones.
         self.devices = list(self.mesh.devices.flat)
+        # The collectives' implementation, for these devices' platform, chosen once.
+        self.grad_comm = (grad_comm or GradComm()).on(self.devices)
         self._local_count = sum(d.process_index == jax.process_index() for d in self.devices)
         self._replicated = NamedSharding(self.mesh, P())
         self._per_device = NamedSharding(self.mesh, P(AXIS))

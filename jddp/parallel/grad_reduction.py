@@ -3,18 +3,27 @@ PowerSGD. `GradComm` is the per-device side of every strategy's gradient reducti
 
 float32 (default): the exact mean, as `jddp/parallel/collectives.py` computes it.
 
-bfloat16: each device rounds its gradient to bfloat16 once; values cross devices as bfloat16
-(2 bytes) and are summed in float32. A reduce-scatter is an all-to-all (each device receives its
-slice of every device's gradient) and a float32 sum; an all-reduce is that, the sums rounded to
-bfloat16 once more, and an all-gather. The values travel as uint16 bit patterns: XLA:CPU rewrites
-bfloat16 all-reduce, reduce-scatter and even all-to-all and all-gather into float32 ones moving
-4 bytes a value (compiled HLO, jax 0.10.2); bit patterns cross untouched. The error bound, per
-entry, with m and a the mean and the mean absolute value of the N devices' float32 values,
-u = 2^-8 (bfloat16's unit roundoff) and e = 2^-24 (float32's):
+bfloat16: each device rounds its gradient to bfloat16 once and the values cross devices as
+bfloat16 (2 bytes), in one of two implementations (`collectives`, chosen once per strategy from
+the devices' platform; jddp/parallel/collectives.py):
+
+- `native` (GPU, TPU): XLA's own bfloat16 `psum` and `psum_scatter`, which NCCL and TPUs run on
+  bfloat16 buffers; the runtime sums in bfloat16 or wider.
+- `cpu` (XLA:CPU): XLA:CPU rewrites bfloat16 all-reduce, reduce-scatter and even all-to-all and
+  all-gather into float32 ones moving 4 bytes a value (compiled HLO, jax 0.10.2), so the values
+  travel as uint16 bit patterns, which cross untouched: a reduce-scatter is an all-to-all (each
+  device receives its slice of every device's gradient) and a float32 sum; an all-reduce is
+  that, the sums rounded to bfloat16 once more, and an all-gather.
+
+The error bound of the `cpu` path (and of `native` on XLA:CPU, which sums the promoted values in
+float32), per entry, with m and a the mean and the mean absolute value of the N devices' float32
+values, u = 2^-8 (bfloat16's unit roundoff) and e = 2^-24 (float32's):
     reduce-scatter  |result - m| <= u*a + 2*N*e*a + e*|m|
     all-reduce      |result - m| <= u*(a + |m|) + (u^2 + 2*N*e)*a + 2*e*|m|
 (input rounding u*a; N-1 float32 additions; one more rounding u*|sum| for the all-reduce; the
-final division by N). hybrid's all-reduce of per-group reduce-scatters rounds once more: u*a more.
+final division by N). hybrid's all-reduce of per-group reduce-scatters rounds once more: u*a more;
+so does `native`'s reduce-scatter, whose result is bfloat16. A runtime that adds in bfloat16
+(NCCL's ring) rounds each partial sum: up to (N-1)*u*a more, as PyTorch's bf16 compress hook.
 
 PowerSGD (Vogels et al., 2019; PyTorch's `powerSGD_hook`): a gradient viewed as an m x n matrix
 (outputs x inputs, as PyTorch views its weights; see `matrix_shape`) plus the device's error
@@ -39,7 +48,14 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import ConfigError
-from jddp.parallel.collectives import fused_pmean, gather, scatter_sum, spans_devices
+from jddp.parallel.collectives import (
+    check_collectives,
+    fused_pmean,
+    gather,
+    resolve_collectives,
+    scatter_sum,
+    spans_devices,
+)
 
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
 GRAD_COMPRESSIONS = ("none", "powersgd")
@@ -63,14 +79,20 @@ def matrix_shape(shape) -> tuple[int, int] | None:
 
 @dataclasses.dataclass(frozen=True)
 class GradComm:
-    """How a strategy averages gradients across devices (see the module docstring)."""
+    """How a strategy averages gradients across devices (see the module docstring).
+
+    `collectives` is "auto" until `on(devices)` resolves it to "cpu" or "native" (strategies do,
+    once, when they are built), with `spans_processes` then whether the devices do."""
 
     dtype: str = "float32"
     compression: str = "none"
     powersgd_rank: int = 4
     powersgd_start_step: int = 0
+    collectives: str = "auto"
+    spans_processes: bool = False
 
     def __post_init__(self):
+        check_collectives(self.collectives)
         if self.dtype not in GRAD_COMM_DTYPES:
             raise ConfigError(
                 f"parallel.grad_comm_dtype must be one of {', '.join(GRAD_COMM_DTYPES)}, "
@@ -97,6 +119,33 @@ class GradComm:
     @property
     def powersgd(self) -> bool:
         return self.compression == "powersgd"
+
+    def on(self, devices) -> "GradComm":
+        """This configuration for a strategy over `devices`: `collectives` resolved for their
+        platform (see jddp/parallel/collectives.py)."""
+        return dataclasses.replace(
+            self,
+            collectives=resolve_collectives(self.collectives, devices),
+            spans_processes=len({d.process_index for d in devices}) > 1,
+        )
+
+    @property
+    def bit_patterns(self) -> bool:
+        """Whether bfloat16 crosses as uint16 bit patterns (XLA:CPU: see the module docstring)."""
+        return self._resolved() == "cpu" and self.dtype == "bfloat16"
+
+    @property
+    def flat_buffers(self) -> bool:
+        """Whether small tensors cross processes packed into flat buffers (gloo pays per
+        buffer: `collectives.fused_pmean`); XLA's tuple all-reduce otherwise."""
+        return self._resolved() == "cpu" and self.spans_processes
+
+    def _resolved(self) -> str:
+        """The choice `on` made; unresolved (a GradComm used outside a strategy), the default
+        backend's."""
+        if self.collectives == "auto":
+            return resolve_collectives("auto", jax.devices()[:1])
+        return self.collectives
 
     def compressed_rank(self, shape) -> int:
         """The rank a gradient of `shape` is compressed to; 0: it is reduced uncompressed."""
@@ -135,27 +184,41 @@ class GradComm:
                 return compressed()
 
             def exact():
-                return (*fused_pmean((grads, extras), axes), comm_state)
+                return (*self.pmean((grads, extras), axes), comm_state)
 
             return lax.cond(step < self.powersgd_start_step, exact, compressed)
         if self.dtype == "bfloat16":
-            return pmean_bf16(grads, axes), fused_pmean(extras, axes), comm_state
-        grads, extras = fused_pmean((grads, extras), axes)
+            return self._pmean_bf16(grads, axes), self.pmean(extras, axes), comm_state
+        grads, extras = self.pmean((grads, extras), axes)
         return grads, extras, comm_state
+
+    def pmean(self, tree, axes):
+        """The exact float32 mean of `tree`'s float leaves over `axes` (metrics, model state),
+        packed into flat buffers where this choice does (`flat_buffers`)."""
+        return fused_pmean(tree, axes, flat_buffers=self.flat_buffers)
+
+    def _pmean_bf16(self, tree, axes):
+        """`pmean` with bfloat16 on the wire."""
+        if not self.bit_patterns:
+            return fused_pmean(tree, axes, pmean_bf16_native)
+        return fused_pmean(tree, axes, pmean_bf16, flat_buffers=self.flat_buffers)
 
     def psum(self, x, axes):
         """`lax.psum(x, axes)` in this dtype."""
         if not spans_devices(axes):
             return x
-        return psum_bf16(x, axes) if self.dtype == "bfloat16" else lax.psum(x, axes)
+        if self.dtype != "bfloat16":
+            return lax.psum(x, axes)
+        return psum_bf16(x, axes) if self.bit_patterns else psum_bf16_native(x, axes)
 
     def scatter_sum(self, x, spec: P):
         """`collectives.scatter_sum` in this dtype."""
         if self.dtype != "bfloat16":
             return scatter_sum(x, spec)
+        reduce_scatter = _reduce_scatter_bf16 if self.bit_patterns else _reduce_scatter_native
         for dim, axes in enumerate(spec):
             if spans_devices(axes):
-                x = _reduce_scatter_bf16(x, axes, dim)
+                x = reduce_scatter(x, axes, dim)
         return x
 
     def gather(self, x, spec: P):
@@ -176,7 +239,8 @@ class GradComm:
         """PowerSGD on M^T, the kernel's own layout (inputs x outputs), so that no large matrix
         is ever transposed: XLA:CPU copies a transpose, and runs M^T-style products (contracting
         a large matrix's leading dimension into a small result with a transposed layout) 5-25x
-        slower than the same bytes read the other way (2048 x 2048)."""
+        slower than the same bytes read the other way (2048 x 2048). The same program on every
+        platform: nothing here is slower elsewhere for it."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
         qs, errors = _by_path(comm_state["q"]), _by_path(comm_state["error"])
         names = [path_str(path) for path, _ in leaves]
@@ -191,10 +255,10 @@ class GradComm:
         ps = {
             name: lax.optimization_barrier(_t_matmul(qs[name], m)) for name, m in transposed.items()
         }
-        rest, extras, ps = fused_pmean((rest, extras, ps), axes)
+        rest, extras, ps = self.pmean((rest, extras, ps), axes)
         ps = {name: lax.optimization_barrier(orthonormal_columns(p.T)) for name, p in ps.items()}
         # The second: every Q = M^T P.
-        qs = fused_pmean({name: m @ ps[name] for name, m in transposed.items()}, axes)
+        qs = self.pmean({name: m @ ps[name] for name, m in transposed.items()}, axes)
         approx = {name: qs[name] @ ps[name].T for name in transposed}  # (P Q^T)^T
         rest = iter(rest)
         out = [
@@ -217,7 +281,7 @@ def orthonormal_columns(p):
     `p` has rank below r, as when a gradient's rank is below r; a single pass normalizes
     rounding noise that is not orthogonal and sends back gradients 30-100% wrong). An all-zero
     column stays zero. Not `jnp.linalg.qr`: XLA:CPU's QR of 2048 x 16 takes 150 ms a device on 8
-    simulated devices."""
+    simulated devices (and r small makes this cheap on any platform)."""
     columns = []
     for i in range(p.shape[1]):
         column = p[:, i]
@@ -229,7 +293,7 @@ def orthonormal_columns(p):
     return jnp.stack(columns, axis=1)
 
 
-# ------------------------------------------------------------------- bfloat16 on the wire
+# --------------------------------------- bfloat16 as bit patterns (XLA:CPU, gloo: `cpu`)
 def _to_wire(x):
     return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
 
@@ -272,11 +336,26 @@ def psum_bf16(x, axes):
     return full[: flat.size].reshape(x.shape)
 
 
-def pmean_bf16(tree, axes):
-    """`fused_pmean` of `tree` with bfloat16 on the wire."""
+def pmean_bf16(values, axes):
+    """The mean of `values` (a list of arrays, or one flat buffer) with `psum_bf16`."""
+    count = lax.axis_size(axes)
+    return jax.tree.map(lambda x: psum_bf16(x, axes) / count, values)
 
-    def mean(values, axes):
-        count = lax.axis_size(axes)
-        return jax.tree.map(lambda x: psum_bf16(x, axes) / count, values)
 
-    return fused_pmean(tree, axes, mean)
+# ------------------------------------------------- bfloat16, XLA's own (GPU, TPU: `native`)
+def psum_bf16_native(x, axes):
+    """`lax.psum(x, axes)` of `x` rounded to bfloat16: one all-reduce of bfloat16 buffers."""
+    return lax.psum(x.astype(jnp.bfloat16), axes).astype(x.dtype)
+
+
+def pmean_bf16_native(values, axes):
+    """The mean of `values` with bfloat16 all-reduces, one per tensor, which XLA combines."""
+    count = lax.axis_size(axes)
+    summed = lax.psum(jax.tree.map(lambda x: x.astype(jnp.bfloat16), values), axes)
+    return jax.tree.map(lambda s, x: s.astype(x.dtype) / count, summed, values)
+
+
+def _reduce_scatter_native(x, axes, dim: int):
+    """`lax.psum_scatter` of `x` rounded to bfloat16: one reduce-scatter of bfloat16 buffers."""
+    summed = lax.psum_scatter(x.astype(jnp.bfloat16), axes, scatter_dimension=dim, tiled=True)
+    return summed.astype(x.dtype)

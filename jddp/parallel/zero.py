@@ -3,12 +3,14 @@ strategy on a `jax.sharding.Mesh` whose axes have roles (jddp/parallel/mesh.py).
 
 Each step is one `jax.jit` with explicit in/out shardings and donated state. Inside it a
 `shard_map`, manual over the batch axes (`data`, `fsdp`), runs the shared core on every device's
-slice of the batch and performs exactly the ZeRO stage's collectives, written out (XLA:CPU
-would turn a sharding constraint into an all-reduce plus a slice). The `tensor` axis stays
-automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner inserts
-Megatron's activation all-reduces, so any Flax module is tensor-parallel without a change. The
-optimizer update then runs at the jit level on sharded arrays, so global-norm clipping sees the
-whole gradient and each device updates only what it holds.
+slice of the batch and performs exactly the ZeRO stage's collectives, written out, so every
+platform runs these and no others (XLA:CPU turns a sharding constraint on the gradients into an
+all-reduce plus a slice, twice the bytes of a reduce-scatter). How they run in bfloat16 and
+across processes follows `parallel.collectives` (jddp/parallel/collectives.py). The `tensor`
+axis stays automatic: parameters arrive split by the partition rules and XLA's SPMD partitioner
+inserts Megatron's activation all-reduces, so any Flax module is tensor-parallel without a
+change. The optimizer update then runs at the jit level on sharded arrays, so global-norm
+clipping sees the whole gradient and each device updates only what it holds.
 
     stage   parameters  gradients         optimizer  collectives per step over fsdp
     zero1   replicated  all-reduced       sharded    all-reduce grads, all-gather params
@@ -41,7 +43,7 @@ from jddp.core.task import Stack, Task, check_rows_divide, init_compiler_options
 from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
 from jddp.parallel import context
-from jddp.parallel.collectives import fused_pmean, gather
+from jddp.parallel.collectives import gather
 from jddp.parallel.grad_reduction import GradComm
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
@@ -127,7 +129,8 @@ class ZeroStrategy:
         self.batch_axes = mesh.batch_axes
         self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
         self.rules = validate_rules(rules, mesh)
-        self.grad_comm = grad_comm or GradComm()
+        # The collectives' implementation, for these devices' platform, chosen once.
+        self.grad_comm = (grad_comm or GradComm()).on(list(self.mesh.devices.flat))
         self.min_shard_size = min_shard_size
         self.pipeline_options = pipeline or PipelineOptions()
         # Axes the per-device program splits by hand: the batch axes, the pipeline stages, the
@@ -305,7 +308,7 @@ class ZeroStrategy:
         return self.device_mesh.batch_slices * self.device_mesh.size("context")
 
     def _pmean(self, tree):
-        return fused_pmean(tree, self.mean_axes) if self.mean_axes else tree
+        return self.grad_comm.pmean(tree, self.mean_axes) if self.mean_axes else tree
 
     def _own_tokens(self, batch):
         """`batch` as this device holds it: under context parallelism its rank's chunks."""

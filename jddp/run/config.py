@@ -108,6 +108,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.grad_compression = GradComm.compression
     c.parallel.powersgd_rank = GradComm.powersgd_rank
     c.parallel.powersgd_start_step = GradComm.powersgd_start_step
+    # auto | cpu | native: XLA:CPU's and gloo's workarounds (cpu) or XLA's own collectives
+    # (native); auto picks by the devices' platform (jddp/parallel/collectives.py).
+    c.parallel.collectives = GradComm.collectives
     return c
 
 

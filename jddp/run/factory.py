@@ -156,6 +156,7 @@ def build_trainer(
         grad_compression=config.parallel.grad_compression,
         powersgd_rank=config.parallel.powersgd_rank,
         powersgd_start_step=config.parallel.powersgd_start_step,
+        collectives=config.parallel.collectives,
     )
 
 

@@ -180,7 +180,7 @@ def print_published(points: list[dict]) -> None:
 
 def print_series(series: list[dict]) -> None:
     """Each series' fall from its first point to its last, published and predicted."""
-    print("\nSeries, first to last point (held: predicted drop within a third of the published):")
+    print("\nSeries, first to last point (rule: predicted drop within a third of the published):")
     for s in series:
         ends = f"{s['devices'][0]} -> {s['devices'][-1]} devices"
         published = f"{s['published'][0]:.1%} -> {s['published'][-1]:.1%}"
@@ -189,8 +189,7 @@ def print_series(series: list[dict]) -> None:
         print(f"{s['name']} ({ends}, {len(s['devices'])} points)")
         print(
             f"  published {published} (drop {s['published_drop'] * 100:.2f} points), "
-            f"predicted {predicted} (drop {s['predicted_drop'] * 100:.2f}): "
-            + (verdict if s["held"] else f"{verdict}; not held: {s['note']}")
+            f"predicted {predicted} (drop {s['predicted_drop'] * 100:.2f}): " + verdict
         )
 
 

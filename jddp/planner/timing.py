@@ -4,9 +4,11 @@ compute     executed FLOPs per device (model FLOPs, plus the recomputed forward 
             / (peak x efficiency), slower where the profile measured narrow matmuls to be
             (`shape_slowdown`: a tensor split narrows a small model's projections); plus the
             memory traffic of the non-matmul ops (norms, residual adds, activations,
-            softmax, dropout: jddp/planner/workload.py) / memory bandwidth: what makes a
-            narrow model's step slower per FLOP than a wide one's; the optimizer update as
-            memory traffic / bandwidth
+            softmax, dropout: jddp/planner/workload.py) / memory bandwidth, with (on a
+            profile without a measured shape curve) the attention scores that unfused
+            attention's matmuls write and read: matmuls of head-size FLOPs per byte, at
+            memory speed; what makes a narrow model's step slower per FLOP than a wide one's;
+            the optimizer update as memory traffic / bandwidth
 overlap     each collective by when it runs (jddp/planner/collective.py phases):
               forward   zero3's parameter gathers (and those XLA picks under `auto`),
                         hidden under the forward's compute
@@ -127,9 +129,16 @@ def memory_bound_seconds(
     workload: Workload, layout: Layout, profile: DeviceProfile
 ) -> tuple[float, float]:
     """(non-matmul ops, optimizer update): one device's memory traffic per step over its
-    memory bandwidth (simulated devices share the machine's: each gets 1 / devices of it)."""
+    memory bandwidth (simulated devices share the machine's: each gets 1 / devices of it). On
+    a profile without a measured matmul-shape curve, the first includes the attention scores
+    that unfused attention's matmuls write and read (`Workload.score_bytes`); a measured curve
+    (`cpu`) already holds a narrow matmul's traffic in its rate."""
     bandwidth = profile.memory_bandwidth / (layout.devices if profile.shared_compute else 1)
     elementwise, optimizer = memory_traffic(workload, layout)
+    if not profile.matmul_shape_rates:
+        elementwise += workload.score_bytes(
+            layout.tensor, layout.batch_slices * layout.context, layout.stage
+        )
     return elementwise / bandwidth, optimizer / bandwidth
 
 

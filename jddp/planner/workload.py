@@ -102,6 +102,15 @@ class Transformer:
             split += 2 * self.heads * self.seq_len * (2 if self.attention_dropout else 1)
         return whole / (tensor if sequence_parallel else 1) + split / tensor
 
+    def score_elements(self, tensor: int = 1) -> float:
+        """Elements of the attention scores per token and layer that the forward's two
+        attention matmuls move through memory where attention is not fused: Q K^T writes the
+        scores, the product with the values reads the probabilities (0 with flash attention,
+        which keeps them on chip). Their third dimension is a head's size, so these matmuls do
+        about head-size FLOPs per byte of scores: below every accelerator's ridge point, they
+        run at memory speed (jddp/planner/timing.py)."""
+        return 0.0 if self.fused_attention else 2 * self.heads * self.seq_len / tensor
+
     def tensor_reductions_per_layer(self) -> int:
         """Activation reductions over tensor per layer and pass (forward or backward):
         Megatron's two, or one when attention and MLP share their input and output."""
@@ -213,9 +222,25 @@ class Workload:
         t = self.transformer
         if t is None:
             return 0.0
+        return self._block_pass_bytes(
+            t.elementwise_elements(tensor, sequence_parallel), batch_slices, stages
+        )
+
+    def score_bytes(self, tensor: int, batch_slices: int, stages: int) -> float:
+        """Bytes of attention scores one device's attention matmuls write and read per step
+        (`Transformer.score_elements`), counted over the passes as `elementwise_bytes`; 0
+        without a transformer."""
+        t = self.transformer
+        if t is None:
+            return 0.0
+        return self._block_pass_bytes(t.score_elements(tensor), batch_slices, stages)
+
+    def _block_pass_bytes(self, elements: float, batch_slices: int, stages: int) -> float:
+        """`elements` per token and layer of the forward, as bytes one device moves per step:
+        the forward's, again in the recomputed forward, twice in the backward."""
+        t = self.transformer
         tokens = self.global_batch * t.seq_len / batch_slices
-        per_pass = tokens * t.layers / stages * t.elementwise_elements(tensor, sequence_parallel)
-        return per_pass * self.compute_bytes * (3 + self.recompute)
+        return tokens * t.layers / stages * elements * self.compute_bytes * (3 + self.recompute)
 
 
 def block_index(path: str) -> int | None:

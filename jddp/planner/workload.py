@@ -107,8 +107,8 @@ class Transformer:
         attention matmuls move through memory where attention is not fused: Q K^T writes the
         scores, the product with the values reads the probabilities (0 with flash attention,
         which keeps them on chip). Their third dimension is a head's size, so these matmuls do
-        about head-size FLOPs per byte of scores: below every accelerator's ridge point, they
-        run at memory speed (jddp/planner/timing.py)."""
+        about head-size FLOPs per byte of scores, below the accelerator presets' ridge points
+        for heads up to 160: they run at memory speed (jddp/planner/timing.py)."""
         return 0.0 if self.fused_attention else 2 * self.heads * self.seq_len / tensor
 
     def tensor_reductions_per_layer(self) -> int:

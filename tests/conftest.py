@@ -1,5 +1,5 @@
-"""Test setup, before JAX is imported: 8 simulated CPU devices, a private TFDS data dir and
-compilation cache; programs compiled in the test processes without LLVM optimization (below)."""
+"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported;
+programs compiled in the test processes without LLVM optimization (see below)."""
 
 import os
 import shutil
@@ -19,27 +19,12 @@ _MADE_TFDS_DIR = _TFDS_DIR_VAR not in os.environ
 if _MADE_TFDS_DIR:
     os.environ[_TFDS_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-tfds-")
 os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
-# Compiled programs are shared the same way: one persistent compilation cache for every process
-# of the run (workers, the CLI and multi-process runs tests start), empty at the start, so a
-# program that several tests build (the tiny models' steps, orbax's slicing at each save) is
-# compiled once. Its size bound turns on JAX's file lock, so no process reads an entry half
-# written by another.
-_CACHE_DIR_VAR = "JDDP_TEST_COMPILATION_CACHE_DIR"
-if _MADE_TFDS_DIR:
-    os.environ[_CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-compiled-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_DIR_VAR]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 
 import jax  # noqa: E402
 
 import jddp  # noqa: E402, F401  (before the backend starts: jddp/runtime/host_memory.py)
 
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
-# This process's own settings, in case something imported JAX before it read the variables.
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR_VAR])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 # Most tests compile far longer than they run (a tiny GPT's step: 7 s to compile, 20 steps in
 # under a second), so the test processes compile as `jax_disable_most_optimizations` says: the
@@ -102,7 +87,6 @@ LONGEST_FIRST = (
 def pytest_unconfigure(config):
     if _MADE_TFDS_DIR:
         shutil.rmtree(os.environ[_TFDS_DIR_VAR], ignore_errors=True)
-        shutil.rmtree(os.environ[_CACHE_DIR_VAR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -406,3 +406,18 @@ def configured(config, settings: dict):
             node = node[name]
         node[leaf] = value
     return config
+
+
+def fail_state_restores(monkeypatch, error: BaseException) -> None:
+    """Every orbax restore of a checkpoint's `state` item raises `error` (its metadata still
+    reads): a read that fails for a reason other than damage."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.restore
+
+    def restore(self, step, *args, **kwargs):
+        if "state" in kwargs.get("args", {}).keys():
+            raise error
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)

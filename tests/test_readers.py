@@ -18,7 +18,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import jddp
@@ -27,7 +26,7 @@ from jddp.checkpoints.folder import numbered
 from jddp.checkpoints.peek import peek_latest
 from jddp.errors import CheckpointUnreadable
 from jddp.run.cli import exit_code
-from tests.helpers import assert_one_line, snapshot
+from tests.helpers import assert_one_line, fail_state_restores, snapshot
 
 STEPS, EVERY, KEEP = 16, 2, 2
 SEED = 49  # of the readers' schedule
@@ -170,14 +169,7 @@ def test_a_read_error_that_is_not_damage_moves_nothing_and_is_retryable(
     workdir = tmp_path / "run"
     shutil.copytree(undisturbed[0], workdir)
     before = snapshot(workdir)
-    real = ocp.CheckpointManager.restore
-
-    def failing(self, step, *args, **kwargs):
-        if "state" in kwargs.get("args", {}).keys():
-            raise error
-        return real(self, step, *args, **kwargs)
-
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+    fail_state_restores(monkeypatch, error)
     for read in (
         lambda: jddp.restore(str(workdir), trainer(), SAMPLE),  # a reader
         lambda: train(workdir, num_steps=STEPS + 2),  # the run holding the workdir

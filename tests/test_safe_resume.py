@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 
-import orbax.checkpoint as ocp
 import pytest
 
 from jddp.errors import CheckpointError, WorkdirError
@@ -29,6 +28,7 @@ from tests.helpers import (
     BeforeRerun,
     assert_one_line,
     checkout_env,
+    fail_state_restores,
     run_cli,
     small_config,
     snapshot,
@@ -100,17 +100,6 @@ def test_an_allowed_change_continues_and_is_recorded_in_the_metrics(workdir):
 
 
 # ------------------------------------------------------------------- 7: failures to restore
-def fail_state_restores(monkeypatch, error):
-    real = ocp.CheckpointManager.restore
-
-    def restore(self, step, *args, **kwargs):
-        if "state" in kwargs.get("args", {}).keys():
-            raise error
-        return real(self, step, *args, **kwargs)
-
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
-
-
 @pytest.mark.parametrize(
     "failure",
     [

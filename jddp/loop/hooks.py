@@ -17,7 +17,7 @@ from jddp.loop.settings import Checkpointing, Evaluation, Records
 from jddp.loop.start import checkpoint_meta
 from jddp.observe.metrics_writer import MetricsWriter
 from jddp.observe.progress import Progress
-from jddp.observe.writers import check_writers
+from jddp.observe.writers import names_of
 
 SKIPPED = "skipped_batches"  # checkpoint metadata: the [first, last] batches rollbacks skipped
 
@@ -87,7 +87,7 @@ class RecordKeeper:
         called inside the loop, whose end closes what is open)."""
         self.writer = MetricsWriter(
             self.workdir, start_step=self.start_step, enabled=self.is_writer,
-            writers=check_writers(self.records.writers),
+            writers=names_of(self.records.writers),  # checked with the settings
             config=run_config(self.trainer, self.num_steps, self.records),
         )  # fmt: skip
         self.started = self.last_time = time.perf_counter()

@@ -49,8 +49,10 @@ class Writer(Protocol):
 
 
 def names_of(writers) -> tuple:
-    """`writers` as a tuple: a comma-separated string of names, or an iterable of names and
-    `Writer`s."""
+    """`writers` as a tuple: a comma-separated string of names, one `Writer`, or an iterable of
+    names and `Writer`s."""
+    if isinstance(writers, Writer):
+        return (writers,)
     if isinstance(writers, str):
         return tuple(name.strip() for name in writers.split(",") if name.strip())
     return tuple(writers)
@@ -59,9 +61,7 @@ def names_of(writers) -> tuple:
 def check_writers(writers, key: str = "writers") -> tuple:
     """The writers as a tuple, each a known name whose package imports, or a `Writer`; else a
     ConfigError naming `key` and the fix (the extra to install)."""
-    if isinstance(writers, Writer):
-        writers = (writers,)
-    if not isinstance(writers, str | Iterable):
+    if not isinstance(writers, Writer | str | Iterable):
         raise ConfigError(
             f"{key} must be names ({', '.join(BUILT_IN)}) or Writers, got {writers!r}"
         )

@@ -6,7 +6,9 @@ dataset on first use (array_record files, no TensorFlow) and returns its random-
 with the dataset's preprocessing. Own data (`npz:PATH`, `jsonl:PATH`, `parquet:PATH`, `hf:PATH`,
 `package.module:function`) is resolved by jddp/data/user_data.py: its spec reads the labels (or
 the text) already, to count the classes (or the characters). With `data.tokenizer`, text is
-tokenized by a Hugging Face tokenizer (jddp/data/tokenizer.py) instead of by characters.
+tokenized by a Hugging Face tokenizer (jddp/data/tokenizer.py) instead of by characters, and
+instruction data (chat `messages`, `prompt` / `completion`) is rendered by its chat template and
+tokenized a row per example, with a loss mask (jddp/data/instruction.py).
 """
 
 import contextlib
@@ -22,9 +24,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from jddp.data import text, token_file, transforms, user_data
+from jddp.data import instruction, text, token_file, transforms, user_data
 from jddp.data import tokenizer as tokenizer_lib
 from jddp.data.cache import decoded_split, is_decoded
+from jddp.data.chat_template import ChatTemplate, load_chat_template
 from jddp.data.cifar import Cifar10, Cifar100
 from jddp.data.digits import UciDigits
 from jddp.data.imagenet import Imagenet2012
@@ -58,6 +61,9 @@ class DataOptions:
     num_classes: int = 0  # 0 = the largest label + 1
     eval_path: str = ""  # the eval split's file (a bare path takes the dataset's scheme)
     eval_fraction: float = 0.0  # or this fraction of the rows held out (0: none)
+    # Instruction data: the tokens the loss counts, completion (the assistant's) | all; "" =
+    # completion for instruction data (plain text counts every token).
+    loss_on: str = ""
     threads: int = 1  # loader threads
     workers: int = 0  # loader processes (0: none, the threads of this process load)
     device_prefetch: int = 2  # batches placed on the devices ahead of the step
@@ -98,6 +104,8 @@ class DatasetSpec:
     # Own data: its splits and columns, resolved when the spec is made (user_data.py).
     own: user_data.OwnData | None = dataclasses.field(default=None, compare=False, repr=False)
     tokenizer: tokenizer_lib.TextTokenizer | None = None  # data.tokenizer; None: characters
+    loss_mask: bool = False  # instruction data: batches say which targets count (`loss_mask`)
+    chat_template: ChatTemplate | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def decode(self, tokens) -> str:
         """A language model's token ids back to text: by the tokenizer, else the vocabulary."""
@@ -167,6 +175,7 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
     text_file = text_file or options.text_file
     own_data = user_data.is_own_data(name)
     user_data.check_eval_options(options, own_data, name)
+    instruction.check_loss_on(options.loss_on)
     if text_file and name != "text_file":
         raise ConfigError(
             f"data.text_file is set but dataset is {name!r}; set --config.dataset=text_file "
@@ -184,6 +193,9 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
         tokenizer = tokenizer_lib.load_tokenizer(options.tokenizer, options.eos_token)
     if own_data:
         own = user_data.resolve(name, options)
+        if own.instruction:
+            return _instruction_spec(own, tokenizer, options)
+        _check_no_completion(options, name)
         if tokenizer is not None and not own.language_model:
             where = f"the input {own.input_key!r} of {name} (not text)"
             raise ConfigError(_tokenizer_needs_text(where, own=True))
@@ -199,6 +211,7 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             f"unknown dataset {name!r}{hint}; choose one of {', '.join(sorted(DATASETS))}, or "
             "own data: npz:PATH, jsonl:PATH, parquet:PATH, hf:PATH, package.module:function"
         )
+    _check_no_completion(options, name)
     spec = DATASETS[name]
     if name == "text_file":
         vocabulary = text.scan_text_file(text_file).vocabulary
@@ -206,6 +219,35 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             spec, num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
         )
     return _tokenized_spec(spec, tokenizer) if tokenizer is not None else spec
+
+
+def _check_no_completion(options: DataOptions, name: str) -> None:
+    if options.loss_on == "completion":
+        raise ConfigError(
+            f"data.loss_on=completion applies to instruction data (a messages column, or prompt "
+            f"and completion); dataset {name!r} has no completion, and its loss counts every "
+            "token: clear data.loss_on"
+        )
+
+
+def _instruction_spec(own: user_data.OwnData, tokenizer, options: DataOptions) -> DatasetSpec:
+    """Instruction data's spec: a language model of the tokenizer's vocabulary, its rows
+    rendered by the tokenizer's chat template (loaded here: one line if it has none)."""
+    if tokenizer is None:
+        raise ConfigError(
+            f"instruction data ({', '.join(own.instruction)} columns of {own.name}) is tokenized "
+            "by a Hugging Face tokenizer: set --config.data.tokenizer=DIR (its tokenizer.json and "
+            "tokenizer_config.json, with the chat template)"
+        )
+    template = None
+    if instruction.needs_template(own.train, own.instruction):
+        template = load_chat_template(options.tokenizer)
+    return DatasetSpec(
+        own.name, LANGUAGE_MODEL, tokenizer.vocab_size, None,
+        functools.partial(_fixed, instruction.MaskedNextTokens()), input_key="inputs",
+        target_key="targets", own=own, tokenizer=tokenizer, loss_mask=True,
+        chat_template=template,
+    )  # fmt: skip
 
 
 def _tokenizer_needs_text(what: str, own: bool = False) -> str:
@@ -280,6 +322,8 @@ def open_dataset(spec: DatasetSpec, options: DataOptions | None = None) -> Datas
         )
     transform = spec.make_transform(options)
     splits = (spec.train_split, spec.eval_split)
+    if spec.own is not None and spec.own.instruction:
+        return _instruction_splits(spec, options, transform)
     if spec.own is not None and spec.own.language_model:
         texts = {spec.train_split: spec.own.train, spec.eval_split: spec.own.eval}
         where = {spec.train_split: spec.own.train_where, spec.eval_split: spec.own.eval_where}
@@ -387,6 +431,29 @@ def _windows(spec, options, tokens, where, transform, unit="characters") -> Data
         text.language_model_windows(tokens[test], options.seq_len, False, where[test], unit),
         transform,
     )
+
+
+def _instruction_splits(spec, options, transform) -> Dataset:
+    """Instruction rows tokenized with their loss masks, one example each; logs what they hold."""
+    loss_on = options.loss_on or "completion"
+    train, test = (
+        instruction.tokenize(
+            table,
+            spec.own.instruction,
+            spec.tokenizer,
+            spec.chat_template,
+            options.seq_len,
+            loss_on,
+        )  # fmt: skip
+        for table in (spec.own.train, spec.own.eval)
+    )
+    logging.info(
+        "%s",
+        instruction.summary(
+            spec.name, spec.own.instruction, train.counts, test.counts, options.seq_len, loss_on
+        ),
+    )
+    return Dataset(spec, train, test, transform)
 
 
 def _tokenized_splits(spec, options, documents, where, transform, eval_fraction=0.0) -> Dataset:

@@ -34,6 +34,9 @@ def stacked(name: str, values, where: str) -> np.ndarray:
     values = list(values)
     if values and all(isinstance(v, str) for v in values):
         return np.array(values, dtype=object)  # text
+    records = record_lists(values)
+    if records is not None:
+        return records
     try:
         array = np.asarray(values)
     except ValueError:  # numpy refuses rows of different lengths ("inhomogeneous shape")
@@ -51,6 +54,29 @@ def stacked(name: str, values, where: str) -> np.ndarray:
             "array of one shape, or a string"
         )
     return array
+
+
+def record_lists(values) -> np.ndarray | None:
+    """A column whose rows are lists of records (chat messages: {role, content} objects) as an
+    object array of lists of dicts; None if it is not one."""
+    rows = []
+    for value in values:
+        if isinstance(value, np.ndarray) and value.dtype == object:
+            value = list(value)
+        if not isinstance(value, list | tuple) or not all(isinstance(v, Mapping) for v in value):
+            return None
+        rows.append([dict(record) for record in value])
+    if not any(rows):  # empty lists alone: nothing says they would hold records
+        return None
+    return object_column(rows)
+
+
+def object_column(rows: list) -> np.ndarray:
+    """`rows` as a 1-D object array, one Python object (a list too) per row."""
+    column = np.empty(len(rows), dtype=object)
+    for index, row in enumerate(rows):
+        column[index] = row
+    return column
 
 
 class Table:
@@ -304,7 +330,10 @@ def arrow_to_numpy(array, name: str, where: str) -> np.ndarray:
             f"column {name!r} of {where} has {array.null_count} missing values; fill or drop them"
         )
     kind = array.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+    listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    if listed and pa.types.is_struct(kind.value_type):  # lists of records (chat messages)
+        return object_column(array.to_pylist())
+    if listed or pa.types.is_fixed_size_list(kind):
         lengths = np.unique(array.value_lengths().to_numpy()) if len(array) else np.array([0])
         if len(lengths) > 1:
             raise DataError(

@@ -91,7 +91,7 @@ class TextTokenizer:
         (tried: byte-level BPE, SentencePiece-style BPE, word-level); a longer run the tokenizer
         never splits may come out split differently. The post-processor's special tokens (a BOS
         first) are added once, around the whole document."""
-        tokenizer = self._untruncated()
+        tokenizer = self.untruncated()
         first, last = _added_around(tokenizer)
         yield np.array(first, np.int32)
         held, held_at, given = "", 0, None  # carried text, where it starts; the last token given
@@ -128,7 +128,7 @@ class TextTokenizer:
         digest.update(str(self.eos_id).encode())
         return digest.hexdigest()
 
-    def _untruncated(self):
+    def untruncated(self):
         """The tokenizer, or a copy without the truncation or padding a tokenizer.json may set
         (a piece truncated would lose text)."""
         if self.tokenizer.truncation is None and self.tokenizer.padding is None:

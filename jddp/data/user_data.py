@@ -16,6 +16,9 @@ The rules (docs/data.md says them to users):
   `HOLD_OUT_SEED`, so the same data gives the same split; for text, the last fraction of the
   characters; for tokenized text, the last fraction of the rows, or of the tokens of a single
   row), or the data's own validation / test / eval split (a DatasetDict, a function's dict).
+- **Instruction data.** A `messages` column (or `prompt` and `completion`) makes each row one
+  example of a language model whose loss counts the assistant's tokens (instruction.py); its
+  held-out rows are drawn as classification's are.
   With none of these, one error line asks for one: a hold-out chosen silently would train on
   fewer rows than given.
 """
@@ -27,7 +30,7 @@ import re
 
 import numpy as np
 
-from jddp.data import own_formats, tables, tokenizer
+from jddp.data import instruction, own_formats, tables, tokenizer
 from jddp.errors import ConfigError, DataError, first_line
 from jddp.runtime import user_code
 
@@ -115,6 +118,7 @@ class OwnData:
     eval_where: str = ""
     vocabulary: str = ""  # a character-level language model's characters, by code point
     eval_fraction: float = 0.0  # one tokenized document: its last fraction of tokens is eval
+    instruction: tuple[str, ...] = ()  # instruction data: its columns (instruction.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +175,10 @@ def resolve(text: str, options) -> OwnData:
     splits = read_splits(name)
     train_split = _train_split(splits, name)
     train = splits[train_split]
+    columns = instruction.instruction_columns(train, options)
+    if columns:
+        eval_table, eval_name = _given_eval(splits, train_split, name, options)
+        return _instruction_data(text, train, eval_table, eval_name, columns, options)
     input_key, target_key, text_input = _roles(train, options)
     eval_table, eval_name = _given_eval(splits, train_split, name, options)
     if eval_table is not None:
@@ -346,6 +354,28 @@ def _text_data(text, train, eval_table, input_key: str, options) -> OwnData:
     return OwnData(
         text, True, len(vocabulary), input_key, "", train_text, eval_text,
         train_where=train_where, eval_where=eval_where, vocabulary=vocabulary,
+    )  # fmt: skip
+
+
+def _instruction_data(text, train, eval_table, eval_name, columns, options) -> OwnData:
+    """Instruction rows (the `columns` of each split), an eval split held out as rows if none is
+    given."""
+    for key in ("target_key", "num_classes"):
+        if getattr(options, key):
+            raise ConfigError(
+                f"data.{key} does not apply to instruction data ({', '.join(columns)} columns of "
+                f"{train.where}: a language model's); clear it"
+            )
+    if eval_table is None:
+        train, eval_table = _held_out_rows(train, options.eval_fraction)
+        eval_name = f"{options.eval_fraction:g} of the rows of {train.where} held out"
+    else:
+        first, second = (*columns, "")[:2]
+        _check_eval_columns(eval_table, train, first, second)
+    train, eval_table = train.select(columns), eval_table.select(columns)
+    return OwnData(
+        text, True, 0, columns[0], "", train, eval_table, train_where=train.where,
+        eval_where=eval_name, instruction=tuple(columns),
     )  # fmt: skip
 
 

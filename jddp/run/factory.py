@@ -11,10 +11,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from jddp import data, models
+from jddp import data, losses, models
 from jddp.checkpoints import hf
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import compute_dtype_of
+from jddp.errors import ConfigError
 from jddp.parallel import context, strategies
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
@@ -55,7 +56,7 @@ def dataset_spec(config) -> data.DatasetSpec:
 
 def objective(dataset: data.DatasetSpec) -> Objective:
     """What the dataset's task asks of training: loss, metrics, eval extras."""
-    return objectives.objective_for(dataset.kind)
+    return objectives.objective_for(dataset.kind, masked=dataset.loss_mask)
 
 
 def compute_bytes(config) -> int:
@@ -134,6 +135,12 @@ def build_trainer(
         device_mesh = mesh_for(config, strategy=strategy, mesh=mesh)
     if device_mesh.context_axis and dataset.kind == data.LANGUAGE_MODEL:
         context.check_length(config.data.seq_len, device_mesh.size("context"))
+    if device_mesh.stage_axis and dataset.loss_mask:
+        raise ConfigError(
+            f"{config.dataset} is instruction data, whose loss is a mean over the counted tokens "
+            "of the whole batch, which pipeline parallelism does not take yet; use a mesh "
+            "without a stage axis (e.g. fsdp:-1)"
+        )
     schedule = schedule or optim.learning_rate_schedule(config)
     task_objective = objective(dataset)
     model = create_model(config, dataset, device_mesh)
@@ -166,7 +173,8 @@ def sample_batch(config, dataset: data.DatasetSpec, splits=None) -> dict[str, np
     given)."""
     if dataset.kind == data.LANGUAGE_MODEL and splits is None:
         tokens = np.zeros((1, config.data.seq_len), np.int32)
-        return {"inputs": tokens, "targets": tokens}
+        counted = {losses.LOSS_MASK: np.ones((1, config.data.seq_len), np.float32)}
+        return {"inputs": tokens, "targets": tokens, **(counted if dataset.loss_mask else {})}
     if splits is None:
         splits = data.open_dataset(dataset, data.DataOptions.from_config(config.data))
     return splits.sample_batch()

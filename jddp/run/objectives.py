@@ -1,7 +1,8 @@
 """What a dataset's task asks of training: the loss, the metrics, the model input, eval extras.
 
 A dataset spec's `kind` (`classification` or `language_model`) names its objective:
-`objective_for(spec.kind)`; its `num_classes` (for a language model, the vocabulary size) is the
+`objective_for(spec.kind, masked=spec.loss_mask)` (instruction data's loss counts only the targets
+its `loss_mask` marks); its `num_classes` (for a language model, the vocabulary size) is the
 number of model outputs.
 """
 
@@ -48,9 +49,24 @@ OBJECTIVES = {
         input_key="inputs",
     ),
 }
+# Instruction data: loss and accuracy are (sums, counts) per sequence, so their means are over the
+# counted tokens of the whole global batch (jddp/core/weighted.py), on any layout; exp of the eval
+# loss is the perplexity of those tokens.
+MASKED_LANGUAGE_MODEL = Objective(
+    "language_model",
+    losses.masked_token_cross_entropy,
+    {"accuracy": losses.masked_token_accuracy},
+    input_key="inputs",
+)
 
 
-def objective_for(kind: str) -> Objective:
+def objective_for(kind: str, masked: bool = False) -> Objective:
+    """The objective of a task `kind`; `masked`: a language model's loss over the targets its
+    batch's `loss_mask` counts."""
     if kind not in OBJECTIVES:
         raise ConfigError(f"unknown task kind {kind!r}; choose one of {', '.join(OBJECTIVES)}")
+    if masked:
+        if kind != "language_model":
+            raise ConfigError(f"a loss mask applies to language models, not to {kind!r}")
+        return MASKED_LANGUAGE_MODEL
     return OBJECTIVES[kind]

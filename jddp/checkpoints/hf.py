@@ -176,8 +176,8 @@ def save(
     the index). `params` may be in any layout; in a job of several processes pass host arrays
     (`trainer.host_state(state).params`). `like`: the save_pretrained
     directory the weights came from, whose special token ids and generation_config.json go
-    along; `tokenizer`: a tokenizer.json (or its directory), copied with its tokenizer_config.json
-    and special_tokens_map.json. Returns the files copied."""
+    along; `tokenizer`: a tokenizer.json (or its directory), copied with its tokenizer_config.json,
+    special_tokens_map.json and chat_template.jinja. Returns the files copied."""
     check_output(out)
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
@@ -190,7 +190,10 @@ def save(
     if tokenizer:
         folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
         companions += [tokenizer] if os.path.isfile(tokenizer) else []
-        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+        names = (
+            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja",  # where recent transformers saves a chat template
+        )  # fmt: skip
         companions += [f for f in _existing(folder, *names) if f not in companions]
     as_dtype = jax.numpy.dtype(dtype)  # bfloat16 too (numpy's own dtypes lack it)
     tensors = {k: v.astype(as_dtype, copy=False) for k, v in hf_tensors(params, model).items()}

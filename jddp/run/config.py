@@ -29,8 +29,8 @@ def default_config() -> ml_collections.ConfigDict:
     # defaults (data_dir, manual_dir, text_file, tokenizer, eos_token, seq_len, image_size,
     # augment, cache_max_mb, threads, workers, device_prefetch); for own data (dataset
     # "npz:PATH", "jsonl:PATH", "parquet:PATH", "hf:PATH" or "package.module:function") also
-    # input_key, target_key, num_classes, eval_path and eval_fraction (checked where the data is
-    # opened).
+    # input_key, target_key, num_classes, eval_path and eval_fraction, and for instruction data
+    # (chat messages, prompt/completion) loss_on (checked where the data is opened).
     c.data = ml_collections.ConfigDict(dataclasses.asdict(DataOptions()))
     # Batches and steps. global_batch_size is the whole step's batch over all devices.
     c.global_batch_size = 128

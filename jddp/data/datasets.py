@@ -435,24 +435,15 @@ def _windows(spec, options, tokens, where, transform, unit="characters") -> Data
 
 def _instruction_splits(spec, options, transform) -> Dataset:
     """Instruction rows tokenized with their loss masks, one example each; logs what they hold."""
-    loss_on = options.loss_on or "completion"
-    train, test = (
+    own, loss_on = spec.own, options.loss_on or "completion"
+    tokenized = [
         instruction.tokenize(
-            table,
-            spec.own.instruction,
-            spec.tokenizer,
-            spec.chat_template,
-            options.seq_len,
-            loss_on,
-        )  # fmt: skip
-        for table in (spec.own.train, spec.own.eval)
-    )
-    logging.info(
-        "%s",
-        instruction.summary(
-            spec.name, spec.own.instruction, train.counts, test.counts, options.seq_len, loss_on
-        ),
-    )
+            table, own.instruction, spec.tokenizer, spec.chat_template, options.seq_len, loss_on
+        )
+        for table in (own.train, own.eval)
+    ]
+    logging.info("%s", instruction.summary(spec.name, own.instruction, *tokenized, loss_on))
+    train, test = tokenized
     return Dataset(spec, train, test, transform)
 
 

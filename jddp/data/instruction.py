@@ -155,15 +155,20 @@ def tokenize(
         ):
             ids = np.asarray(encoding.ids, np.int32)
             mask = _mask(np.asarray(encoding.offsets).reshape(-1, 2), row_spans, everything)
-            if len(ids) > length:
+            longer = len(ids) > length
+            if longer:
                 cut += 1
                 ids, mask = ids[:length], mask[:length]
-            kept = int(mask[1:].sum())  # the first token is no target
-            if not kept:
+            if not mask[1:].any():  # the first token is no target
+                why = (
+                    f"its prompt fills the first {seq_len} tokens; raise data.seq_len, shorten "
+                    "the prompt or drop the row"
+                    if longer
+                    else "its counted part is empty; give it an answer or drop the row"
+                )
                 raise DataError(
                     f"row {index} of {table.where} has nothing counted within data.seq_len="
-                    f"{seq_len}: its prompt fills the first {seq_len} tokens; raise "
-                    "data.seq_len, shorten the prompt or drop the row"
+                    f"{seq_len}: {why}"
                 )
             tokens.append(ids)
             counted.append(mask)
@@ -242,14 +247,15 @@ def _mask(offsets: np.ndarray, spans, everything: bool) -> np.ndarray:
     return mask.astype(np.uint8)
 
 
-def summary(name: str, columns, train: Counts, eval_counts: Counts, seq_len: int, loss_on: str):
+def summary(name: str, columns, train: InstructionRows, test: InstructionRows, loss_on: str):
     """The log line of instruction data: rows, rows cut, the share of tokens the loss counts."""
     kind = "messages" if len(columns) == 1 else "prompt/completion"
     counted = "every token" if loss_on == "all" else "the assistant's / completion's tokens"
-    share = train.counted / max(train.targets, 1)
+    counts = train.counts
+    share = counts.counted / max(counts.targets, 1)
     return (
-        f"instruction data {name} ({kind}): train {train.rows} rows ({train.cut} cut at the end "
-        f"to seq_len + 1 = {seq_len + 1} tokens), eval {eval_counts.rows} rows ({eval_counts.cut} "
-        f"cut); the loss counts {counted}: {train.counted} of the {train.targets} train target "
-        f"tokens ({share:.1%})"
+        f"instruction data {name} ({kind}): train {counts.rows} rows ({counts.cut} cut at the end "
+        f"to seq_len + 1 = {train.length} tokens), eval {test.counts.rows} rows "
+        f"({test.counts.cut} cut); the loss counts {counted}: {counts.counted} of the "
+        f"{counts.targets} train target tokens ({share:.1%})"
     )

@@ -19,6 +19,7 @@ import jddp
 from experiments.configs import llama_chat_sft
 from jddp import data, models
 from jddp.errors import ConfigError, DataError, JddpError
+from jddp.run import export
 from jddp.run.config import default_config
 from jddp.run.experiment import train_and_evaluate
 from jddp.run.objectives import objective_for
@@ -305,23 +306,32 @@ def test_bad_rows_and_settings_are_one_line_before_anything_is_written(tokenizer
 
 def test_the_chat_sft_example_fine_tunes_a_hugging_face_llama(tokenizers, tmp_path, caplog):
     """experiments/configs/llama_chat_sft.py with its paths pointed at a tiny Llama saved by
-    transformers, the Llama 3-style tokenizer and a jsonl of messages: trains and evaluates."""
+    transformers, whose tokenizer keeps its template in chat_template.jinja (as transformers
+    saves it now), and a jsonl of messages: trains, evaluates, and exports a model whose
+    tokenizer renders the same chats in transformers."""
     import torch
 
     torch.manual_seed(0)
     checkpoint = tmp_path / "llama"
     transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=384)).save_pretrained(checkpoint)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        os.link(os.path.join(tokenizers["llama3"], file), checkpoint / file)
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizers["llama3"])
+    reference.save_pretrained(checkpoint)
+    assert os.path.exists(checkpoint / "chat_template.jinja")
     chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS * 8])
     config = configured(
         llama_chat_sft.get_config(),
         {"init_from": f"hf:{checkpoint}", "data.tokenizer": str(checkpoint),
          "dataset": f"jsonl:{chats}", "data.seq_len": 64, "global_batch_size": 8,
-         "num_train_steps": 2, "warmup_steps": 0, "eval_every": 2, "checkpoint_every": 0,
+         "num_train_steps": 2, "warmup_steps": 0, "eval_every": 2, "checkpoint_every": 2,
          "log_every": 1, "log.writers": "", "compute_dtype": "float32"},
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
         summary = train_and_evaluate(config, str(tmp_path / "run"))
     assert np.isfinite(summary["eval_loss"]) and summary["eval_perplexity"] > 1
     assert "instruction data" in caplog.text and "(messages)" in caplog.text
+
+    export.export_run(str(tmp_path / "run"), str(tmp_path / "hf"), max_shard_bytes=1 << 30)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for conversation in CONVERSATIONS:
+        ids = exported.apply_chat_template(conversation)["input_ids"]
+        assert ids == reference.apply_chat_template(conversation)["input_ids"]

@@ -146,12 +146,11 @@ class Trainer:
             axis_aliases=aliases,
             init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
         )
-        if self.device_mesh.stage_axis:
-            if weight_key or self.task.loss_scaling:
-                raise ConfigError(
-                    "pipeline parallelism (a stage axis) takes neither weight_key nor float16 "
-                    "loss scaling yet; use bfloat16 and unweighted losses, or no stage axis"
-                )
+        if self.device_mesh.stage_axis and self.task.loss_scaling:
+            raise ConfigError(
+                "pipeline parallelism (a stage axis) does not take float16 loss scaling yet; "
+                "use bfloat16, or no stage axis"
+            )
         self._pipeline = pipeline or PipelineOptions()
         self.strategy = make_strategy(
             strategy,

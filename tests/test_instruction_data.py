@@ -19,8 +19,8 @@ import jddp
 from experiments.configs import llama_chat_sft
 from jddp import data, models
 from jddp.errors import ConfigError, DataError, JddpError
+from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.run import export
-from jddp.run.config import default_config
 from jddp.run.experiment import train_and_evaluate
 from jddp.run.objectives import objective_for
 from tests.chat_tokenizer import (
@@ -29,7 +29,7 @@ from tests.chat_tokenizer import (
     LLAMA3,
     save_chat_tokenizer,
 )
-from tests.helpers import assert_one_line, configured, snapshot, tiny_llama_config
+from tests.helpers import assert_one_line, configured, tiny_llama_config
 from tests.reference import assert_trees_close, plain_training
 
 CONVERSATIONS = [
@@ -171,11 +171,23 @@ def test_prompt_completion_rows_are_trls(tokenizers, tmp_path):
 
 SEQ_LEN, BATCH, STEPS = 32, 8, 2
 
+# (mesh, layers, pipeline): zero3 on 8 devices without stages, and interleaved 1F1B on 2 stages
+# (two one-layer groups each), whose micro-batches are one row per replica: as uneven as rows get.
+LAYOUTS = {
+    "data:2,fsdp:4": ("data:2,fsdp:4", 1, None),
+    "stage:2,fsdp:4 interleaved 1f1b": ("stage:2,fsdp:4", 4, PipelineOptions(2, "1f1b", 2)),
+}
 
-def test_masked_loss_on_eight_devices_is_the_hand_written_mean(tokenizers, tmp_path):
-    """data:2,fsdp:4 under zero3 trains and evaluates a tiny Llama to what a plain one-device
-    optax loop gives whose loss is the mean over every counted token of the global batch,
-    written here from the mask; rows count 3 to 13 tokens, so a mean of means would differ."""
+
+@pytest.mark.parametrize("mesh,layers,pipeline", LAYOUTS.values(), ids=LAYOUTS)
+def test_masked_loss_on_eight_devices_is_the_hand_written_mean(
+    tokenizers, tmp_path, mesh, layers, pipeline
+):
+    """zero3 on 8 devices, with and without pipeline stages, trains and evaluates a tiny Llama
+    to what a plain one-device optax loop gives whose loss is the mean over every counted token
+    of the global batch, written here from the mask; rows count 3 to 13 tokens, so a mean of
+    means would differ. The training metrics are the hand-written ones too: the masked
+    accuracy, and a row loss weighted by a `weight_key` entry whose weights span 1 to 64."""
     rng = np.random.default_rng(0)
     words = "waves fold into foam salt wind over grey water".split()
     rows = []
@@ -186,49 +198,70 @@ def test_masked_loss_on_eight_devices_is_the_hand_written_mean(tokenizers, tmp_p
                                   {"role": "assistant", "content": answer}]})  # fmt: skip
     name = write_jsonl(tmp_path / "train.jsonl", rows)
     spec, splits = opened(f"jsonl:{name}", tokenizers["llama3"], SEQ_LEN, eval_path=name)
+    row_weights = np.float32(2.0) ** rng.integers(0, 7, BATCH)
     batches = [
         splits.transform(splits.train.read_batch(np.arange(s * BATCH, (s + 1) * BATCH)))
+        | {"row_weight": row_weights}
         for s in range(STEPS)
     ]
     counts = np.concatenate([b["loss_mask"].sum(1) for b in batches])
     assert counts.min() <= 3 and counts.max() >= 10
 
     model = models.MODELS["llama"](
-        vocab_size=spec.num_classes, num_layers=1, num_heads=2, embed_dim=16, max_seq_len=SEQ_LEN
-    )
-    initial = model.init(jax.random.key(1), batches[0]["inputs"][:1])["params"]
+        vocab_size=spec.num_classes, num_layers=layers, num_heads=2, embed_dim=16,
+        max_seq_len=SEQ_LEN, scan_layers=pipeline is not None,
+    )  # fmt: skip
+    initial = jax.jit(model.init)(jax.random.key(1), batches[0]["inputs"][:1])["params"]
     optimizer = optax.sgd(0.5)
 
     def masked_mean(params, batch):
+        return hand_written(params, batch)["loss"]
+
+    @jax.jit
+    def hand_written(params, batch):
+        """The masked mean loss and accuracy, the row loss weighted by `row_weight`, and the
+        mean of each row's masked mean (what an unweighted mean would give)."""
         logits = model.apply({"params": params}, batch["inputs"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(losses * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+        mask, weights = batch["loss_mask"], batch["row_weight"]
+        hits = jnp.argmax(logits, -1) == batch["targets"]
+        return {
+            "loss": jnp.sum(losses * mask) / jnp.sum(mask),
+            "accuracy": jnp.sum(hits * mask) / jnp.sum(mask),
+            "row_loss": jnp.sum(losses.mean(-1) * weights) / jnp.sum(weights),
+            "mean_of_means": jnp.mean(jnp.sum(losses * mask, 1) / jnp.sum(mask, 1)),
+        }
 
     reference, _, losses = plain_training(
         lambda p, s, b: (masked_mean(p, b), s), initial, {}, optimizer, batches
     )
     objective = objective_for(spec.kind, masked=spec.loss_mask)
     trainer = jddp.Trainer(
-        model, objective.loss_fn, optimizer, metrics=dict(objective.metrics),
-        input_key="inputs", strategy="zero3", mesh="data:2,fsdp:4", min_shard_size=1,
+        model, objective.loss_fn, optimizer, input_key="inputs", strategy="zero3", mesh=mesh,
+        metrics={**objective.metrics, "row_loss": jddp.losses.token_cross_entropy},
+        weight_key="row_weight", pipeline=pipeline, min_shard_size=1,
     )  # fmt: skip
     state = trainer.replace_state(trainer.init(0, batches[0]), params=initial)
     history = []
     for batch in batches:
         state, metrics = trainer.step(state, batch)
-        history.append(float(metrics["loss"]))
+        history.append({name: float(metrics[name]) for name in ("loss", "accuracy", "row_loss")})
     final = trainer.host_state(state).params
     assert_trees_close(final, reference)
-    np.testing.assert_allclose(history, losses, rtol=1e-5)
+    np.testing.assert_allclose([h["loss"] for h in history], losses, rtol=1e-5)
+    first = hand_written(initial, batches[0])  # the first step's metrics, from the start
+    for name in ("accuracy", "row_loss"):
+        np.testing.assert_allclose(history[0][name], first[name], rtol=1e-5, err_msg=name)
 
+    if pipeline is not None:
+        return  # evaluation runs the whole model on every stage, as without stages
     # Eval over a ragged last batch: the same mean over every counted token.
     evaluated = trainer.evaluate(state, [batches[0], {k: v[:5] for k, v in batches[1].items()}])
     whole = {k: np.concatenate([batches[0][k], batches[1][k][:5]]) for k in batches[0]}
-    np.testing.assert_allclose(evaluated["loss"], float(masked_mean(final, whole)), rtol=1e-5)
-    logits = model.apply({"params": final}, whole["inputs"])
-    per_row = optax.softmax_cross_entropy_with_integer_labels(logits, whole["targets"])
-    mean_of_means = np.mean(np.sum(per_row * whole["loss_mask"], 1) / whole["loss_mask"].sum(1))
-    assert abs(mean_of_means - evaluated["loss"]) > 1e-3  # what an unweighted mean would give
+    expected = hand_written(final, whole)
+    np.testing.assert_allclose(evaluated["loss"], expected["loss"], rtol=1e-5)
+    # what an unweighted mean would give
+    assert abs(expected["mean_of_means"] - evaluated["loss"]) > 1e-3
 
 
 def test_bad_rows_and_settings_are_one_line_before_anything_is_written(tokenizers, tmp_path):
@@ -289,19 +322,6 @@ def test_bad_rows_and_settings_are_one_line_before_anything_is_written(tokenizer
             opened(name, **options)
         assert isinstance(error.value, ConfigError | DataError), case
         assert_one_line(error, *words)
-
-    config = configured(
-        default_config(),
-        {"model": "llama", "dataset": f"jsonl:{good}", "data.tokenizer": tokenizers["chatml"],
-         "data.eval_path": good, "data.seq_len": 16, "global_batch_size": 8,
-         "parallel.strategy": "zero3", "parallel.mesh": "stage:2,fsdp:4"},
-    )  # fmt: skip
-    config.model_args.update(num_layers=2, num_heads=2, embed_dim=16)
-    before = snapshot(tmp_path)
-    with pytest.raises(ConfigError) as error:
-        train_and_evaluate(config, str(tmp_path / "run"))
-    assert_one_line(error, "instruction data", "pipeline parallelism", "without a stage axis")
-    assert snapshot(tmp_path) == before
 
 
 def test_the_chat_sft_example_fine_tunes_a_hugging_face_llama(tokenizers, tmp_path, caplog):

@@ -204,24 +204,15 @@ class Task:
         fns = {"loss": self.loss_fn, **self.metrics}
         return weighted_values(fns, outputs, batch, self.batch_rows(batch), self.weight_key)
 
-    def per_example(self, outputs, batch: Batch) -> dict[str, jax.Array]:
-        """`loss` and every metric, one unweighted value per example (what the pipeline engine
-        averages: it takes no weights)."""
-        values = {}
-        for name, (value, weight) in self.weighted_values(outputs, batch).items():
-            if weight is not None:
-                raise ConfigError(
-                    f"{name} is weighted, which pipeline parallelism does not take yet; drop "
-                    "weight_key and (sums, weights) pairs, or the mesh's stage axis"
-                )
-            values[name] = value
-        return values
+    def totals(self, outputs, batch: Batch) -> Totals:
+        """The `Totals` of `batch`'s loss and metrics (the pipeline engine's per micro-batch)."""
+        return Totals.of(self.weighted_values(outputs, batch))
 
     # ------------------------------------------------------------------------- gradients
     def _slice_totals(self, params, model_state, batch: Batch, rng):
         """`Totals` of one slice's batch, and the updated mutable collections."""
         outputs, model_state = self.forward(params, model_state, batch, train=True, rng=rng)
-        return Totals.of(self.weighted_values(outputs, batch)), model_state
+        return self.totals(outputs, batch), model_state
 
     def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, slices=None):
         totals_fn = slices.bind(self._slice_totals) if slices else self._slice_totals

@@ -40,7 +40,6 @@ from jddp.core import layer_stacks
 from jddp.core.layer_stacks import join_stack, split_stack
 from jddp.core.state import TrainState
 from jddp.core.task import Stack, Task, check_rows_divide, init_compiler_options, init_key
-from jddp.core.weighted import Totals
 from jddp.errors import ConfigError
 from jddp.parallel import context
 from jddp.parallel.collectives import gather
@@ -326,7 +325,6 @@ class ZeroStrategy:
         if self.pipeline:  # parameters gathered once per step, not per micro-batch
             params = self._gather_params(params) if self.shard_params else params
             grads, metrics, model_state = self.pipeline.grads(params, model_state, batch, rng)
-            metrics = Totals(metrics, {})  # unweighted means
         else:
             params_fn = self._gather_params if self.shard_params else None
             grads, metrics, model_state = self.task.local_grads(

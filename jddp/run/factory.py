@@ -15,7 +15,6 @@ from jddp import data, losses, models
 from jddp.checkpoints import hf
 from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core.task import compute_dtype_of
-from jddp.errors import ConfigError
 from jddp.parallel import context, strategies
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
@@ -135,12 +134,6 @@ def build_trainer(
         device_mesh = mesh_for(config, strategy=strategy, mesh=mesh)
     if device_mesh.context_axis and dataset.kind == data.LANGUAGE_MODEL:
         context.check_length(config.data.seq_len, device_mesh.size("context"))
-    if device_mesh.stage_axis and dataset.loss_mask:
-        raise ConfigError(
-            f"{config.dataset} is instruction data, whose loss is a mean over the counted tokens "
-            "of the whole batch, which pipeline parallelism does not take yet; use a mesh "
-            "without a stage axis (e.g. fsdp:-1)"
-        )
     schedule = schedule or optim.learning_rate_schedule(config)
     task_objective = objective(dataset)
     model = create_model(config, dataset, device_mesh)

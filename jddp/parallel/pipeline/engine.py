@@ -55,8 +55,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------------- gradients
     def grads(self, params, model_state, batch, rng):
-        """Mean gradient and metrics over `batch`, with `grad_accum_steps` pipelines of the
-        schedule's micro-batches each (same signature and result as `Task.local_grads`)."""
+        """(gradient, `Totals`, mutable collections) of `batch`, with `grad_accum_steps`
+        pipelines of the schedule's micro-batches each: the same signature and result as
+        `Task.local_grads` (the gradient of the loss's weighted values averaged over the
+        examples, before the step divides it by the mean weight)."""
         steps, micro = self.task.grad_accum_steps, self.schedule.microbatches
         size = self.task.batch_rows(batch)
         if size % (steps * micro):
@@ -71,26 +73,24 @@ class Pipeline:
         stacked, rest = split_stack(params, self.stack.path)
         groups = jax.tree.map(lambda x: x.reshape(self.repeats, -1, *x.shape[1:]), stacked)
 
-        def accumulate(carry, inputs):
+        def accumulate(grad_sum, inputs):
             index, microbatches = inputs
             part_rng = row_keys.sub_batch_key(rng, index * part, part)
-            grads, metrics = self._pipeline(groups, rest, microbatches, part_rng)
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-            return (add(carry[0], grads), add(carry[1], metrics)), None
+            grads, totals = self._pipeline(groups, rest, microbatches, part_rng)
+            return jax.tree.map(jnp.add, grad_sum, grads), totals
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (groups, rest))
-        metric_zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", *self.task.metrics)}
-        ((grad_groups, grad_rest), metrics), _ = lax.scan(
-            accumulate, (zeros, metric_zeros), (jnp.arange(steps), parts)
-        )
+        # Each step's `Totals` (scalars) stacked: no zeros to build whose structure only a
+        # trace of the loss knows.
+        (grad_groups, grad_rest), totals = lax.scan(accumulate, zeros, (jnp.arange(steps), parts))
         held = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), grad_groups)
         grads = join_stack(grad_rest, held, self.stack.path)
         mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)  # noqa: E731
-        return mean(grads), mean(metrics), model_state
+        return mean(grads), mean(jax.tree.map(lambda x: x.sum(0), totals)), model_state
 
     def _pipeline(self, groups, rest, microbatches, rng):
-        """((gradients of the stage's layer groups, of the other parameters), metric means):
-        gradients of the mean loss summed over the micro-batches of one pipeline of
+        """((gradients of the stage's layer groups, of the other parameters), `Totals`):
+        gradients of the loss's weighted values averaged over the examples of one pipeline of
         `microbatches` (leading axis M); `groups`: (chunk, layer, ...) per leaf."""
         # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
         # copies of the weights among each micro-batch's stashed residuals.
@@ -107,6 +107,6 @@ class Pipeline:
             BUBBLE_FILL,
         )
         buffers, _ = lax.scan(stage.tick, stage.start(), jnp.arange(self.schedule.ticks))
-        # The replicated parts' gradients and the metrics live on the first and last stage.
-        grad_rest, metrics = lax.psum((buffers.grad_rest, buffers.metrics), self.axis)
-        return (buffers.grads, grad_rest), metrics
+        # The replicated parts' gradients and the `Totals` live on the first and last stage.
+        grad_rest, totals = lax.psum((buffers.grad_rest, buffers.metrics), self.axis)
+        return (buffers.grads, grad_rest), totals

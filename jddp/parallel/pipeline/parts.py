@@ -3,7 +3,6 @@
 own code (jddp/parallel/pipeline/layers.py stops the stack or feeds it its output)."""
 
 import jax
-import jax.numpy as jnp
 
 from jddp.core.task import Task
 from jddp.parallel.pipeline import layers
@@ -42,12 +41,14 @@ class ModelParts:
         return self.capture(rest, batch, rng).inputs
 
     def after(self, rest, outputs, batch, rng):
-        """(mean loss, metric means) of a micro-batch from the stack's output."""
+        """(the loss's weighted values averaged over the micro-batch's examples, the `Totals`
+        of loss and metrics) from the stack's output. The weights do not depend on the
+        parameters, so the gradient of the former, divided by the whole global batch's mean
+        weight where the step updates (`Task.apply_gradients`), is the weighted mean's."""
         with layers.inject_stack(outputs):
             logits, _ = self.task.forward(rest, {}, batch, train=True, rng=rng)
-        values = self.task.per_example(logits, batch)
-        means = {name: jnp.mean(v.astype(jnp.float32)) for name, v in values.items()}
-        return means["loss"], means
+        totals = self.task.totals(logits, batch)
+        return totals.sums["loss"], totals
 
     def layer(self, layer_params, x, rng, layer_key, index):
         """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`: it

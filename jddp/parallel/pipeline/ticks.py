@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp.core import row_keys
+from jddp.core.weighted import Totals
 from jddp.parallel.pipeline import sends
 from jddp.parallel.pipeline.parts import ModelParts
 from jddp.parallel.pipeline.schedule import (
@@ -37,7 +38,7 @@ class Buffers(NamedTuple):
     grads: Any  # gradients of the stage's layer groups, (chunk, layer, ...) per leaf (float32)
     inbox_b: jax.Array  # cotangents from the next stage (and the last stage's own), (slot, ...)
     inbox_f: jax.Array  # activations from the previous stage, (slot, ...)
-    metrics: dict  # metric means, summed over the micro-batches
+    metrics: Totals  # loss and metrics, each micro-batch's / M summed (weighted.py)
     middle: jax.Array  # cotangents between the backward's two halves, (slot, ...)
     stash: list  # the stash's buffers (stash.py)
 
@@ -93,6 +94,10 @@ class StageTicks:
             ),
         )
         self.stash = Stash(self.tape, residual_shapes, schedule.stash_slots, self.chunk_layers)
+        # Which names are weighted: the structure of a micro-batch's `Totals`.
+        self.totals_shapes = jax.eval_shape(
+            lambda x: parts.after(rest, x, self.take(0), self.key(0))[1], self.x_shape
+        )
         self.idle_send = jnp.full(self.x_shape.shape, fill, self.x_shape.dtype)
         self.pairs = sends.ring(schedule.stages, schedule.repeats)
 
@@ -105,7 +110,7 @@ class StageTicks:
         return row_keys.sub_batch_key(self.rng, m * self.rows, self.rows)
 
     def start(self) -> Buffers:
-        """The buffers before the first tick: every slot `fill`, gradients and metrics zero."""
+        """The buffers before the first tick: every slot `fill`, gradients and `Totals` zero."""
         sched, x_shape = self.schedule, self.x_shape
         zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
         return Buffers(
@@ -115,9 +120,7 @@ class StageTicks:
             middle=sends.inbox(x_shape, sched.middle_slots, self.fill),
             grads=zeros(self.params),
             grad_rest=zeros(self.rest),
-            metrics={
-                name: jnp.zeros((), jnp.float32) for name in ("loss", *self.parts.task.metrics)
-            },
+            metrics=zeros(self.totals_shapes),
         )
 
     # ------------------------------------------------------------------------- one tick
@@ -220,14 +223,15 @@ class StageTicks:
 
     def head(self, x, batch, m, grad_rest, metrics):
         """Head and loss of micro-batch `m` on the stack's output `x`: (grad_rest, metrics)
-        with its share of the mean added, and the cotangent the last stage sends itself."""
+        with its share of the pipeline's `Totals` added, and the cotangent the last stage sends
+        itself. The gradient is the weighted loss sum's, as `Task.local_grads` gives it."""
         M = self.schedule.microbatches
-        (loss, means), pullback = _vjp_with_aux(
+        (loss, totals), pullback = _vjp_with_aux(
             lambda rest, y: self.parts.after(rest, y, batch, self.key(m)), self.rest, x
         )
         d_rest, dy = pullback(jnp.asarray(1.0 / M, loss.dtype))
-        means = jax.tree.map(lambda v: v / M, means)
-        return _add(grad_rest, d_rest), _add(metrics, means), dy.astype(self.x_shape.dtype)
+        totals = jax.tree.map(lambda v: v / M, totals)
+        return _add(grad_rest, d_rest), _add(metrics, totals), dy.astype(self.x_shape.dtype)
 
     def no_head(self, grad_rest, metrics):
         return grad_rest, metrics, self.idle_send

@@ -109,7 +109,9 @@ def _rope(hf: dict, where: str) -> dict:
             "uses one rotary embedding for every layer"
         )
     kind = rope.get("rope_type", rope.get("type", "default"))
-    _require(rope | {"rope_type": kind}, where, rope_type=ROPE_TYPES, partial_rotary_factor=(1.0,))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    read = {"rope_type": kind, "partial_rotary_factor": partial}
+    _require(read, where, rope_type=ROPE_TYPES, partial_rotary_factor=(1.0,))
     args = {"rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if kind != "default":
         required, optional = rotary.SCALINGS[kind]
@@ -128,11 +130,12 @@ def _rope_parameters(model) -> dict:
 def _qwen_window(hf: dict, where: str) -> int:
     """Qwen2's and Qwen3's sliding window: off unless `use_sliding_window`, then on the layers
     `layer_types` names (by default those from `max_window_layers` on)."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    hf = {"sliding_window": 4096, "max_window_layers": 28} | hf  # Qwen2Config's defaults
+    window = hf["sliding_window"] if hf.get("use_sliding_window") else None
     if window is None:
         return 0
     layers = _count(hf, "num_hidden_layers", where)
-    first = hf.get("max_window_layers", 28)
+    first = hf["max_window_layers"]
     types = hf.get("layer_types") or [
         "sliding_attention" if i >= first else "full_attention" for i in range(layers)
     ]
@@ -177,12 +180,14 @@ def _qwen2_args(hf: dict, where: str) -> dict:
 
 
 def _qwen3_args(hf: dict, where: str) -> dict:
+    hf = {"head_dim": 128} | hf  # Qwen3Config's default
     args = _llama_args(hf, where) | {"mlp_bias": False, "qk_norm": True}
     return args | {"sliding_window": _qwen_window(hf, where)}
 
 
 def _mistral_args(hf: dict, where: str) -> dict:
-    window = _count(hf, "sliding_window", where, 0) if hf.get("sliding_window") else 0
+    hf = {"sliding_window": 4096} | hf  # MistralConfig's default; null: no window
+    window = _count(hf, "sliding_window", where) if hf["sliding_window"] is not None else 0
     args = _llama_args(hf, where) | {"attention_bias": False, "mlp_bias": False}
     return args | {"sliding_window": window}
 

@@ -82,8 +82,13 @@ def _model_name(model) -> str:
     )
 
 
+def _architecture(model, preferred: str | None = None) -> hf_models.Architecture:
+    """The Hugging Face architecture `model` is written as (`hf_models.for_export`)."""
+    return hf_models.for_export(_model_name(model), model, preferred)
+
+
 def _tensors(model) -> list[hf_models.Tensor]:
-    return hf_models.ARCHITECTURES[hf_models.BY_MODEL[_model_name(model)][0]].tensors(model)
+    return hf_models.BY_MODEL[_model_name(model)].tensors(model)
 
 
 def check(path: str, model, params) -> None:
@@ -184,8 +189,7 @@ def save(
     source = {}
     if like and os.path.isfile(os.path.join(like, hf_files.CONFIG)):
         source = hf_files.read_config(like, "the original checkpoint")
-    architecture = hf_models.for_export(_model_name(model), model, source.get("model_type"))
-    config = architecture.hf_config(model) | {"dtype": dtype}
+    config = _architecture(model, source.get("model_type")).hf_config(model) | {"dtype": dtype}
     config |= {k: source[k] for k in _SPECIAL_TOKEN_IDS if source.get(k) is not None}
     companions = _existing(like, "generation_config.json") if source else []
     if tokenizer:

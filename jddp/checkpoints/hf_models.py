@@ -382,8 +382,8 @@ ARCHITECTURES = {
     "mistral": _family("mistral", "MistralForCausalLM", _mistral_args),
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "gpt", _gpt2_args, _gpt2_config, _gpt2_tensors),
 }
-# jddp model name: the families it is written as (their tensors are named alike).
-BY_MODEL = {"llama": tuple(FAMILY_FIELDS), "gpt": ("gpt2",)}
+# jddp model name: the Architecture whose tensor names it has (every Llama family's alike).
+BY_MODEL = {"llama": ARCHITECTURES["llama"], "gpt": ARCHITECTURES["gpt2"]}
 
 
 def for_export(name: str, model, preferred: str | None = None) -> Architecture:
@@ -391,7 +391,7 @@ def for_export(name: str, model, preferred: str | None = None) -> Architecture:
     family that holds its fields (`preferred`, the checkpoint's own, when it does)."""
     if name == "llama":
         return ARCHITECTURES[family_of(model, preferred)]
-    return ARCHITECTURES[BY_MODEL[name][0]]
+    return BY_MODEL[name]
 
 
 def architecture(hf_config: dict, where: str) -> Architecture:

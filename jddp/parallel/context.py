@@ -24,8 +24,10 @@ chunk only) or by c's back chunk alone when r > c, half a diagonal block's work 
 
 A sliding window (`window` > 0: a query at position i sees keys i - window + 1 .. i, as in
 transformers' Mistral) masks every block by the true positions of its queries and keys, so both
-implementations attend exactly as a window over the whole sequence does; the ring still visits
-every block, also those the window hides entirely.
+implementations attend exactly as a window over the whole sequence does. The ring also skips the
+blocks the window hides entirely: those of ranks r with (|c - r| - 1) n + 1 >= window (the
+nearest of their keys is that far behind c's nearest query), so a rank computes about
+window / n blocks, not C.
 
 Everything here runs inside a `shard_map` that is manual over the context axis (jddp's mesh
 strategies run their per-device program so); the functions read the rank from `lax.axis_index`.
@@ -226,6 +228,15 @@ def _diagonal_mask(rank, size, chunk, window):
     return visible(mine, mine, window)
 
 
+def _hop_branch(rank, source, chunk, window):
+    """Which of a hop's branches folds the block from rank `source`: 0 earlier (source <
+    rank), 1 later, 2 none (with a window: it hides the whole block)."""
+    branch = jnp.where(source < rank, 0, 1)
+    if not window:
+        return branch
+    return jnp.where((jnp.abs(source - rank) - 1) * chunk + 1 >= window, 2, branch)
+
+
 def _hop_masks(rank, source, size, chunk, window):
     """(earlier, later): the window's masks of the block from rank `source`: all this rank's
     queries over its front chunk, this rank's back chunk over both of its chunks; (None,
@@ -274,7 +285,8 @@ def _ring_forward(q, k, v, axis, window):
             back = _fold(back, q[:, :, :, chunk:], block[..., :dim], block[..., dim:], seen)
             return _set_rows(state, back, chunk)
 
-        state = lax.cond(source < rank, earlier, later, state, block)
+        branches = [earlier, later] + [lambda state, block: state] * bool(window)
+        state = lax.switch(_hop_branch(rank, source, chunk, window), branches, state, block)
     out, top, total = state
     return out / total[..., None], top + jnp.log(total)
 
@@ -331,7 +343,8 @@ def _ring_bwd(axis, window, residuals, do):
             gradients = jnp.concatenate([g_k, g_v], axis=-1)
             return dq.at[:, :, :, back].add(g_q), block.at[..., 2 * dim :].add(gradients)
 
-        dq, block = lax.cond(source < rank, earlier, later, dq, block)
+        branches = [earlier, later] + [lambda dq, block: (dq, block)] * bool(window)
+        dq, block = lax.switch(_hop_branch(rank, source, chunk, window), branches, dq, block)
     home = block[..., 2 * dim :]
     if size > 1:
         home = _hop(axis, size, home)

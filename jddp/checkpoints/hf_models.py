@@ -5,11 +5,11 @@ weights: `config.json` <-> a jddp model's arguments, and each jddp parameter <->
 Llama (`LlamaForCausalLM`, model_type "llama"), Qwen2 / Qwen2.5 ("qwen2": biases on q, k and v),
 Qwen3 ("qwen3": RMSNorm on each head's queries and keys) and Mistral ("mistral": a sliding window)
 are jddp's `llama` with those fields on; an export is written as the family that holds the model's
-fields (`family_of`). GPT-2 (`GPT2LMHeadModel`, model_type "gpt2") is jddp's `gpt` with learned
-positions and tied embeddings. Hugging Face's
-`nn.Linear` weights are (out, in) and jddp's kernels (in, out): those are transposed. GPT-2's
-`Conv1D` weights are already (in, out); its fused `c_attn` holds all query columns, then all
-keys, then all values, where jddp's `qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
+fields (jddp/checkpoints/hf_families.py). GPT-2 (`GPT2LMHeadModel`, model_type "gpt2") is jddp's
+`gpt` with learned positions and tied embeddings. Hugging Face's `nn.Linear` weights are (out, in)
+and jddp's kernels (in, out): those are transposed. GPT-2's `Conv1D` weights are already (in,
+out); its fused `c_attn` holds all query columns, then all keys, then all values, where jddp's
+`qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
 """
 
 import dataclasses
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jddp.checkpoints.hf_families import family_of
 from jddp.errors import ConfigError
 from jddp.models import rotary
 
@@ -225,48 +226,6 @@ def _family_config(model_type: str, hf_class: str, model) -> dict:
         "mistral": {"sliding_window": window},
     }
     return common | own[model_type]
-
-
-# Each family's own fields of jddp's Llama: (those it needs, those it may have besides).
-FAMILY_FIELDS = {
-    "llama": ((), ("attention_bias", "mlp_bias")),
-    "qwen2": (("qkv_bias",), ("sliding_window",)),
-    "qwen3": (("qk_norm",), ("attention_bias", "sliding_window")),
-    "mistral": ((), ("sliding_window",)),
-}
-
-
-def _llama_features(model) -> set[str]:
-    """The family fields `model` has on (qkv_bias counts only without attention_bias)."""
-    on = {
-        "attention_bias": model.attention_bias,
-        "mlp_bias": model.mlp_bias,
-        "qkv_bias": model.qkv_bias and not model.attention_bias,
-        "qk_norm": model.qk_norm,
-        "sliding_window": model.sliding_window > 0,
-    }
-    return {name for name, value in on.items() if value}
-
-
-def family_of(model, preferred: str | None = None) -> str:
-    """The Hugging Face family (model_type) that holds jddp's Llama `model`: `preferred` when
-    it does (the checkpoint's own), else the first that does; a ConfigError when none does."""
-    features = _llama_features(model)
-    fitting = [
-        family
-        for family, (needs, may) in FAMILY_FIELDS.items()
-        if set(needs) <= features <= {*needs, *may}
-    ]
-    if fitting:
-        return preferred if preferred in fitting else fitting[0]
-    families = "; ".join(
-        f"{family}: " + ", ".join([*(f"{name} (needed)" for name in needs), *may])
-        for family, (needs, may) in FAMILY_FIELDS.items()
-    )
-    raise ConfigError(
-        f"this Llama has {', '.join(sorted(features))}, which no Hugging Face family jddp writes "
-        f"holds ({families}); turn one of them off to export"
-    )
 
 
 def _llama_tensors(model) -> list[Tensor]:

@@ -298,6 +298,33 @@ def test_each_family_equals_transformers_and_exports_as_itself(checkpoints, tmp_
     np.testing.assert_allclose(theirs, model.apply({"params": params}, test_tokens), atol=1e-5)
 
 
+def test_rotary_frequencies_equal_transformers():
+    """jddp's rotary frequencies and cos/sin factor equal transformers' ROPE_INIT_FUNCTIONS for
+    each scaling, YaRN's options too (head_dim 16, 1e-6 relative)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jddp.models import rotary
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    scalings = [
+        {"rope_type": "linear", "factor": 4.0},
+        {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+        yarn,
+        yarn | {"beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},
+        yarn | {"truncate": False, "attention_factor": 1.5},
+    ]
+    for scaling in scalings:
+        parameters = {"rope_theta": 5000.0, **scaling}
+        config = transformers.LlamaConfig(
+            hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+            rope_parameters=parameters,
+        )  # fmt: skip
+        theirs, their_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        ours, our_factor = rotary.frequencies(16, 5000.0, rotary.check_scaling(scaling))
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, err_msg=str(scaling))
+        assert our_factor == pytest.approx(their_factor, rel=1e-12), scaling
+
+
 def _config_json(**entries) -> dict:
     base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8}
     return base | {"num_hidden_layers": 1, "num_attention_heads": 2} | entries

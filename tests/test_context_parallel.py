@@ -66,9 +66,12 @@ def test_training_equals_one_device(mesh, strategy, attention, positions, seq, s
     tiny_gpt.assert_copies_identical(state)
 
 
-def test_ring_attention_and_its_gradient_equal_plain_attention():
-    """The building block alone, on rings of 2 and 8 and grouped-query heads: outputs and the
-    gradients of q, k and v equal jax.nn.dot_product_attention's on the whole sequence."""
+@pytest.mark.parametrize("window", [0, 5])
+def test_ring_attention_and_its_gradient_equal_plain_attention(window):
+    """The building block alone, on rings of 2 and 8 and grouped-query heads, without and with
+    a sliding window of 5 keys (which spans 2 to 3 of the ring's chunks): outputs and the
+    gradients of q, k and v equal jax.nn.dot_product_attention's on the whole sequence (its
+    window (4, 0): a query at i sees keys i - 4 .. i)."""
     rows, seq, heads, kv_heads, dim = 2, 32, 4, 2, 8
     rng = np.random.default_rng(0)
     q, k, v = (
@@ -79,10 +82,12 @@ def test_ring_attention_and_its_gradient_equal_plain_attention():
     def loss(attend, q, k, v):
         return jnp.sum(jnp.sin(attend(q, k, v)))
 
-    expected = jax.value_and_grad(
-        lambda *a: loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), *a),
-        argnums=(0, 1, 2),
-    )(q, k, v)
+    local_window = (window - 1, 0) if window else None
+
+    def plain(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window)
+
+    expected = jax.value_and_grad(lambda *a: loss(plain, *a), argnums=(0, 1, 2))(q, k, v)
     for size in (2, 8):
         mesh = Mesh(np.asarray(jax.devices()[:size]), ("context",))
         chunk = seq // (2 * size)
@@ -94,7 +99,7 @@ def test_ring_attention_and_its_gradient_equal_plain_attention():
             def attend(q, k, v, how=how, mesh=mesh, order=order):
                 def local(q, k, v):
                     split = [context.split_sequence(x) for x in (q, k, v)]
-                    return context.attention(*split, "context", how)
+                    return context.attention(*split, "context", how, window)
 
                 out = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(None, "context"))
                 return out(q, k, v)[:, np.argsort(order)]
@@ -124,9 +129,31 @@ def test_a_draw_over_the_sequence_is_the_whole_sequences_draw_at_its_positions()
             np.testing.assert_array_equal(other, np.asarray(jax.random.uniform(key, (6, 3))))
 
 
-def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device():
+# Every field Llama's families add: Llama 3.1's rotary scaling, biases on q, k and v, q/k norms
+# and a sliding window of 11 tokens, which spans 2 to 3 chunks of 8 (context:2) or of 4
+# (context:4) of the 32-token sequences.
+ALL_FAMILY_FIELDS = dict(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    rope_base=100.0,
+    qkv_bias=True,
+    qk_norm=True,
+    sliding_window=11,
+)
+
+
+@pytest.mark.parametrize(
+    "mesh,attention", [("context:2,tensor:2,fsdp:2", "ring"), ("context:4,fsdp:2", "all_gather")]
+)
+def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device(mesh, attention):
     """Llama, 4 query heads reading 1 key/value head (kept whole on every tensor rank), rotary
-    positions, on context:2,tensor:2,fsdp:2: 6 steps within 1e-5 of the plain loop."""
+    positions, every field its families add (a sliding window too), on a context mesh with
+    each attention: 6 steps within 1e-5 of the plain loop."""
     seq, steps = 32, 6
     fields = dict(
         vocab_size=tiny_gpt.VOCAB,
@@ -135,9 +162,12 @@ def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device():
         num_kv_heads=1,
         embed_dim=32,
         max_seq_len=seq,
+        **ALL_FAMILY_FIELDS,
     )
-    mesh = device_mesh_for("zero3", "context:2,tensor:2,fsdp:2", jax.devices())
-    model = Llama(**fields, tensor_axis="tensor", context_axis="context")
+    mesh = device_mesh_for("zero3", mesh, jax.devices())
+    model = Llama(
+        **fields, tensor_axis=mesh.tensor_axis, context_axis="context", context_attention=attention
+    )
     trainer = jddp.Trainer(
         model,
         tiny_gpt.LM.loss_fn,
@@ -145,7 +175,7 @@ def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device():
         input_key="inputs",
         strategy="zero3",
         mesh=mesh,
-        rules=adapt_preset(jddp.models.tensor_rules("llama", model, 2), mesh),
+        rules=adapt_preset(jddp.models.tensor_rules("llama", model, mesh.size("tensor")), mesh),
         min_shard_size=1,
     )
     batches = tiny_gpt.token_batches(steps=steps, seq=seq)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out, held to transformers itself: tiny random Llama (grouped
-and multi-query attention, untied) and GPT-2 models made by transformers on PyTorch (CPU), saved
-with save_pretrained (unsharded and sharded), imported under each layout, fine-tuned, exported
-and loaded back by transformers."""
+and multi-query attention, untied; Llama 3.1's rotary scaling), Qwen2, Qwen3, Mistral (sliding
+window) and GPT-2 models made by transformers on PyTorch (CPU), saved with save_pretrained
+(unsharded and sharded), imported under each layout, fine-tuned, exported and loaded back by
+transformers."""
 
 import json
 import os
@@ -47,6 +48,56 @@ def _llama(kv_heads: int, biases: bool, tied: bool = False):
     return transformers.LlamaForCausalLM(config)
 
 
+# Llama 3.1's scaling with rope_theta=100 and head_dim 8: wavelengths 6.3 (kept: below 32 / 4),
+# 20 (on the ramp) and 63, 199 (divided by the factor: above 32 / 1).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 100.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+WINDOW = 5  # a sliding window well below SEQ
+
+
+def _family(name: str):
+    """The tiny transformers model of each family the `llama` model reads, with the feature
+    that family adds on (and a rotary scaling on some)."""
+    fields = tiny_llama_config(vocab_size=VOCAB, rms_norm_eps=1e-5).to_dict()
+    fields = {k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size")} | {
+        k: fields[k]
+        for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        + ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+    }
+    sliding = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}
+    if name == "llama3":
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**fields, rope_parameters=LLAMA3_ROPE)
+        )
+    if name == "qwen2":  # q/k/v biases, YaRN, a window on every layer
+        yarn = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0}
+        yarn["original_max_position_embeddings"] = 16
+        config = transformers.Qwen2Config(**fields, rope_parameters=yarn, **sliding)
+        return transformers.Qwen2ForCausalLM(config)
+    if name == "qwen3":  # q/k norms, head_dim 16 x 4 heads != hidden_size 32, linear scaling
+        linear = {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}
+        config = transformers.Qwen3Config(**fields, head_dim=16, rope_parameters=linear)
+        return transformers.Qwen3ForCausalLM(config)
+    if name == "mistral":
+        config = transformers.MistralConfig(**fields, sliding_window=WINDOW)
+        return transformers.MistralForCausalLM(config)
+    # qwen3-all: every field the families add at once (llama3 scaling, biases on q, k, v and
+    # out, q/k norms, a window)
+    config = transformers.Qwen3Config(
+        **fields, rope_parameters=LLAMA3_ROPE, attention_bias=True, **sliding
+    )
+    return transformers.Qwen3ForCausalLM(config)
+
+
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral")
+
+
 def _gpt2():
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
@@ -58,8 +109,9 @@ def _gpt2():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{name: save_pretrained directory}: grouped-query untied Llama (sharded and not),
-    multi-query tied Llama with biases, GPT-2 (sharded). Norms and biases are perturbed from
-    their initial ones and zeros, so that a misplaced one shows."""
+    multi-query tied Llama with biases, GPT-2 (sharded), each of `FAMILIES` and "qwen3-all"
+    (sharded). Norms (q/k norms too) and biases are perturbed from their initial ones and
+    zeros, so that a misplaced one shows."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     made = {
@@ -67,6 +119,8 @@ def checkpoints(tmp_path_factory):
         "llama-sharded": (_llama(2, False), "20KB"),
         "llama-mqa": (_llama(1, True, tied=True), None),
         "gpt2": (_gpt2(), "20KB"),
+        **{name: (_family(name), None) for name in FAMILIES},
+        "qwen3-all": (_family("qwen3-all"), "20KB"),
     }
     found = {}
     for name, (model, shard) in made.items():
@@ -136,8 +190,9 @@ CASES = [
     ("llama", "1 device"),
     ("llama-sharded", "fsdp:8"),
     ("llama", "data:2,fsdp:2,tensor:2"),
-    ("llama", "data:2,fsdp:2,tensor:2 sp"),
-    ("llama-sharded", "stage:2,fsdp:4"),
+    # every field the families add, at once (a superset of the plain Llama's layout)
+    ("qwen3-all", "data:2,fsdp:2,tensor:2 sp"),
+    ("qwen3-all", "stage:2,fsdp:4"),
     ("llama-mqa", "data:2,fsdp:2,tensor:2 sp"),  # one key/value head: replicated over tensor
     ("llama-mqa", "data:2,fsdp:2,tensor:2"),
     ("gpt2", "1 device"),
@@ -168,7 +223,7 @@ def test_import_finetune_export(checkpoints, tmp_path, name, layout):
     # ... and the layout's own forward pass (its loss over the batch) agrees with transformers.
     eval_loss = trainer.evaluate(state, [_batch(tokens)])["loss"]
     np.testing.assert_allclose(eval_loss, want_loss, rtol=1e-5)
-    if name.startswith("llama") and "tensor" in layout:  # 2 key/value heads split, 1 does not
+    if name != "gpt2" and "tensor" in layout:  # 2 key/value heads split, 1 does not
         spec = state.params["block_0"]["attn"]["k"]["kernel"].sharding.spec
         assert ("tensor" in str(spec)) == (name != "llama-mqa"), spec
 
@@ -203,6 +258,73 @@ def test_import_finetune_export(checkpoints, tmp_path, name, layout):
     np.testing.assert_allclose(their_loss, our_loss, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_equals_transformers_and_exports_as_itself(checkpoints, tmp_path, name):
+    """Imported on 1 device: logits and the loss's gradient of every tensor equal transformers'
+    (1e-5); exported (as `jddp-export` does, beside the original): config.json names the same
+    family, and transformers loads it with the same logits."""
+    path = checkpoints[name]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tokens = _tokens(0)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    out = hf_model(ids, labels=ids)
+    out.loss.backward()
+    their_grads = {n: p.grad.numpy() for n, p in hf_model.named_parameters()}
+
+    trainer = _trainer(path, "1 device")
+    model = trainer.task.model
+    params = _per_layer(hf.load(trainer, trainer.abstract_state(_batch(tokens)), path).params)
+
+    @jax.jit
+    def loss_and_logits(params):
+        logits = model.apply({"params": params}, tokens)
+        return LM.loss_fn(logits[:, :-1], _batch(tokens)).mean(), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_and_logits, has_aux=True)(params)
+    np.testing.assert_allclose(logits, out.logits.detach().numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(loss, float(out.loss.detach()), rtol=1e-5)
+    ours = hf.hf_tensors(grads, model)
+    assert sorted(ours) == sorted(their_grads)
+    for tensor, grad in their_grads.items():
+        np.testing.assert_allclose(ours[tensor], grad, atol=1e-5, rtol=1e-5, err_msg=tensor)
+
+    hf.save(params, model, str(tmp_path / "out"), like=path)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == hf_model.config.model_type
+    assert config["architectures"] == [type(hf_model).__name__]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    test_tokens = _tokens(99)
+    theirs, _ = _hf_logits_and_loss(reloaded, test_tokens)
+    np.testing.assert_allclose(theirs, model.apply({"params": params}, test_tokens), atol=1e-5)
+
+
+def test_rotary_frequencies_equal_transformers():
+    """jddp's rotary frequencies and cos/sin factor equal transformers' ROPE_INIT_FUNCTIONS for
+    each scaling, YaRN's options too (head_dim 16, 1e-6 relative)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jddp.models import rotary
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    scalings = [
+        {"rope_type": "linear", "factor": 4.0},
+        {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+        yarn,
+        yarn | {"beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},
+        yarn | {"truncate": False, "attention_factor": 1.5},
+    ]
+    for scaling in scalings:
+        parameters = {"rope_theta": 5000.0, **scaling}
+        config = transformers.LlamaConfig(
+            hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+            rope_parameters=parameters,
+        )  # fmt: skip
+        theirs, their_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        ours, our_factor = rotary.frequencies(16, 5000.0, rotary.check_scaling(scaling))
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, err_msg=str(scaling))
+        assert our_factor == pytest.approx(their_factor, rel=1e-12), scaling
+
+
 def _config_json(**entries) -> dict:
     base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8}
     return base | {"num_hidden_layers": 1, "num_attention_heads": 2} | entries
@@ -211,10 +333,19 @@ def _config_json(**entries) -> dict:
 @pytest.mark.parametrize(
     "entries,message",
     [
-        ({"model_type": "bert"}, "model_type='bert'; jddp reads gpt2 and llama checkpoints"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"model_type": "bert"}, "model_type='bert'; jddp reads gpt2, llama, mistral, qwen2"),
+        ({"rope_scaling": {"rope_type": "longrope"}}, "rope_type='longrope', which jddp's model"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor=0.5",
+        ),  # fmt: skip
         ({"hidden_act": "gelu"}, "hidden_act='gelu', which jddp's model does not implement"),
-        ({"sliding_window": 4096}, "sliding_window=4096"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4}
+            | {"num_hidden_layers": 2, "max_window_layers": 1},
+            "slides its attention window on some layers only (layer_types, max_window_layers=1)",
+        ),
         ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive integer"),
         ({"hidden_size": "8"}, "hidden_size='8'; expected a positive integer"),
     ],
@@ -232,8 +363,12 @@ def test_configs_jddp_cannot_build_are_one_line(tmp_path, entries, message):
     [
         (jddp_models.GPT(8, positions="rotary"), "learned positions and tied embeddings"),
         (jddp_models.MLP(num_classes=8), "MLP has no Hugging Face layout"),
+        (
+            jddp_models.Llama(8, num_heads=2, embed_dim=8, qk_norm=True, qkv_bias=True),
+            "this Llama has qk_norm, qkv_bias, which no Hugging Face family jddp writes holds",
+        ),
     ],
-    ids=["rotary gpt", "mlp"],
+    ids=["rotary gpt", "mlp", "llama of no family"],
 )
 def test_models_without_a_hugging_face_layout_are_refused_before_writing(tmp_path, model, message):
     with pytest.raises(jddp.ConfigError) as raised:

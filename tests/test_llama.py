@@ -72,6 +72,13 @@ BAD_DIMENSIONS = [
     (dict(positions="learned"), "positions='learned'; choose one of ('rotary',)"),
     (dict(num_kv_heads=-1), "num_kv_heads=-1 must be >= 0"),
     (dict(rope_base=0.0), "norm_eps and rope_base must be > 0"),
+    (dict(sliding_window=-1), "sliding_window=-1 must be >= 0"),
+    (
+        dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "rope_type='dynamic'; jddp implements 'linear', 'llama3', 'yarn'",
+    ),
+    (dict(rope_scaling={"rope_type": "linear", "factr": 2.0}), "lacks 'factor'; it takes factor"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": "2"}), "factor='2'; expected a number"),
 ]
 
 

@@ -71,19 +71,24 @@ def create_model(path: str, **overrides):
     return models.MODELS[name](**resolved_model_args(name, overrides, PREFIX + path))
 
 
-def _architecture(model) -> hf_models.Architecture:
+def _model_name(model) -> str:
     from jddp import models
 
-    for name, arch in hf_models.BY_MODEL.items():
+    for name in hf_models.BY_MODEL:
         if type(model) is models.MODELS[name]:
-            return arch
+            return name
     raise ConfigError(
         f"{type(model).__name__} has no Hugging Face layout; jddp converts its gpt and llama models"
     )
 
 
+def _architecture(model, preferred: str | None = None) -> hf_models.Architecture:
+    """The Hugging Face architecture `model` is written as (`hf_models.for_export`)."""
+    return hf_models.for_export(_model_name(model), model, preferred)
+
+
 def _tensors(model) -> list[hf_models.Tensor]:
-    return _architecture(model).tensors(model)
+    return hf_models.BY_MODEL[_model_name(model)].tensors(model)
 
 
 def check(path: str, model, params) -> None:
@@ -181,12 +186,12 @@ def save(
     check_output(out)
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    config = _architecture(model).hf_config(model) | {"dtype": dtype}
-    companions = []
+    source = {}
     if like and os.path.isfile(os.path.join(like, hf_files.CONFIG)):
         source = hf_files.read_config(like, "the original checkpoint")
-        config |= {k: source[k] for k in _SPECIAL_TOKEN_IDS if source.get(k) is not None}
-        companions += _existing(like, "generation_config.json")
+    config = _architecture(model, source.get("model_type")).hf_config(model) | {"dtype": dtype}
+    config |= {k: source[k] for k in _SPECIAL_TOKEN_IDS if source.get(k) is not None}
+    companions = _existing(like, "generation_config.json") if source else []
     if tokenizer:
         folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
         companions += [tokenizer] if os.path.isfile(tokenizer) else []

@@ -2,19 +2,25 @@
 weights: `config.json` <-> a jddp model's arguments, and each jddp parameter <-> one tensor of
 `model.safetensors`, with the transform between them.
 
-Llama (`LlamaForCausalLM`, model_type "llama") is jddp's `llama`; GPT-2 (`GPT2LMHeadModel`,
-model_type "gpt2") is jddp's `gpt` with learned positions and tied embeddings. Hugging Face's
-`nn.Linear` weights are (out, in) and jddp's kernels (in, out): those are transposed. GPT-2's
-`Conv1D` weights are already (in, out); its fused `c_attn` holds all query columns, then all
-keys, then all values, where jddp's `qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
+Llama (`LlamaForCausalLM`, model_type "llama"), Qwen2 / Qwen2.5 ("qwen2": biases on q, k and v),
+Qwen3 ("qwen3": RMSNorm on each head's queries and keys) and Mistral ("mistral": a sliding window)
+are jddp's `llama` with those fields on; an export is written as the family that holds the model's
+fields (jddp/checkpoints/hf_families.py). GPT-2 (`GPT2LMHeadModel`, model_type "gpt2") is jddp's
+`gpt` with learned positions and tied embeddings. Hugging Face's `nn.Linear` weights are (out, in)
+and jddp's kernels (in, out): those are transposed. GPT-2's `Conv1D` weights are already (in,
+out); its fused `c_attn` holds all query columns, then all keys, then all values, where jddp's
+`qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
+from jddp.checkpoints.hf_families import family_of
 from jddp.errors import ConfigError
+from jddp.models import rotary
 
 TRANSPOSE, QKV_BY_HEAD = "transpose", "qkv_by_head"
 
@@ -87,22 +93,67 @@ def _count(hf: dict, key: str, where: str, default: int | None = None) -> int:
     return value
 
 
-# ------------------------------------------------------------------------------------ Llama
-def _rope_theta(hf: dict, where: str) -> float:
-    """rope_theta from transformers 5's `rope_parameters` or older files' top-level keys;
-    scaled variants (Llama 3.1's "llama3", "linear", ...) are refused."""
+# ------------------------------------------------------------------- Llama, Qwen2, Qwen3, Mistral
+# One jddp model, `llama`, whose few orthogonal fields cover the four families; their tensors are
+# named alike (`_llama_tensors`).
+ROPE_TYPES = ("default", *rotary.SCALINGS)
+_LENGTH = "max_position_embeddings"
+
+
+def _rope(hf: dict, where: str) -> dict:
+    """rope_base and rope_scaling from transformers 5's `rope_parameters` or older files'
+    `rope_theta` and `rope_scaling`; a ConfigError for a type jddp lacks."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
+    if any(isinstance(v, dict) for v in rope.values()):
         raise ConfigError(
-            f"{where} uses rope_type={kind!r}; jddp's Llama implements plain rotary positions "
-            "(rope_type 'default') only"
+            f"{where} has rope_parameters per layer type ({', '.join(rope)}); jddp's Llama "
+            "uses one rotary embedding for every layer"
         )
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    read = {"rope_type": kind, "partial_rotary_factor": partial}
+    _require(read, where, rope_type=ROPE_TYPES, partial_rotary_factor=(1.0,))
+    args = {"rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind != "default":
+        required, optional = rotary.SCALINGS[kind]
+        scaling = {"rope_type": kind} | {k: rope[k] for k in required + optional if k in rope}
+        if "original_max_position_embeddings" in required:  # transformers' fallbacks
+            context = hf.get("original_max_position_embeddings")
+            scaling.setdefault("original_max_position_embeddings", context or hf.get(_LENGTH))
+        args["rope_scaling"] = dict(rotary.check_scaling(scaling, f"{where}'s rope_parameters"))
+    return args
+
+
+def _rope_parameters(model) -> dict:
+    return {"rope_type": "default", "rope_theta": model.rope_base} | dict(model.rope_scaling or {})
+
+
+def _qwen_window(hf: dict, where: str) -> int:
+    """Qwen2's and Qwen3's sliding window: off unless `use_sliding_window`, then on the layers
+    `layer_types` names (by default those from `max_window_layers` on)."""
+    hf = {"sliding_window": 4096, "max_window_layers": 28} | hf  # Qwen2Config's defaults
+    window = hf["sliding_window"] if hf.get("use_sliding_window") else None
+    if window is None:
+        return 0
+    layers = _count(hf, "num_hidden_layers", where)
+    first = hf["max_window_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+    ]
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {True, False}:
+        raise ConfigError(
+            f"{where} slides its attention window on some layers only (layer_types, "
+            f"max_window_layers={first}); jddp's Llama applies one window to every layer: "
+            "set max_window_layers to 0 (all) or num_hidden_layers (none)"
+        )
+    return _count(hf, "sliding_window", where) if sliding == {True} else 0
 
 
 def _llama_args(hf: dict, where: str) -> dict:
-    _require(hf, where, hidden_act=("silu",), sliding_window=(None,))
+    """The arguments every family shares, Llama's biases, and no window (transformers' Llama
+    reads none)."""
+    _require(hf, where, hidden_act=("silu",))
     heads, width = _count(hf, "num_attention_heads", where), _count(hf, "hidden_size", where)
     args = {
         "vocab_size": _count(hf, "vocab_size", where),
@@ -112,7 +163,7 @@ def _llama_args(hf: dict, where: str) -> dict:
         "embed_dim": width,
         "mlp_dim": _count(hf, "intermediate_size", where),
         "max_seq_len": _count(hf, "max_position_embeddings", where, 2048),
-        "rope_base": _rope_theta(hf, where),
+        **_rope(hf, where),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": bool(hf.get("attention_bias", False)),
@@ -124,10 +175,29 @@ def _llama_args(hf: dict, where: str) -> dict:
     return args
 
 
-def _llama_config(model) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def _qwen2_args(hf: dict, where: str) -> dict:
+    args = _llama_args(hf, where) | {"attention_bias": False, "mlp_bias": False}
+    return args | {"qkv_bias": True, "sliding_window": _qwen_window(hf, where)}
+
+
+def _qwen3_args(hf: dict, where: str) -> dict:
+    hf = {"head_dim": 128} | hf  # Qwen3Config's default
+    args = _llama_args(hf, where) | {"mlp_bias": False, "qk_norm": True}
+    return args | {"sliding_window": _qwen_window(hf, where)}
+
+
+def _mistral_args(hf: dict, where: str) -> dict:
+    hf = {"sliding_window": 4096} | hf  # MistralConfig's default; null: no window
+    window = _count(hf, "sliding_window", where) if hf["sliding_window"] is not None else 0
+    args = _llama_args(hf, where) | {"attention_bias": False, "mlp_bias": False}
+    return args | {"sliding_window": window}
+
+
+def _family_config(model_type: str, hf_class: str, model) -> dict:
+    """config.json of jddp's Llama `model` as the family `model_type`."""
+    common = {
+        "architectures": [hf_class],
+        "model_type": model_type,
         "vocab_size": model.vocab_size,
         "hidden_size": model.embed_dim,
         "intermediate_size": model.hidden_dim,
@@ -138,19 +208,32 @@ def _llama_config(model) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": model.max_seq_len,
         "rms_norm_eps": model.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_base},
+        "rope_parameters": _rope_parameters(model),
         "tie_word_embeddings": model.tie_embeddings,
-        "attention_bias": model.attention_bias,
-        "mlp_bias": model.mlp_bias,
         "attention_dropout": 0.0,
     }
+    window, layers = model.sliding_window or None, model.num_layers
+    qwen_window = {
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0 if window else layers,
+        "layer_types": [("sliding" if window else "full") + "_attention"] * layers,
+    }
+    own = {
+        "llama": {"attention_bias": model.attention_bias, "mlp_bias": model.mlp_bias},
+        "qwen2": qwen_window,
+        "qwen3": {"attention_bias": model.attention_bias} | qwen_window,
+        "mistral": {"sliding_window": window},
+    }
+    return common | own[model_type]
 
 
 def _llama_tensors(model) -> list[Tensor]:
     found = [Tensor("token_embed/embedding", "model.embed_tokens.weight")]
     linears = {"attn": ("q", "k", "v", "out"), "mlp": ("gate", "up", "proj")}
     hf_linear = {"out": "o_proj", "proj": "down_proj"}
-    biases = {"attn": model.attention_bias, "mlp": model.mlp_bias}
+    qkv_bias = model.attention_bias or model.qkv_bias
+    biases = {"q": qkv_bias, "k": qkv_bias, "v": qkv_bias, "out": model.attention_bias}
     for i in range(model.num_layers):
         ours, theirs = f"block_{i}", f"model.layers.{i}"
         found.append(Tensor(f"{ours}/ln_1/scale", f"{theirs}.input_layernorm.weight"))
@@ -160,8 +243,12 @@ def _llama_tensors(model) -> list[Tensor]:
             for name in names:
                 hf_name = f"{theirs}.{hf_part}.{hf_linear.get(name, f'{name}_proj')}"
                 found.append(Tensor(f"{ours}/{part}/{name}/kernel", f"{hf_name}.weight", TRANSPOSE))
-                if biases[part]:
+                if biases.get(name, model.mlp_bias):
                     found.append(Tensor(f"{ours}/{part}/{name}/bias", f"{hf_name}.bias"))
+        if model.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                hf_name = f"{theirs}.self_attn.{norm}.weight"
+                found.append(Tensor(f"{ours}/attn/{norm}/scale", hf_name))
     found.append(Tensor("ln_f/scale", "model.norm.weight"))
     if not model.tie_embeddings:
         found.append(Tensor("head/kernel", "lm_head.weight", TRANSPOSE))
@@ -242,13 +329,28 @@ def _gpt2_tensors(model) -> list[Tensor]:
     return found
 
 
+def _family(model_type: str, hf_class: str, args: Callable[[dict, str], dict]) -> Architecture:
+    config = functools.partial(_family_config, model_type, hf_class)
+    return Architecture(model_type, hf_class, "llama", args, config, _llama_tensors)
+
+
 ARCHITECTURES = {
-    "llama": Architecture(
-        "llama", "LlamaForCausalLM", "llama", _llama_args, _llama_config, _llama_tensors
-    ),
+    "llama": _family("llama", "LlamaForCausalLM", _llama_args),
+    "qwen2": _family("qwen2", "Qwen2ForCausalLM", _qwen2_args),
+    "qwen3": _family("qwen3", "Qwen3ForCausalLM", _qwen3_args),
+    "mistral": _family("mistral", "MistralForCausalLM", _mistral_args),
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "gpt", _gpt2_args, _gpt2_config, _gpt2_tensors),
 }
+# jddp model name: the Architecture whose tensor names it has (every Llama family's alike).
 BY_MODEL = {"llama": ARCHITECTURES["llama"], "gpt": ARCHITECTURES["gpt2"]}
+
+
+def for_export(name: str, model, preferred: str | None = None) -> Architecture:
+    """The Architecture jddp model `name` (built as `model`) is written as: for a Llama the
+    family that holds its fields (`preferred`, the checkpoint's own, when it does)."""
+    if name == "llama":
+        return ARCHITECTURES[family_of(model, preferred)]
+    return BY_MODEL[name]
 
 
 def architecture(hf_config: dict, where: str) -> Architecture:
@@ -257,7 +359,7 @@ def architecture(hf_config: dict, where: str) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise ConfigError(
             f"{where} has model_type={model_type!r}; jddp reads "
-            f"{' and '.join(sorted(ARCHITECTURES))} checkpoints"
+            f"{', '.join(sorted(ARCHITECTURES))} checkpoints"
         )
     return ARCHITECTURES[model_type]
 

@@ -20,25 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import sequence_parallel
+from jddp.models.rotary import rotary
 from jddp.parallel import context as context_parallel
 from jddp.parallel.pipeline.layers import Pipelined
 
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 INIT_STD = 0.02  # GPT-2's initializer, Llama's too
 PER_LAYER, STACKED = "block_", "blocks"  # block_{i}/... per layer; blocks/... stacked
-
-
-def rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding (Su et al., 2021) of x (batch, seq, heads, head_dim): pairs of
-    channels (i, i + head_dim/2) rotated by position x frequency (Hugging Face's `rotate_half`
-    layout)."""
-    half = x.shape[-1] // 2
-    frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, None].astype(jnp.float32) * frequencies  # (seq, half)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -75,26 +63,41 @@ def token_positions(seq_len: int, context: tuple[str, str] | None) -> jax.Array:
 
 
 def causal_attention(
-    q, k, v, rope_base: float | None, impl: str | None, context=None, kv_split: bool = True
+    q,
+    k,
+    v,
+    rope_base: float | None,
+    impl: str | None,
+    context=None,
+    kv_split: bool = True,
+    *,
+    rope_scaling=None,
+    window: int = 0,
 ):
     """Causal softmax attention of q (batch, seq, heads, head_dim) over k, v (batch, seq,
     kv_heads, head_dim); query head n reads key/value head n // (heads / kv_heads). Rotary
-    positions when `rope_base` is set. Under context parallelism (`context` = (axis,
-    attention)) the sequence is the rank's two chunks and attention sees every rank's keys
-    (jddp/parallel/context.py); `kv_split`: whether keys and values are split over a tensor
-    axis as the queries are (else every tensor rank holds all of them)."""
+    positions when `rope_base` is set, their frequencies scaled as `rope_scaling` says
+    (jddp/models/rotary.py). `window` > 0: each query sees itself and the `window` - 1 keys
+    before it only (transformers' sliding window). Under context parallelism (`context` =
+    (axis, attention)) the sequence is the rank's two chunks and attention sees every rank's
+    keys (jddp/parallel/context.py); `kv_split`: whether keys and values are split over a
+    tensor axis as the queries are (else every tensor rank holds all of them)."""
     mesh = jax.sharding.get_abstract_mesh()
     if context and mesh.shape[context[0]] == 1:
         context = None  # a ring of one: the plain kernel holds less than the online softmax
     positions = token_positions(q.shape[1], context)
     if rope_base is not None:
-        q, k = rotary(q, positions, rope_base), rotary(k, positions, rope_base)
+        q, k = (rotary(x, positions, rope_base, rope_scaling) for x in (q, k))
     if context is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        # (left, right): a query at i sees keys i - left .. i (cuDNN: a window of left + 1)
+        local = (window - 1, 0) if 0 < window < q.shape[1] else None
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=local, implementation=impl
+        )
     axis, how = context
     tensor = [a for a in mesh.axis_names if a not in mesh.manual_axes]
     if not tensor:
-        return context_parallel.attention(q, k, v, axis, how)
+        return context_parallel.attention(q, k, v, axis, how, window)
     # Heads split over tensor, which the compiler partitions: the ring runs on each tensor
     # rank's heads under a shard_map manual over it too, so its messages stay that rank's own.
     heads = P(None, None, tuple(tensor), None)
@@ -104,7 +107,7 @@ def causal_attention(
             group = q.shape[2] * math.prod(mesh.shape[a] for a in tensor) // k.shape[2]
             first = lax.axis_index(tuple(tensor)) * q.shape[2]
             k, v = (jnp.take(x, (first + jnp.arange(q.shape[2])) // group, axis=2) for x in (k, v))
-        return context_parallel.attention(q, k, v, axis, how)
+        return context_parallel.attention(q, k, v, axis, how, window)
 
     kv = heads if kv_split else P()
     return jax.shard_map(

@@ -22,6 +22,13 @@ With the balanced layout, the ring skips every block the causal mask hides entir
 block from rank r = c - t (mod C) is seen whole by all of c's queries when r < c (its front
 chunk only) or by c's back chunk alone when r > c, half a diagonal block's work either way.
 
+A sliding window (`window` > 0: a query at position i sees keys i - window + 1 .. i, as in
+transformers' Mistral) masks every block by the true positions of its queries and keys, so both
+implementations attend exactly as a window over the whole sequence does. The ring also skips the
+blocks the window hides entirely: those of ranks r with (|c - r| - 1) n + 1 >= window (the
+nearest of their keys is that far behind c's nearest query), so a rank computes about
+window / n blocks, not C.
+
 Everything here runs inside a `shard_map` that is manual over the context axis (jddp's mesh
 strategies run their per-device program so); the functions read the rank from `lax.axis_index`.
 """
@@ -128,8 +135,11 @@ def check_model(model, axis: str = AXIS) -> None:
 
 
 # --------------------------------------------------------------------------------- attention
-def attention(q, k, v, axis: str = AXIS, implementation: str = "ring") -> jax.Array:
-    """Causal softmax attention over the whole sequence for this rank's queries.
+def attention(
+    q, k, v, axis: str = AXIS, implementation: str = "ring", window: int = 0
+) -> jax.Array:
+    """Causal softmax attention over the whole sequence for this rank's queries (within a
+    sliding `window` of keys when > 0).
 
     q (rows, 2n, heads, head_dim); k, v (rows, 2n, kv_heads, head_dim): this rank's tokens in the
     balanced layout (`split_sequence`), positions already applied (rotary). Query head h reads
@@ -147,9 +157,9 @@ def attention(q, k, v, axis: str = AXIS, implementation: str = "ring") -> jax.Ar
     qg = _grouped(q.astype(jnp.float32), groups)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     if implementation == "all_gather":
-        out = _all_gather_attention(qg, k, v, axis)
+        out = _all_gather_attention(qg, k, v, axis, window)
     else:
-        out = _ring(qg, k, v, axis)
+        out = _ring(qg, k, v, axis, window)
     return _ungrouped(out).astype(q.dtype)
 
 
@@ -168,13 +178,21 @@ def _scores(q, k):
     return jnp.einsum("bhgqd,bkhd->bhgqk", q, k) / math.sqrt(q.shape[-1])
 
 
-def _all_gather_attention(q, k, v, axis):
+def visible(query_positions, key_positions, window: int = 0) -> jax.Array:
+    """(queries, keys) booleans: which key each query sees, causally and, when `window` > 0,
+    within its last `window` positions (itself included)."""
+    behind = query_positions[:, None] - key_positions[None, :]
+    seen = behind >= 0
+    return seen & (behind < window) if window else seen
+
+
+def _all_gather_attention(q, k, v, axis, window):
     rank, size = _rank_and_size(axis)
     chunk = q.shape[3] // 2
     keys = lax.all_gather(k, axis, axis=SEQUENCE, tiled=True)
     values = lax.all_gather(v, axis, axis=SEQUENCE, tiled=True)
     key_positions = jnp.concatenate([chunk_positions(r, size, chunk) for r in range(size)])
-    seen = chunk_positions(rank, size, chunk)[:, None] >= key_positions[None, :]
+    seen = visible(chunk_positions(rank, size, chunk), key_positions, window)
     s = jnp.where(seen, _scores(q, keys), _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhgqk,bkhd->bhgqd", p, values)
@@ -205,9 +223,28 @@ def _set_rows(state, part, lo):
     return tuple(lax.dynamic_update_slice_in_dim(x, y, lo, 3) for x, y in pairs)
 
 
-def _diagonal_mask(rank, size, chunk):
+def _diagonal_mask(rank, size, chunk, window):
     mine = chunk_positions(rank, size, chunk)
-    return mine[:, None] >= mine[None, :]
+    return visible(mine, mine, window)
+
+
+def _hop_branch(rank, source, chunk, window):
+    """Which of a hop's branches folds the block from rank `source`: 0 earlier (source <
+    rank), 1 later, 2 none (with a window: it hides the whole block)."""
+    branch = jnp.where(source < rank, 0, 1)
+    if not window:
+        return branch
+    return jnp.where((jnp.abs(source - rank) - 1) * chunk + 1 >= window, 2, branch)
+
+
+def _hop_masks(rank, source, size, chunk, window):
+    """(earlier, later): the window's masks of the block from rank `source`: all this rank's
+    queries over its front chunk, this rank's back chunk over both of its chunks; (None,
+    None) without a window (causality alone hides nothing there)."""
+    if not window:
+        return None, None
+    mine, theirs = chunk_positions(rank, size, chunk), chunk_positions(source, size, chunk)
+    return visible(mine, theirs[:chunk], window), visible(mine[chunk:], theirs, window)
 
 
 def _hop(axis, size, tree):
@@ -227,27 +264,29 @@ def _inside_stage_conditionals() -> bool:
     return jax.default_backend() == "cpu" and "stage" in manual
 
 
-def _ring_forward(q, k, v, axis):
+def _ring_forward(q, k, v, axis, window):
     rank, size = _rank_and_size(axis)
     chunk, dim = q.shape[3] // 2, k.shape[-1]
     zeros = jnp.zeros(q.shape[:-1], jnp.float32)
     state = (jnp.zeros_like(q), jnp.full_like(zeros, _MASKED), zeros)
-    state = _fold(state, q, k, v, _diagonal_mask(rank, size, chunk))
+    state = _fold(state, q, k, v, _diagonal_mask(rank, size, chunk, window))
     block = jnp.concatenate([k, v], axis=-1)  # one message a hop
     for hop in range(1, size):
         block = _hop(axis, size, block)
         source = (rank - hop) % size
+        seen_earlier, seen_later = _hop_masks(rank, source, size, chunk, window)
 
-        def earlier(state, block):  # every query sees the source's front chunk
+        def earlier(state, block, seen=seen_earlier):  # every query sees the front chunk
             front = block[:, :chunk]
-            return _fold(state, q, front[..., :dim], front[..., dim:])
+            return _fold(state, q, front[..., :dim], front[..., dim:], seen)
 
-        def later(state, block):  # only the back chunk's queries see the source at all
+        def later(state, block, seen=seen_later):  # only the back chunk's queries see it at all
             back = _rows(state, chunk, 2 * chunk)
-            back = _fold(back, q[:, :, :, chunk:], block[..., :dim], block[..., dim:])
+            back = _fold(back, q[:, :, :, chunk:], block[..., :dim], block[..., dim:], seen)
             return _set_rows(state, back, chunk)
 
-        state = lax.cond(source < rank, earlier, later, state, block)
+        branches = [earlier, later] + [lambda state, block: state] * bool(window)
+        state = lax.switch(_hop_branch(rank, source, chunk, window), branches, state, block)
     out, top, total = state
     return out / total[..., None], top + jnp.log(total)
 
@@ -262,22 +301,22 @@ def _block_grads(q, k, v, do, lse, delta, seen=None):
     return jnp.einsum("bhgqk,bkhd->bhgqd", ds, k), jnp.einsum("bhgqk,bhgqd->bkhd", ds, q), dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, axis):
-    return _ring_forward(q, k, v, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, axis, window):
+    return _ring_forward(q, k, v, axis, window)[0]
 
 
-def _ring_fwd(q, k, v, axis):
-    out, lse = _ring_forward(q, k, v, axis)
+def _ring_fwd(q, k, v, axis, window):
+    out, lse = _ring_forward(q, k, v, axis, window)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis, residuals, do):
+def _ring_bwd(axis, window, residuals, do):
     q, k, v, out, lse = residuals
     rank, size = _rank_and_size(axis)
     chunk, dim = q.shape[3] // 2, k.shape[-1]
     delta = jnp.sum(do * out, axis=-1)
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, _diagonal_mask(rank, size, chunk))
+    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, _diagonal_mask(rank, size, chunk, window))
     # The block's key/value gradients travel with it (one message: keys, values and their
     # gradients, which also keeps XLA from reusing the forward's hops of the same keys and
     # values, and so from keeping the whole sequence's alive until the backward) and arrive
@@ -286,24 +325,26 @@ def _ring_bwd(axis, residuals, do):
     for hop in range(1, size):
         block = _hop(axis, size, block)
         source = (rank - hop) % size
+        seen_earlier, seen_later = _hop_masks(rank, source, size, chunk, window)
 
-        def earlier(dq, block):
+        def earlier(dq, block, seen=seen_earlier):
             front = block[:, :chunk]
             k, v = front[..., :dim], front[..., dim : 2 * dim]
-            g_q, g_k, g_v = _block_grads(q, k, v, do, lse, delta)
+            g_q, g_k, g_v = _block_grads(q, k, v, do, lse, delta, seen)
             gradients = jnp.concatenate([g_k, g_v], axis=-1)
             return dq + g_q, block.at[:, :chunk, ..., 2 * dim :].add(gradients)
 
-        def later(dq, block):
+        def later(dq, block, seen=seen_later):
             k, v = block[..., :dim], block[..., dim : 2 * dim]
             back = slice(chunk, 2 * chunk)
             g_q, g_k, g_v = _block_grads(
-                q[:, :, :, back], k, v, do[:, :, :, back], lse[..., back], delta[..., back]
+                q[:, :, :, back], k, v, do[:, :, :, back], lse[..., back], delta[..., back], seen
             )
             gradients = jnp.concatenate([g_k, g_v], axis=-1)
             return dq.at[:, :, :, back].add(g_q), block.at[..., 2 * dim :].add(gradients)
 
-        dq, block = lax.cond(source < rank, earlier, later, dq, block)
+        branches = [earlier, later] + [lambda dq, block: (dq, block)] * bool(window)
+        dq, block = lax.switch(_hop_branch(rank, source, chunk, window), branches, dq, block)
     home = block[..., 2 * dim :]
     if size > 1:
         home = _hop(axis, size, home)

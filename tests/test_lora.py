@@ -94,7 +94,7 @@ def _adapters_to_start(trainer, path):
 
     per_layer = layer_stacks.to_per_layer(jax.tree.map(np.asarray, state.params))
     drawn = jax.tree_util.tree_map_with_path(start, per_layer)  # the same draws on any layout
-    if layer_stacks.is_stacked(jax.tree.map(np.shape, state.params)):
+    if layer_stacks.is_stacked(hf._shapes(state.params)):
         drawn = layer_stacks.to_stacked(drawn)
     placed = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding), drawn, state.params)
     return state.replace(params=placed)

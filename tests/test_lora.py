@@ -4,6 +4,8 @@ steps, with a save and restore halfway) and on `data:2,fsdp:2,tensor:2` (zero3) 
 `stage:2,fsdp:4` (4 steps); the base bit for bit unchanged, the optimizer state the adapters'
 alone; both exports loaded back by PEFT and transformers."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -18,8 +20,9 @@ from jddp.core import layer_stacks, lora
 from jddp.core.tree_paths import path_str
 from jddp.models import tensor_rules
 from jddp.parallel.rules import adapt_preset
+from jddp.run.config import default_config, validate
 from jddp.run.objectives import OBJECTIVES
-from tests.helpers import safetensors_in, tiny_llama_config
+from tests.helpers import configured, safetensors_in, tiny_llama_config
 from tests.tiny_gpt import mesh_devices
 
 LM = OBJECTIVES["language_model"]
@@ -219,14 +222,24 @@ def test_sharded_base_equals_peft(base, strategy, mesh):
         (lambda: jddp.LoRA(rank=-1), "lora.rank must be a positive integer"),
         (lambda: jddp.LoRA(rank=4, dropout=1.0), "lora.dropout must be in [0, 1)"),
         (lambda: jddp.LoRA(rank=4, targets="("), "is not a regex"),
+        (
+            lambda: validate(configured(default_config(), {"lora.rank": -1})),
+            "lora.rank must be an integer >= 0",
+        ),
+        (
+            lambda: validate(
+                configured(default_config(), {"lora.rank": 4, "parallel.sequence_parallel": True})
+            ),
+            "lora does not run under parallel.sequence_parallel",
+        ),
     ],
 )
 def test_bad_settings_are_one_line(make, message):
-    with pytest.raises(jddp.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(jddp.ConfigError, match=re.escape(message)):
         make()
 
 
-def test_targets_matching_nothing_and_too_large_ranks_are_one_line(base):
+def test_targets_matching_nothing_and_too_large_ranks_are_one_line(base, tmp_path):
     for lora_config, message in [
         (jddp.LoRA(rank=4, targets="nothing_here"), "matches no module of the model"),
         (jddp.LoRA(rank=64, targets="attn/q$"), "is larger than block_0/attn/q's kernel"),
@@ -234,3 +247,8 @@ def test_targets_matching_nothing_and_too_large_ranks_are_one_line(base):
         with pytest.raises(jddp.ConfigError, match=message) as raised:
             _trainer(base, lora_config=lora_config).init(0, _batch(_tokens(0)))
         assert "\n" not in str(raised.value)
+    model = hf.create_model(base)
+    params = model.init(jax.random.key(0), _tokens(0))["params"]
+    with pytest.raises(jddp.CheckpointError, match="hold no LoRA adapters"):
+        peft_format.save(params, model, LORA, str(tmp_path / "adapters"))
+    assert not (tmp_path / "adapters").exists()

@@ -79,13 +79,13 @@ def _train_flags(root, workdir, checkpoint="llama"):
     return [f"--workdir={root / workdir}", *config_flags(_settings(root, checkpoint))]
 
 
-def _train(root, *flags, workdir="run"):
+def _train(root, *flags, workdir="run", **env):
     return subprocess.run(
         [sys.executable, "-m", "jddp.run.train", *_train_flags(root, workdir), *flags],
         capture_output=True,
         text=True,
         timeout=300,
-        env=checkout_env(),
+        env=checkout_env(**env),
     )
 
 
@@ -300,7 +300,9 @@ def test_lora_run_exports_merged_weights_and_peft_adapters(llama_dir, tmp_path):
     from jddp.core.lora import LoRA, split
     from jddp.models import Llama
 
-    result = _train(llama_dir, "--config.lora.rank=4", "--config.lora.alpha=16", workdir="lora")
+    one_device = os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1"
+    flags = ("--config.lora.rank=4", "--config.lora.alpha=16")
+    result = _train(llama_dir, *flags, workdir="lora", XLA_FLAGS=one_device)
     assert result.returncode == 0, result.stderr[-3000:]
     run = llama_dir / "lora"
     export.export_run(str(run), str(tmp_path / "merged"), max_shard_bytes=10**9)

@@ -56,32 +56,23 @@ def _batch(tokens):
 
 
 def _trainer(path, strategy="ddp", mesh=None, lora_config=LORA):
+    """A Trainer of the Llama in `path` with LoRA, on 1 device or on `mesh`."""
     if mesh is None:
-        model = hf.create_model(path)
-        devices = jax.devices()[:1]
-        return jddp.Trainer(
-            model,
-            LM.loss_fn,
-            optax.sgd(LR, momentum=MOMENTUM),
-            input_key="inputs",
-            devices=devices,
-            lora=lora_config,
-        )
-    device_mesh = jddp.device_mesh_for(strategy, mesh, mesh_devices(mesh))
-    model = hf.create_model(
-        path, tensor_axis=device_mesh.tensor_axis, scan_layers=device_mesh.stage_axis is not None
-    )
-    rules = tensor_rules("llama", model, device_mesh.size("tensor"))
+        model, placement = hf.create_model(path), {"devices": jax.devices()[:1]}
+    else:
+        device_mesh = jddp.device_mesh_for(strategy, mesh, mesh_devices(mesh))
+        stacked = device_mesh.stage_axis is not None
+        model = hf.create_model(path, tensor_axis=device_mesh.tensor_axis, scan_layers=stacked)
+        rules = tensor_rules("llama", model, device_mesh.size("tensor"))
+        placement = {
+            "strategy": strategy,
+            "mesh": device_mesh,
+            "rules": adapt_preset(rules, device_mesh),
+            "min_shard_size": 1,
+        }
+    optimizer = optax.sgd(LR, momentum=MOMENTUM)
     return jddp.Trainer(
-        model,
-        LM.loss_fn,
-        optax.sgd(LR, momentum=MOMENTUM),
-        input_key="inputs",
-        strategy=strategy,
-        mesh=device_mesh,
-        rules=adapt_preset(rules, device_mesh),
-        min_shard_size=1,
-        lora=lora_config,
+        model, LM.loss_fn, optimizer, input_key="inputs", lora=lora_config, **placement
     )
 
 

@@ -243,3 +243,15 @@ def test_targets_matching_nothing_and_too_large_ranks_are_one_line(base, tmp_pat
     with pytest.raises(jddp.CheckpointError, match="hold no LoRA adapters"):
         peft_format.save(params, model, LORA, str(tmp_path / "adapters"))
     assert not (tmp_path / "adapters").exists()
+
+
+def test_a_checkpoint_written_before_lora_resumes_without_it():
+    """A config saved before `lora` existed counts as lora.rank 0: no change, unless set."""
+    from jddp.run import resume
+
+    config = default_config()
+    saved = config.to_dict()
+    saved.pop("lora")
+    assert resume.config_changes(saved, config) == {}
+    config.lora.rank = 4
+    assert resume.config_changes(saved, config) == {"lora.rank": [0, 4]}

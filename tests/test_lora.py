@@ -255,3 +255,18 @@ def test_a_checkpoint_written_before_lora_resumes_without_it():
     assert resume.config_changes(saved, config) == {}
     config.lora.rank = 4
     assert resume.config_changes(saved, config) == {"lora.rank": [0, 4]}
+
+
+def test_the_planner_counts_optimizer_state_for_the_adapters_alone(base):
+    from jddp.planner import memory_model, workload
+    from jddp.planner.layouts import Layout
+
+    model, tokens = hf.create_model(base), _tokens(0)[:1, :-1]
+    full = workload.model_workload(model, tokens, BATCH, optax.adam(1e-3))
+    adapted = workload.model_workload(model, tokens, BATCH, optax.adam(1e-3), lora=LORA)
+    _, adapters = lora.split(adapted.params)
+    adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(adapters))
+    layout = Layout("zero3", fsdp=1)
+    before, after = (memory_model.state_bytes(w, layout) for w in (full, adapted))
+    assert after.params == before.params + adapter_bytes
+    assert after.optimizer - 4 == 2 * adapter_bytes < before.optimizer  # Adam's count: 4 bytes

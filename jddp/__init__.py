@@ -12,6 +12,7 @@ lays the mesh strategies out over replicas, ZeRO shards and tensor parallelism.
 
 from jddp import losses
 from jddp.checkpoints.save_restore import restore, save
+from jddp.core.lora import LoRA
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.state import TrainState
 from jddp.core.task import Task
@@ -42,6 +43,7 @@ __all__ = [
     "DeviceMesh",
     "DynamicLossScale",
     "JddpError",
+    "LoRA",
     "PlacedBatch",
     "RollbackPolicy",
     "ShapeError",

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from jddp.core.lora import LoRA
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.state import TrainState, arranged_like
 from jddp.core.task import PerExampleFn, Task, check_divisible, compute_dtype_of, init_key
@@ -84,6 +85,8 @@ class Trainer:
     `jddp/parallel/grad_reduction.py`. `collectives` ("auto", "cpu" or "native"): XLA's own
     collectives ("native", auto's choice on GPU and TPU) or XLA:CPU's and gloo's workarounds
     ("cpu", auto's choice on CPU), see `jddp/parallel/collectives.py`.
+    `lora` (`jddp.LoRA(rank, alpha, dropout, targets)`): train low-rank adapters on the targeted
+    projections and freeze every other parameter (jddp/core/lora.py).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Trainer:
         powersgd_rank: int = GradComm.powersgd_rank,
         powersgd_start_step: int = GradComm.powersgd_start_step,
         collectives: str = GradComm.collectives,
+        lora: LoRA | None = None,
     ):
         # A script started as one of a job (jddp-launch, SLURM, mpirun, Kubernetes, a TPU pod)
         # joins it here, before anything looks at the devices.
@@ -145,6 +149,7 @@ class Trainer:
             loss_scaling=loss_scaling,
             axis_aliases=aliases,
             init_comm_state=grad_comm.init_state if grad_comm.powersgd else None,
+            lora=lora,
         )
         if self.device_mesh.stage_axis and self.task.loss_scaling:
             raise ConfigError(

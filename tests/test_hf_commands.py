@@ -79,13 +79,13 @@ def _train_flags(root, workdir, checkpoint="llama"):
     return [f"--workdir={root / workdir}", *config_flags(_settings(root, checkpoint))]
 
 
-def _train(root, *flags, workdir="run"):
+def _train(root, *flags, workdir="run", **env):
     return subprocess.run(
         [sys.executable, "-m", "jddp.run.train", *_train_flags(root, workdir), *flags],
         capture_output=True,
         text=True,
         timeout=300,
-        env=checkout_env(),
+        env=checkout_env(**env),
     )
 
 
@@ -289,3 +289,41 @@ def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, capsys):
         assert error.value.exit_code == 2
         assert_one_line(error, words)
     assert snapshot(root) == before
+
+
+def test_lora_run_exports_merged_weights_and_peft_adapters(llama_dir, tmp_path):
+    """jddp-train with config.lora from hf:DIR: the base stays the checkpoint's, bit for bit;
+    `--format=hf` (merged) loads in transformers and `--format=peft` in PEFT on the original
+    checkpoint, both with the run's logits."""
+    import peft
+
+    from jddp.core.lora import LoRA, split
+    from jddp.models import Llama
+
+    one_device = os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1"
+    flags = ("--config.lora.rank=4", "--config.lora.alpha=16")
+    result = _train(llama_dir, *flags, workdir="lora", XLA_FLAGS=one_device)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = llama_dir / "lora"
+    export.export_run(str(run), str(tmp_path / "merged"), max_shard_bytes=10**9)
+    export.export_run(str(run), str(tmp_path / "peft"), max_shard_bytes=10**9, form="peft")
+    params = _final_params(run)
+    base, adapters = split(params)
+    recorded = json.loads((run / "config.json").read_text())["model_args"]
+    model = Llama(**recorded)
+    original = safetensors_in(llama_dir / "llama")
+    for name, value in hf.hf_tensors(base, model).items():
+        assert np.array_equal(value, original[name]), name
+    assert np.abs(adapters["block_0"]["attn"]["q"]["lora_B"]).max() > 0  # trained from zero
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
+    with LoRA(rank=4, alpha=16).adapting(train=False):
+        ours = model.apply({"params": params}, tokens)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    on_base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir / "llama")
+    with_adapters = peft.PeftModel.from_pretrained(on_base, tmp_path / "peft").eval()
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16
+    for theirs in (merged, with_adapters):
+        with torch.no_grad():
+            logits = theirs(torch.tensor(tokens)).logits.numpy()
+        np.testing.assert_allclose(logits, ours, atol=1e-5, rtol=1e-5)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jddp.checkpoints import hf_files, hf_models
-from jddp.core import layer_stacks
+from jddp.core import layer_stacks, lora
 from jddp.core.state import arranged_like
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import CheckpointError, ConfigError
@@ -95,18 +95,21 @@ def check(path: str, model, params) -> None:
     """A CheckpointError (one line, reading headers only) unless DIR holds every tensor of
     `model` in the shapes of `params` (arrays or shapes, per-layer or stacked)."""
     with hf_files.Reader(path, "init_from hf:") as reader:
-        lazy_params(reader, model, params)
+        lazy_params(reader, model, lora.split(params)[0])
 
 
 def load(trainer, state, path: str):
     """`state` with its parameters read from the save_pretrained directory `path` (the
-    optimizer state, step and RNG stay). `state` may be abstract (`trainer.abstract_state`)."""
+    optimizer state, step and RNG stay; so do LoRA adapters, which the checkpoint has not).
+    `state` may be abstract (`trainer.abstract_state`)."""
     if state.layer_order is not None:  # its tensors are in the model's layer order
         state = trainer.global_state(state)
+    base, adapters = lora.split(state.params)
     with hf_files.Reader(path, "Hugging Face checkpoint") as reader:
-        lazy = lazy_params(reader, trainer.task.model, state.params)
-        lazy = arranged_like(state.params, lazy, path)
-        return state.replace(params=jax.tree.map(_place, state.params, lazy))
+        lazy = lazy_params(reader, trainer.task.model, base)
+        lazy = arranged_like(base, lazy, path)
+        base = jax.tree.map(_place, base, lazy)
+    return state.replace(params=lora.joined(base, adapters))
 
 
 def _place(like, lazy) -> jax.Array:

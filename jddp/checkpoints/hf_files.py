@@ -228,9 +228,12 @@ def write(
     tensors: dict[str, np.ndarray],
     max_shard_bytes: int,
     companions: tuple[str, ...] = (),
+    files: tuple[str, str] = (CONFIG, WEIGHTS),
 ) -> None:
-    """`config.json` and the tensors (in order) as `model.safetensors`, or as shards of at most
-    `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their index, and
+    """`config.json` and the tensors (in order) as `model.safetensors` (`files` names these
+    two: PEFT's adapters are `adapter_config.json`, `adapter_model.safetensors`), or as shards
+    of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their
+    index, and
     a copy of each `companions` file (a tokenizer's, a generation config). Written into
     `PATH.partial`, this export's own (see `_claim`), made durable and renamed at the end: an
     interrupted export leaves no half directory."""
@@ -245,7 +248,7 @@ def write(
     partial = f"{path.rstrip(os.sep)}.partial"
     _claim(partial)
     try:
-        _write_into(partial, config, shards, companions)
+        _write_into(partial, config, shards, companions, files)
         os.remove(os.path.join(partial, PARTIAL_MARKER))
         atomic_write.fsync_tree(partial)
     except BaseException as e:  # a full disk, an interrupt: no half directory is left behind
@@ -320,11 +323,12 @@ def _left_by_dead_process(pid: int, host: str) -> bool:
     return False
 
 
-def _write_into(partial: str, config: dict, shards: list[dict], companions) -> None:
+def _write_into(partial: str, config: dict, shards: list[dict], companions, files) -> None:
     from safetensors.numpy import save_file
 
+    config_file, weights_file = files
     names = (
-        [WEIGHTS]
+        [weights_file]
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
@@ -336,6 +340,6 @@ def _write_into(partial: str, config: dict, shards: list[dict], companions) -> N
             "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
         atomic_write.write_json(os.path.join(partial, INDEX), index, indent=2, sort_keys=True)
-    atomic_write.write_json(os.path.join(partial, CONFIG), config, indent=2, sort_keys=True)
+    atomic_write.write_json(os.path.join(partial, config_file), config, indent=2, sort_keys=True)
     for file in companions:
         shutil.copyfile(file, os.path.join(partial, os.path.basename(file)))

@@ -4,6 +4,7 @@ Nothing here places data or talks to other devices: a strategy wraps these pure 
 placement (pmap replicas, mesh shardings) and its collectives (pmean, reduce-scatter, all-gather).
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import optax
 
 from jddp.core import layer_stacks, row_keys
 from jddp.core.layer_stacks import Stack, finding_stacks
+from jddp.core.lora import LoRA
 from jddp.core.loss_scale import DynamicLossScale
 from jddp.core.modules import ModelInputs, as_functional
 from jddp.core.slices import Slices
@@ -81,6 +83,8 @@ class Task:
     # Where the model's `Pipelined` stack of layers is (None: it has none), as `abstract_state`
     # returns it; a strategy that pipelines takes a task with it set (`dataclasses.replace`).
     stack: Stack | None = None
+    # Low-rank adapters on a frozen base (jddp/core/lora.py); None: every parameter trains.
+    lora: LoRA | None = None
 
     def __post_init__(self):
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -101,6 +105,9 @@ class Task:
         if scaling is None and self.compute_dtype == jnp.float16:
             scaling = DynamicLossScale()
         object.__setattr__(self, "loss_scaling", scaling)
+        # What updates the parameters: with LoRA the adapters alone (the base has no state).
+        tx = self.lora.optimizer(self.optimizer) if self.lora else self.optimizer
+        object.__setattr__(self, "_tx", tx)
         # Linen and NNX modules alike, as init -> (params, model_state) and apply.
         object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
         object.__setattr__(self, "inputs", ModelInputs.parse(self.input_key))
@@ -130,7 +137,7 @@ class Task:
         """(a fresh state, where the model's `Pipelined` stack is or None)."""
         params_key, dropout_key, step_key = jax.random.split(seed_key, 3)
         args, kwargs = self._call_args(sample_inputs)
-        with finding_stacks() as stacks:
+        with finding_stacks() as stacks, self.adapting(train=False):
             params, model_state = self._module.init(
                 {"params": params_key, "dropout": dropout_key}, args, kwargs
             )
@@ -143,15 +150,19 @@ class Task:
             # (layers block_i/...) and stack it, so the same seed gives the same parameters.
             # Under jit the stacked initialization above only told where the stack is.
             unrolled = as_functional(self.model.clone(scan_layers=False), self.axis_aliases)
-            params, model_state = layer_stacks.to_stacked(
-                unrolled.init({"params": params_key, "dropout": dropout_key}, args, kwargs)
-            )
+            with self.adapting(train=False):
+                variables = unrolled.init(
+                    {"params": params_key, "dropout": dropout_key}, args, kwargs
+                )
+            params, model_state = layer_stacks.to_stacked(variables)
+        if self.lora:
+            self.lora.check_found(params)
         comm_state = None
         if self.init_comm_state is not None:
             comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
         state = TrainState.create(
             params=params,
-            opt_state=self.optimizer.init(params),
+            opt_state=self._tx.init(params),
             model_state=model_state,
             rng=jax.random.key_data(step_key),
             loss_scale=self.loss_scaling.init() if self.loss_scaling else None,
@@ -184,15 +195,25 @@ class Task:
     def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
         """Model outputs in float32 and the updated mutable collections."""
         args, kwargs = self._call_args(cast_floats(self.model_inputs(batch), self.compute_dtype))
-        outputs, model_state = self._module.apply(
-            cast_floats(params, self.compute_dtype),
-            model_state,
-            args,
-            kwargs,
-            train=train,
-            rng=rng,
-        )
+        with self.adapting(train):
+            outputs, model_state = self._module.apply(
+                cast_floats(self.frozen(params), self.compute_dtype),
+                model_state,
+                args,
+                kwargs,
+                train=train,
+                rng=rng,
+            )
         return cast_floats(outputs, jnp.float32), model_state
+
+    def adapting(self, train: bool):
+        """The context in which the model's targeted modules add their LoRA adapters (none
+        without `lora`)."""
+        return self.lora.adapting(train) if self.lora else contextlib.nullcontext()
+
+    def frozen(self, params):
+        """`params` as the model sees them: with LoRA, the base without gradient."""
+        return self.lora.freeze(params) if self.lora else params
 
     def model_inputs(self, batch: Batch) -> dict:
         """The entries of `batch` the model takes."""
@@ -316,7 +337,7 @@ class Task:
             penalty, penalty_grads = jax.value_and_grad(self.regularizer)(state.params)
             grads = jax.tree.map(jnp.add, grads, penalty_grads)
             metrics["regularizer"] = penalty
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        updates, opt_state = self._tx.update(grads, state.opt_state, state.params)
         comm_state = state.comm_state if comm_state is None else comm_state
         updated = (optax.apply_updates(state.params, updates), opt_state, model_state, comm_state)
         finite = finite_loss = jnp.isfinite(metrics["loss"])

@@ -5,6 +5,7 @@ real model), FLOPs per step, and for a transformer its dimensions (what sets act
 workload is written out from the paper's dimensions with `transformer_params`.
 """
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -13,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
@@ -269,23 +271,34 @@ def decoder_dimensions(model, seq_len: int) -> Transformer:
 
 
 def model_workload(
-    model, sample_input, global_batch: int, optimizer=None, *, name: str = "model", **fields
+    model,
+    sample_input,
+    global_batch: int,
+    optimizer=None,
+    *,
+    name: str = "model",
+    lora=None,
+    **fields,
 ) -> Workload:
     """The workload of training a Flax Linen or NNX `model` on `global_batch` examples shaped
     like `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None:
-    Adam's two moments); `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
+    Adam's two moments); with `lora` (a `jddp.LoRA`), its adapters too and optimizer state for
+    them alone. `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
     from jddp.core.modules import as_functional
     from jddp.models import Decoder
     from jddp.observe import flops
 
     shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
     functional = as_functional(model)  # the trainer's view: the same parameter paths
-    params, _ = jax.eval_shape(
-        lambda x: functional.init(
-            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, (x,), {}
-        ),
-        shape,
-    )
+    with lora.adapting(train=False) if lora else contextlib.nullcontext():
+        params, _ = jax.eval_shape(
+            lambda x: functional.init(
+                {"params": jax.random.key(0), "dropout": jax.random.key(1)}, (x,), {}
+            ),
+            shape,
+        )
+    if lora:  # the trainer's optimizer: the base has no state
+        optimizer = lora.optimizer(optimizer or optax.adam(1e-3))
     transformer = None
     if isinstance(model, Decoder):
         transformer = decoder_dimensions(model, shape.shape[1])
@@ -309,6 +322,7 @@ def from_config(config) -> Workload:
     from jddp import models
     from jddp.parallel.mesh import DeviceMesh
     from jddp.run import factory, optim
+    from jddp.run.config import lora_of
 
     config = factory.with_checkpoint_model_args(config)
     dataset = factory.dataset_spec(config)
@@ -333,6 +347,7 @@ def from_config(config) -> Workload:
         config.global_batch_size,
         optim.create_optimizer(config, optim.learning_rate_schedule(config)),
         name=f"{config.model} on {config.dataset}",
+        lora=lora_of(config),
         rules_for=rules_for,
         min_shard_size=config.parallel.min_shard_size,
         grad_accum_steps=config.grad_accum_steps,

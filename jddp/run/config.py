@@ -11,6 +11,7 @@ import math
 
 import ml_collections
 
+from jddp.core.lora import LoRA
 from jddp.data.datasets import DataOptions
 from jddp.errors import ConfigError
 from jddp.observe.writers import check_writers
@@ -111,7 +112,33 @@ def default_config() -> ml_collections.ConfigDict:
     # auto | cpu | native: XLA:CPU's and gloo's workarounds (cpu) or XLA's own collectives
     # (native); auto picks by the devices' platform (jddp/parallel/collectives.py).
     c.parallel.collectives = GradComm.collectives
+    # LoRA (jddp/core/lora.py): rank 0 = off (every parameter trains); else low-rank adapters of
+    # this rank on the modules whose path (block_0/attn/q) the regex `targets` matches, scaled
+    # by alpha / rank, dropout on their input; every other parameter frozen.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0
+    c.lora.alpha = LoRA.alpha
+    c.lora.dropout = LoRA.dropout
+    c.lora.targets = LoRA.targets
     return c
+
+
+def lora_of(config) -> LoRA | None:
+    """The config's `LoRA`, or None with `lora.rank` 0; a ConfigError names a bad key."""
+    settings = config.lora
+    rank = settings.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(
+            f"lora.rank must be an integer >= 0 (0: no LoRA), got {rank!r}; set --config.lora.rank"
+        )
+    if rank == 0:
+        return None
+    return LoRA(
+        rank=settings.rank,
+        alpha=settings.alpha,
+        dropout=settings.dropout,
+        targets=settings.targets,
+    )
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -227,6 +254,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"log.writers must be a string of comma-separated names, got {config.log.writers!r}"
         )
     check_writers(config.log.writers, "log.writers")
+    if lora_of(config) and config.parallel.sequence_parallel:
+        raise ConfigError(
+            "lora does not run under parallel.sequence_parallel yet (the adapters would see "
+            "one rank's part of the sequence); set --config.parallel.sequence_parallel=False"
+        )
     for key, low in _DATA_MINIMUMS.items():
         value = config.data.get(key, low)
         if not isinstance(value, int) or value < low:

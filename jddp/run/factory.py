@@ -20,6 +20,7 @@ from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import adapt_preset
 from jddp.run import objectives, optim
+from jddp.run.config import lora_of
 from jddp.run.objectives import Objective
 from jddp.trainer import Trainer
 
@@ -157,6 +158,7 @@ def build_trainer(
         powersgd_rank=config.parallel.powersgd_rank,
         powersgd_start_step=config.parallel.powersgd_start_step,
         collectives=config.parallel.collectives,
+        lora=lora_of(config),
     )
 
 

@@ -16,6 +16,7 @@ from jddp.checkpoints.newest import NewestCheckpoint
 from jddp.core import layer_stacks
 from jddp.errors import CheckpointError, ConfigError, DataError, WorkdirError
 from jddp.models import user_models
+from jddp.run.config import default_config
 
 # Keys a resumed run may change without it counting as a config change: they decide how the run
 # is logged, evaluated, checkpointed, profiled, read from disk or placed on devices (checkpoints
@@ -93,12 +94,16 @@ def config_changes(saved: dict, config) -> dict[str, list]:
     def may_change(key: str) -> bool:
         return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
 
+    lora_defaults = _flat({"lora": default_config().lora.to_dict()})
+
     def value(side: str, values: dict, key: str):
         if key in values:
             return True, values[key]
         name = key.removeprefix("model_args.")
         if key.startswith("model_args.") and name in defaults[side]:
             return True, defaults[side][name]
+        if side == "before" and key.startswith("lora.") and key in lora_defaults:
+            return True, lora_defaults[key]  # written before jddp had LoRA: none
         return False, None
 
     changes = {}

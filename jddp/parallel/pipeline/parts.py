@@ -59,4 +59,6 @@ class ModelParts:
         if layer_key is not None:
             args = (*args, jax.random.fold_in(layer_key, index))
         key = jax.random.fold_in(rng, index)
-        return call.block.apply({"params": layer_params}, x, *args, rngs={"dropout": key})
+        with self.task.adapting(train=True):
+            params = {"params": self.task.frozen(layer_params)}
+            return call.block.apply(params, x, *args, rngs={"dropout": key})

@@ -29,10 +29,11 @@ assert jax.device_count() == 8, "conftest must run before anything imports jax"
 # Most tests compile far longer than they run (a tiny GPT's step: 7 s to compile, 20 steps in
 # under a second), so the test processes compile as `jax_disable_most_optimizations` says: the
 # same HLO program, its machine code from LLVM unoptimized (tensor- and sequence-parallel tests
-# ~25% faster). References are compiled the same way, in the same process. Tests that train for
-# real use the `optimized` fixture; child processes (the CLI, multi-process runs) compile as
-# users' runs do.
+# ~25% faster). References are compiled the same way, in the same process. The programs tests
+# start (the CLI, multi-process runs) inherit it through the environment; a test that trains for
+# real uses the `optimized` fixture, or OPTIMIZED_CHILD in its child's environment.
 jax.config.update("jax_disable_most_optimizations", True)
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
 
 
 @pytest.fixture

@@ -45,6 +45,11 @@ def small_net_trainer(
     )
 
 
+# A child's environment entry that compiles its programs as users' runs do (tests/conftest.py
+# makes every child compile unoptimized, as the test processes do).
+OPTIMIZED_CHILD = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
+
+
 def checkout_env(**extra: str) -> dict[str, str]:
     """This process's environment (8 simulated devices, the test TFDS data dir) with the checkout
     on PYTHONPATH: `experiments` is not installed, so a child run elsewhere finds it there."""

@@ -63,9 +63,6 @@ RUN_DIR_FLAGS = (
 # ... except a data file of the checkout itself (README.md as text), read where it is.
 DATA_FLAGS = ("--config.data.text_file", "--config.data.tokenizer")
 HF_PREFIX = "hf:"  # init_from="hf:DIR": a Hugging Face checkpoint directory
-# Children compile without LLVM optimization, as the test processes do (tests/conftest.py):
-# the examples check that commands run, not how fast their programs are.
-CHILD_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}
 
 
 def page_id(path: str) -> str:
@@ -163,7 +160,7 @@ def under(tmp_path, value: str, word: str) -> str:
 def run_shell_block(code: str, tmp_path, where: str, cwd=REPO) -> None:
     for command in shell_commands(code):
         words = shlex.split(command)
-        env = dict(CHILD_ENV)
+        env = {}
         while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
             name, value = words.pop(0).split("=", 1)
             env[name] = value

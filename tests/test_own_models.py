@@ -197,8 +197,7 @@ def jddp_train(config_path, *flags) -> list[str]:
 
 
 def child_env(env=None) -> dict[str, str]:
-    """Children compile without LLVM optimization, as the test processes do."""
-    return {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true", **(env or {})}
+    return {**os.environ, **(env or {})}
 
 
 def train_cli(config_path, cwd, *flags, env=None, timeout=300):

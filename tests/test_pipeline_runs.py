@@ -171,11 +171,7 @@ def test_stages_on_different_processes_train_what_one_process_trains(tmp_path):
         "    return config\n"
     )
     command = ["-m", "experiments.train", f"--config={config_file}"]
-    # Compiled as the test process compiles (conftest): what is checked is values, not speed.
-    code, output = launch(
-        2, 2, sys.executable, *command, f"--workdir={tmp_path / 'two'}",
-        env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"},
-    )  # fmt: skip
+    code, output = launch(2, 2, sys.executable, *command, f"--workdir={tmp_path / 'two'}")
     assert code == 0, output
     config = gpt_config(str(text), strategy="zero1", mesh="stage:2,data:-1")
     config.model_args.num_layers, config.checkpoint_every, config.log_every = 2, 0, 1

@@ -88,10 +88,7 @@ def test_launch_runs_python_and_console_scripts_from_its_own_environment(imposto
 def run_launched(command, cwd, impostors):
     """`jddp-launch --nproc 2 --devices_per_proc 1 -- COMMAND` in `cwd`, the impostors first on
     PATH; SIGKILLed with its children past the hard timeout."""
-    env = {
-        "PATH": f"{impostors}{os.pathsep}{os.environ.get('PATH', '')}",
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
-    }
+    env = {"PATH": f"{impostors}{os.pathsep}{os.environ.get('PATH', '')}"}
     return launch_job(
         2, 1, *command, env=env, cwd=cwd, program=JDDP_LAUNCH, timeout=HARD_TIMEOUT_SEC
     )

@@ -270,3 +270,56 @@ def test_the_planner_counts_optimizer_state_for_the_adapters_alone(base):
     before, after = (memory_model.state_bytes(w, layout) for w in (full, adapted))
     assert after.params == before.params + adapter_bytes
     assert after.optimizer - 4 == 2 * adapter_bytes < before.optimizer  # Adam's count: 4 bytes
+
+
+def test_the_chat_lora_recipe_trains_adapters_that_peft_and_transformers_load(tmp_path):
+    """experiments/configs/llama_chat_lora.py (zero3 on 8 devices) on a tiny Llama saved by
+    transformers with a Llama 3-style chat tokenizer and a jsonl of conversations: trains the
+    adapters, and its two exports, loaded by PEFT onto the checkpoint and by transformers,
+    compute the same logits, other than the base's."""
+    import json
+
+    from experiments.configs import llama_chat_lora
+    from jddp.run import export
+    from jddp.run.experiment import train_and_evaluate
+    from tests.chat_tokenizer import LLAMA3, save_chat_tokenizer
+
+    torch.manual_seed(0)
+    checkpoint = str(tmp_path / "llama")
+    transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=384)).save_pretrained(checkpoint)
+    save_chat_tokenizer(checkpoint, LLAMA3)
+    chats = tmp_path / "chat.jsonl"
+    rows = [
+        [{"role": "user", "content": f"What is the capital of {c}?"},
+         {"role": "assistant", "content": f"The capital of {c} is {city}."}]
+        for c, city in [("France", "Paris"), ("Italy", "Rome")] * 8
+    ]  # fmt: skip
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    config = configured(
+        llama_chat_lora.get_config(),
+        {"init_from": f"hf:{checkpoint}", "data.tokenizer": checkpoint, "dataset": f"jsonl:{chats}",
+         "data.seq_len": 32, "global_batch_size": 8, "num_train_steps": 2, "warmup_steps": 0,
+         "eval_every": 2, "checkpoint_every": 2, "log.writers": "",
+         "compute_dtype": "float32", "model_args.remat": False},
+    )  # fmt: skip
+    train_and_evaluate(config, str(tmp_path / "run"))
+    export.export_run(str(tmp_path / "run"), str(tmp_path / "merged"), max_shard_bytes=10**9)
+    export.export_run(
+        str(tmp_path / "run"), str(tmp_path / "peft"), max_shard_bytes=10**9, form="peft"
+    )
+
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (adapter_config["r"], adapter_config["lora_alpha"]) == (16, 32)
+    tokens = torch.tensor(np.random.default_rng(0).integers(0, 384, (2, 16)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        before = base(tokens).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+        theirs = adapted(tokens).logits.numpy()
+    targeted = {name.split(".")[-1] for name in adapted.base_model.targeted_module_names}
+    assert targeted == set(HF_TARGETS)  # every attention and MLP projection
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        ours = merged(tokens).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert np.abs(ours - before).max() > 1e-4  # the adapters moved from B = 0

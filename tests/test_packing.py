@@ -1,8 +1,8 @@
 """Packing (`data.packing=true`, jddp/data/packing.py): several instruction examples per row,
 kept apart by segment ids and positions that restart per example, train what the same examples
-padded one per row train: on one device (GPT's learned positions, Llama's rotary ones with and
-without a sliding window shorter than an example) and on 8 devices with a context axis (the
-ring); the rows save padding; bad settings are one line."""
+padded one per row train: on one device (GPT's learned positions, Llama's rotary ones with a
+sliding window shorter than most examples), on 8 devices with a context axis (the ring) and with
+tensor and sequence parallelism; the rows save padding; bad settings are one line."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import jddp
 from jddp import data, models
 from jddp.data import packing
 from jddp.errors import ConfigError
+from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.objectives import objective_for
 from tests.chat_tokenizer import LLAMA3, save_chat_tokenizer
@@ -121,11 +122,11 @@ def test_rows_are_packed_greedily_in_order_and_save_padding(splits):
     assert f"{1 - used / (14 * (SEQ_LEN + 1)):.1%} with one example per row" in line
 
 
-@pytest.mark.parametrize("family,window", [("gpt", 0), ("llama", 0), ("llama", WINDOW)])
+@pytest.mark.parametrize("family,window", [("gpt", 0), ("llama", WINDOW)])
 def test_packed_rows_train_what_padded_rows_train_on_one_device(splits, family, window):
-    """Learned (GPT) and rotary (Llama) positions, and a window of 5 keys: 3 SGD steps on the
-    packed rows give the padded rows' losses and parameters within 1e-5; without the segment
-    ids the same rows train something else."""
+    """Learned positions (GPT), rotary ones with a window shorter than most examples (Llama):
+    3 SGD steps on the packed rows give the padded rows' losses and parameters within 1e-5;
+    without the segment ids the same rows train something else."""
     spec, padded, packed, _ = splits
     model = model_for(spec, family, window)
     initial, expected, expected_losses = reference_run(model, batches_of(padded))
@@ -134,17 +135,19 @@ def test_packed_rows_train_what_padded_rows_train_on_one_device(splits, family, 
     )
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(params, expected)
-    if family == "llama" and not window:  # without segment ids the examples see each other
+    if family == "gpt":  # without segment ids the examples see each other
         batch = {k: v for k, v in batches_of(packed).items() if k != "segment_ids"}
         crossing = lambda p, s, b: packed_loss(model)(p, s, b | {"segment_ids": None})  # noqa: E731
         _, _, losses = plain_training(crossing, initial, {}, optax.sgd(LR), [batch] * STEPS)
         assert abs(losses[0] - expected_losses[0]) > 1e-3  # seen: 5e-3
 
 
-def test_packed_rows_train_what_padded_rows_train_on_a_context_ring(splits):
-    """Llama with a sliding window of 5 on context:2,fsdp:4 (ring attention, segment ids split
-    over the context axis as the tokens are), routed by the spec's input_key: 3 steps equal the
-    padded rows' plain loop within 1e-5."""
+@pytest.mark.parametrize("mesh", ["context:2,fsdp:4", "data:2,fsdp:2,tensor:2"])
+def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh):
+    """Llama with a sliding window shorter than most examples on context:2,fsdp:4 (ring
+    attention, segment ids split over the context axis as the tokens are) and on
+    data:2,fsdp:2,tensor:2 with sequence parallelism, routed by the spec's input_key: 3 steps
+    equal the padded rows' plain loop within 1e-5."""
     spec, padded, packed, _ = splits
     batch = batches_of(packed)
     rows = -len(batch["inputs"]) % 4  # whole rows of padding, so that fsdp:4 splits the rows
@@ -152,27 +155,25 @@ def test_packed_rows_train_what_padded_rows_train_on_a_context_ring(splits):
              batch.items()}  # fmt: skip
     model = model_for(spec, "llama", WINDOW)
     initial, expected, expected_losses = reference_run(model, batches_of(padded))
-    mesh = device_mesh_for("zero3", "context:2,fsdp:4", jax.devices())
-    objective = objective_for(spec.kind, masked=True)
+    mesh = device_mesh_for("zero3", mesh, jax.devices())
+    layout = {"context_axis": "context"} if mesh.context_axis else {"sequence_parallel": True}
 
-    def run(model_inputs):
-        trainer = jddp.Trainer(
-            model.clone(context_axis="context", context_attention="ring"),
-            objective.loss_fn,
-            optax.sgd(LR),
-            input_key=model_inputs,
-            strategy="zero3",
-            mesh=mesh,
-            min_shard_size=1,
-        )
-        state = trainer.replace_state(trainer.init(0, batch), params=initial)
-        losses = []
-        for _ in range(STEPS):
-            state, metrics = trainer.step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return trainer.host_state(state).params, losses
-
-    params, losses = run(spec.model_inputs)
+    trainer = jddp.Trainer(
+        model.clone(tensor_axis=mesh.tensor_axis, **layout),
+        objective_for(spec.kind, masked=True).loss_fn,
+        optax.sgd(LR),
+        input_key=spec.model_inputs,
+        strategy="zero3",
+        mesh=mesh,
+        rules=adapt_preset(models.tensor_rules("llama", model, mesh.size("tensor")), mesh),
+        min_shard_size=1,
+    )
+    state = trainer.replace_state(trainer.init(0, batch), params=initial)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = trainer.host_state(state).params
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(params, expected)
 

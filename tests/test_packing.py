@@ -12,8 +12,10 @@ import pytest
 
 import jddp
 from jddp import data, models
+from jddp.core import layer_stacks
 from jddp.data import packing
 from jddp.errors import ConfigError
+from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.objectives import objective_for
@@ -142,12 +144,20 @@ def test_packed_rows_train_what_padded_rows_train_on_one_device(splits, family, 
         assert abs(losses[0] - expected_losses[0]) > 1e-3  # seen: 5e-3
 
 
-@pytest.mark.parametrize("mesh", ["context:2,fsdp:4", "data:2,fsdp:2,tensor:2"])
-def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh):
+@pytest.mark.parametrize(
+    "mesh,pipeline",
+    [
+        ("context:2,fsdp:4", None),
+        ("data:2,fsdp:2,tensor:2", None),
+        ("stage:2,fsdp:4", PipelineOptions(2, "1f1b")),
+    ],
+)
+def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh, pipeline):
     """Llama with a sliding window shorter than most examples on context:2,fsdp:4 (ring
     attention, segment ids split over the context axis as the tokens are) and on
-    data:2,fsdp:2,tensor:2 with sequence parallelism, routed by the spec's input_key: 3 steps
-    equal the padded rows' plain loop within 1e-5."""
+    data:2,fsdp:2,tensor:2 with sequence parallelism, and 1F1B on stage:2,fsdp:4 (each
+    micro-batch's ids go with it to every stage), routed by the spec's input_key: 3 steps equal
+    the padded rows' plain loop within 1e-5."""
     spec, padded, packed, _ = splits
     batch = batches_of(packed)
     rows = -len(batch["inputs"]) % 4  # whole rows of padding, so that fsdp:4 splits the rows
@@ -157,6 +167,7 @@ def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh)
     initial, expected, expected_losses = reference_run(model, batches_of(padded))
     mesh = device_mesh_for("zero3", mesh, jax.devices())
     layout = {"context_axis": "context"} if mesh.context_axis else {"sequence_parallel": True}
+    layout["scan_layers"] = pipeline is not None
 
     trainer = jddp.Trainer(
         model.clone(tensor_axis=mesh.tensor_axis, **layout),
@@ -167,34 +178,21 @@ def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh)
         mesh=mesh,
         rules=adapt_preset(models.tensor_rules("llama", model, mesh.size("tensor")), mesh),
         min_shard_size=1,
+        pipeline=pipeline,
     )
-    state = trainer.replace_state(trainer.init(0, batch), params=initial)
+    stacked = pipeline is not None  # a stage holds its layers stacked: the same parameters
+    start = layer_stacks.to_stacked(initial) if stacked else initial
+    state = trainer.replace_state(trainer.init(0, batch), params=start)
     losses = []
     for _ in range(STEPS):
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     params = trainer.host_state(state).params
+    params = layer_stacks.to_per_layer(params) if stacked else params
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(params, expected)
 
 
-def test_bad_packing_settings_are_one_line(splits):
-    """Packing data that has no examples to keep apart, and a pipeline given packed rows."""
+def test_packing_data_without_examples_is_one_line():
     with pytest.raises(ConfigError, match=r"^data.packing=true packs instruction data.*clear"):
         data.get_dataset("digits", options=data.DataOptions(packing=True))
-    spec, _, packed, _ = splits
-    model = model_for(spec, "llama", scan_layers=True)
-    mesh = device_mesh_for("zero3", "stage:2,fsdp:4", jax.devices())
-    trainer = jddp.Trainer(
-        model,
-        objective_for(spec.kind, masked=True).loss_fn,
-        optax.sgd(LR),
-        input_key=spec.model_inputs,
-        strategy="zero3",
-        mesh=mesh,
-        min_shard_size=1,
-    )
-    batch = batches_of(packed)
-    batch = {name: np.concatenate([x, x[:1]]) for name, x in batch.items()}  # 8 rows
-    with pytest.raises(ConfigError, match=r"^a pipeline \(a stage axis\) takes per-row arrays"):
-        trainer.step(trainer.init(0, batch), batch)

@@ -75,13 +75,6 @@ class Pipelined(nn.Module):
         if isinstance(split, _Capture) and not self.is_initializing():
             if split.call is not None:
                 raise ConfigError("a pipelined model may hold one Pipelined stack, not several")
-            if any(isinstance(a, jax.Array) for a in jax.tree.leaves(args)):
-                # The engine replays the arguments of one trace on every micro-batch.
-                raise ConfigError(
-                    "a pipeline (a stage axis) takes per-row arrays beside its stack's input, "
-                    "such as packed documents' segment_ids, not yet; remove the stage axis or "
-                    "set data.packing=false"
-                )
             block = self.block.clone(parent=None, name=None)
             split.call = StackCall(block, x, args, self.block.path, self.num_layers, layer_key)
             return x  # what follows runs on this, and is discarded

@@ -66,12 +66,13 @@ def test_training_equals_one_device(mesh, strategy, attention, positions, seq, s
     tiny_gpt.assert_copies_identical(state)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_ring_attention_and_its_gradient_equal_plain_attention(window):
+@pytest.mark.parametrize("window,packed", [(0, False), (5, False), (5, True)])
+def test_ring_attention_and_its_gradient_equal_plain_attention(window, packed):
     """The building block alone, on rings of 2 and 8 and grouped-query heads, without and with
-    a sliding window of 5 keys (which spans 2 to 3 of the ring's chunks): outputs and the
+    a sliding window of 5 keys (which spans 2 to 3 of the ring's chunks), and with packed
+    documents (segment ids whose boundaries fall inside and between chunks): outputs and the
     gradients of q, k and v equal jax.nn.dot_product_attention's on the whole sequence (its
-    window (4, 0): a query at i sees keys i - 4 .. i)."""
+    window (4, 0): a query at i sees keys i - 4 .. i; the documents as its mask)."""
     rows, seq, heads, kv_heads, dim = 2, 32, 4, 2, 8
     rng = np.random.default_rng(0)
     q, k, v = (
@@ -79,13 +80,21 @@ def test_ring_attention_and_its_gradient_equal_plain_attention(window):
         for h in (heads, kv_heads, kv_heads)
     )
 
+    segments = None
+    if packed:  # documents of 3 to 13 tokens; the second row ends in padding
+        segments = jnp.asarray(np.cumsum(np.eye(seq, dtype=np.int32)[[0, 3, 9, 22]].sum(0)))
+        segments = jnp.stack([segments, jnp.where(jnp.arange(seq) < 27, 5 - segments, 0)])
+
     def loss(attend, q, k, v):
         return jnp.sum(jnp.sin(attend(q, k, v)))
 
     local_window = (window - 1, 0) if window else None
+    mask = None if segments is None else segments[:, None, :, None] == segments[:, None, None]
 
     def plain(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, local_window_size=local_window
+        )
 
     expected = jax.value_and_grad(lambda *a: loss(plain, *a), argnums=(0, 1, 2))(q, k, v)
     for size in (2, 8):
@@ -97,12 +106,13 @@ def test_ring_attention_and_its_gradient_equal_plain_attention(window):
         for how in context.IMPLEMENTATIONS:
 
             def attend(q, k, v, how=how, mesh=mesh, order=order):
-                def local(q, k, v):
-                    split = [context.split_sequence(x) for x in (q, k, v)]
-                    return context.attention(*split, "context", how, window)
+                def local(q, k, v, *segments):
+                    split = [context.split_sequence(x) for x in (q, k, v, *segments)]
+                    return context.attention(*split[:3], "context", how, window, *split[3:])
 
                 out = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(None, "context"))
-                return out(q, k, v)[:, np.argsort(order)]
+                ids = () if segments is None else (segments,)
+                return out(q, k, v, *ids)[:, np.argsort(order)]
 
             value, grads = jax.jit(
                 jax.value_and_grad(lambda *a, attend=attend: loss(attend, *a), argnums=(0, 1, 2))

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from jddp.data import instruction, text, token_file, transforms, user_data
+from jddp.data import instruction, packing, text, token_file, transforms, user_data
 from jddp.data import tokenizer as tokenizer_lib
 from jddp.data.cache import decoded_split, is_decoded
 from jddp.data.chat_template import ChatTemplate, load_chat_template
@@ -64,6 +64,9 @@ class DataOptions:
     # Instruction data: the tokens the loss counts, completion (the assistant's) | all; "" =
     # completion for instruction data (plain text counts every token).
     loss_on: str = ""
+    # Instruction data: several examples per row of seq_len + 1 tokens, attention kept within
+    # each (packing.py); false: one example per row, padded.
+    packing: bool = False
     threads: int = 1  # loader threads
     workers: int = 0  # loader processes (0: none, the threads of this process load)
     device_prefetch: int = 2  # batches placed on the devices ahead of the step
@@ -106,6 +109,12 @@ class DatasetSpec:
     tokenizer: tokenizer_lib.TextTokenizer | None = None  # data.tokenizer; None: characters
     loss_mask: bool = False  # instruction data: batches say which targets count (`loss_mask`)
     chat_template: ChatTemplate | None = dataclasses.field(default=None, compare=False, repr=False)
+    packed: bool = False  # instruction data packed: batches carry segment_ids and positions
+
+    @property
+    def model_inputs(self):
+        """The model's `input_key`: `input_key`, or a decoder's three entries when packed."""
+        return dict(instruction.PACKED_INPUTS) if self.packed else self.input_key
 
     def decode(self, tokens) -> str:
         """A language model's token ids back to text: by the tokenizer, else the vocabulary."""
@@ -196,6 +205,7 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
         if own.instruction:
             return _instruction_spec(own, tokenizer, options)
         _check_no_completion(options, name)
+        _check_no_packing(options, name)
         if tokenizer is not None and not own.language_model:
             where = f"the input {own.input_key!r} of {name} (not text)"
             raise ConfigError(_tokenizer_needs_text(where, own=True))
@@ -212,6 +222,7 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             "own data: npz:PATH, jsonl:PATH, parquet:PATH, hf:PATH, package.module:function"
         )
     _check_no_completion(options, name)
+    _check_no_packing(options, name)
     spec = DATASETS[name]
     if name == "text_file":
         vocabulary = text.scan_text_file(text_file).vocabulary
@@ -227,6 +238,15 @@ def _check_no_completion(options: DataOptions, name: str) -> None:
             f"data.loss_on=completion applies to instruction data (a messages column, or prompt "
             f"and completion); dataset {name!r} has no completion, and its loss counts every "
             "token: clear data.loss_on"
+        )
+
+
+def _check_no_packing(options: DataOptions, name: str) -> None:
+    if options.packing:
+        raise ConfigError(
+            f"data.packing=true packs instruction data (a messages column, or prompt and "
+            f"completion), one example per document; dataset {name!r} is not, and its text "
+            "already fills every window of seq_len: clear data.packing"
         )
 
 
@@ -246,7 +266,7 @@ def _instruction_spec(own: user_data.OwnData, tokenizer, options: DataOptions) -
         own.name, LANGUAGE_MODEL, tokenizer.vocab_size, None,
         functools.partial(_fixed, instruction.MaskedNextTokens()), input_key="inputs",
         target_key="targets", own=own, tokenizer=tokenizer, loss_mask=True,
-        chat_template=template,
+        chat_template=template, packed=options.packing,
     )  # fmt: skip
 
 
@@ -443,6 +463,9 @@ def _instruction_splits(spec, options, transform) -> Dataset:
         for table in (own.train, own.eval)
     ]
     logging.info("%s", instruction.summary(spec.name, own.instruction, *tokenized, loss_on))
+    if spec.packed:
+        tokenized = [packing.PackedRows(rows) for rows in tokenized]
+        logging.info("%s", packing.summary(spec.name, tokenized[0]))
     train, test = tokenized
     return Dataset(spec, train, test, transform)
 

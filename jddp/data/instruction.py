@@ -33,6 +33,9 @@ from jddp.losses import LOSS_MASK
 MESSAGES, PROMPT, COMPLETION = "messages", "prompt", "completion"
 LOSS_ON = ("completion", "all")  # data.loss_on; "" = completion
 _CHUNK = 1024  # rows rendered and encoded at a time
+SEGMENT_IDS, POSITIONS = "segment_ids", "positions"  # packed batches' entries
+# A decoder's inputs from a packed batch (jddp.core.modules.ModelInputs)
+PACKED_INPUTS = {"tokens": "inputs", SEGMENT_IDS: SEGMENT_IDS, POSITIONS: POSITIONS}
 
 
 def check_loss_on(value) -> None:
@@ -112,12 +115,18 @@ class InstructionRows:
 @dataclasses.dataclass(frozen=True)
 class MaskedNextTokens:
     """Rows of tokens to `inputs`, `targets` (shifted by one) and the targets' `loss_mask`
-    (1.0 where a target counts)."""
+    (1.0 where a target counts). Packed rows (packing.py) also give the inputs' `segment_ids`
+    and `positions`, and no target counts that starts another example."""
 
     def __call__(self, batch, keys=None) -> dict[str, np.ndarray]:
         tokens = np.asarray(batch["tokens"], np.int32)
         counted = np.asarray(batch["counted"], np.float32)
-        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], LOSS_MASK: counted[:, 1:]}
+        out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], LOSS_MASK: counted[:, 1:]}
+        if "segments" in batch:
+            segments = np.asarray(batch["segments"], np.int32)
+            out[LOSS_MASK] = out[LOSS_MASK] * (segments[:, 1:] == segments[:, :-1])
+            out[SEGMENT_IDS], out[POSITIONS] = segments[:, :-1], batch["positions"][:, :-1]
+        return out
 
 
 def tokenize(

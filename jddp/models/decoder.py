@@ -11,6 +11,7 @@ block and which norm it uses (`block_parts`); the rest is here.
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -54,6 +55,16 @@ class Linear(nn.Module):
         return y if bias is None else y + bias
 
 
+class Documents(NamedTuple):
+    """Packed documents: each row holds several, end to end. `segment_ids` (rows, seq): 1, 2,
+    ... per document, 0 for padding; attention never crosses from one id to another.
+    `positions` (rows, seq): each token's position in its document, from 0 at its start
+    (None: the row's). Under context parallelism, the rank's chunks of both."""
+
+    segment_ids: jax.Array | None
+    positions: jax.Array | None
+
+
 def token_positions(seq_len: int, context: tuple[str, str] | None) -> jax.Array:
     """The true positions of a call's `seq_len` tokens: 0 .. seq_len - 1, or under context
     parallelism (`context` = (axis, attention)) those of the rank's two chunks."""
@@ -73,6 +84,7 @@ def causal_attention(
     *,
     rope_scaling=None,
     window: int = 0,
+    documents: Documents | None = None,
 ):
     """Causal softmax attention of q (batch, seq, heads, head_dim) over k, v (batch, seq,
     kv_heads, head_dim); query head n reads key/value head n // (heads / kv_heads). Rotary
@@ -81,38 +93,48 @@ def causal_attention(
     before it only (transformers' sliding window). Under context parallelism (`context` =
     (axis, attention)) the sequence is the rank's two chunks and attention sees every rank's
     keys (jddp/parallel/context.py); `kv_split`: whether keys and values are split over a
-    tensor axis as the queries are (else every tensor rank holds all of them)."""
+    tensor axis as the queries are (else every tensor rank holds all of them). `documents`:
+    packed documents' ids (no query sees another document's keys) and positions (rotary's)."""
     mesh = jax.sharding.get_abstract_mesh()
     if context and mesh.shape[context[0]] == 1:
         context = None  # a ring of one: the plain kernel holds less than the online softmax
-    positions = token_positions(q.shape[1], context)
+    segments, positions = documents or (None, None)
+    if positions is None:
+        positions = token_positions(q.shape[1], context)
     if rope_base is not None:
         q, k = (rotary(x, positions, rope_base, rope_scaling) for x in (q, k))
     if context is None:
         # (left, right): a query at i sees keys i - left .. i (cuDNN: a window of left + 1)
         local = (window - 1, 0) if 0 < window < q.shape[1] else None
+        # jax hands cuDNN a mask as an additive bias (its packed-layout offsets are not public)
+        mask = None if segments is None else segments[:, None, :, None] == segments[:, None, None]
         return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, local_window_size=local, implementation=impl
+            q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=impl
         )
     axis, how = context
     tensor = [a for a in mesh.axis_names if a not in mesh.manual_axes]
     if not tensor:
-        return context_parallel.attention(q, k, v, axis, how, window)
+        return context_parallel.attention(q, k, v, axis, how, window, segments)
     # Heads split over tensor, which the compiler partitions: the ring runs on each tensor
     # rank's heads under a shard_map manual over it too, so its messages stay that rank's own.
     heads = P(None, None, tuple(tensor), None)
 
-    def local(q, k, v):
+    def local(q, k, v, *segments):
         if not kv_split:  # every rank holds all key/value heads: pick its query heads' ones
             group = q.shape[2] * math.prod(mesh.shape[a] for a in tensor) // k.shape[2]
             first = lax.axis_index(tuple(tensor)) * q.shape[2]
             k, v = (jnp.take(x, (first + jnp.arange(q.shape[2])) // group, axis=2) for x in (k, v))
-        return context_parallel.attention(q, k, v, axis, how, window)
+        return context_parallel.attention(q, k, v, axis, how, window, *segments)
 
     kv = heads if kv_split else P()
+    ids = () if segments is None else (segments,)  # every tensor rank holds all of them
     return jax.shard_map(
-        local, in_specs=(heads, kv, kv), out_specs=heads, axis_names=set(tensor), check_vma=False
-    )(q, k, v)
+        local,
+        in_specs=(heads, kv, kv) + (P(),) * len(ids),
+        out_specs=heads,
+        axis_names=set(tensor),
+        check_vma=False,
+    )(q, k, v, *ids)
 
 
 class Block(nn.Module):
@@ -131,13 +153,20 @@ class Block(nn.Module):
     stream_spec: P | None = None
 
     @nn.compact
-    def __call__(self, x, train: bool, key: jax.Array | None = None):
+    def __call__(
+        self,
+        x,
+        train: bool,
+        documents: Documents | None = None,
+        key: jax.Array | None = None,
+    ):
         def dropout(h, index):
             rng = None if key is None else jax.random.fold_in(key, index)
             return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
 
         x = self._pinned(x)
-        x = self._pinned(x + dropout(self.attention(name="attn")(self.norm(name="ln_1")(x)), 0))
+        attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
+        x = self._pinned(x + dropout(attended, 0))
         return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
 
     def _pinned(self, x):
@@ -164,6 +193,12 @@ class Decoder(nn.Module):
     `context_axis` (set by jddp from the mesh): under a strategy's step each call holds its
     context rank's two chunks of every sequence, and attention (`context_attention`: ring or
     all_gather) sees the whole sequence (jddp/parallel/context.py).
+
+    Packed rows (several documents per row, as `data.packing` makes them): `segment_ids`
+    (batch, seq_len), 1, 2, ... per document and 0 for padding, keeps every token's attention
+    within its document on every path; `positions` (batch, seq_len), each token's position in
+    its document, feeds the learned or rotary positions. A batch routes them with
+    `input_key={"tokens": "inputs", "segment_ids": "segment_ids", "positions": "positions"}`.
     """
 
     vocab_size: int
@@ -215,13 +250,21 @@ class Decoder(nn.Module):
         return INIT_STD / (2 * self.num_layers) ** 0.5
 
     @nn.compact
-    def __call__(self, tokens, train: bool = False):
+    def __call__(self, tokens, train: bool = False, *, segment_ids=None, positions=None):
         cls = type(self).__name__
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ShapeError(
                 f"{cls} takes integer token ids of shape (batch, seq_len), got {tokens.dtype} "
                 f"{tokens.shape}; feed the dataset's 'inputs' (input_key='inputs')"
             )
+        for name, ids in (("segment_ids", segment_ids), ("positions", positions)):
+            if ids is not None and ids.shape != tokens.shape:
+                raise ShapeError(
+                    f"{cls} takes {name} of the tokens' shape {tokens.shape}, got {ids.shape}; "
+                    f"feed the packed batch's {name!r} beside its 'inputs'"
+                )
+        given = segment_ids is not None or positions is not None
+        documents = Documents(segment_ids, positions) if given else None
         seq_len = tokens.shape[1]
         context = self._context_in_mesh()
         whole = seq_len * (jax.sharding.get_abstract_mesh().shape[context[0]] if context else 1)
@@ -250,7 +293,12 @@ class Decoder(nn.Module):
                 (self.max_seq_len, self.embed_dim),
             )
             # A slice where the positions are 0 .. seq_len - 1: its backward needs no indices.
-            part = table[token_positions(seq_len, context)] if context else table[:seq_len]
+            if positions is not None:  # each packed document's own, from 0
+                part = table[positions]
+            elif context:
+                part = table[token_positions(seq_len, context)]
+            else:
+                part = table[:seq_len]
             x = x + part.astype(x.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
@@ -260,11 +308,12 @@ class Decoder(nn.Module):
         # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
         layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
         if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
-            x = Pipelined(block(name=STACKED), self.num_layers)(x, train, layer_key=layer_key)
+            stack = Pipelined(block(name=STACKED), self.num_layers)
+            x = stack(x, train, documents, layer_key=layer_key)
         else:
             for i in range(self.num_layers):
                 key = None if layer_key is None else jax.random.fold_in(layer_key, i)
-                x = block(name=f"{PER_LAYER}{i}")(x, train, key)
+                x = block(name=f"{PER_LAYER}{i}")(x, train, documents, key)
         x = norm(name="ln_f")(x)
         init = nn.initializers.normal(INIT_STD)
         if self.tie_embeddings and sequence_axis:

@@ -57,14 +57,16 @@ class CausalSelfAttention(nn.Module):
     context: tuple[str, str] | None = None  # (axis, attention) under context parallelism
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, documents=None):
         batch, seq_len, width = x.shape
         head_dim = width // self.num_heads
         init = nn.initializers.normal(INIT_STD)
         qkv = Linear(3 * width, init, "column", self.sequence_axis, name="qkv")(x)
         qkv = qkv.reshape(batch, seq_len, self.num_heads, 3, head_dim)
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-        y = causal_attention(q, k, v, self.rope_base, self.attention_impl, self.context)
+        y = causal_attention(
+            q, k, v, self.rope_base, self.attention_impl, self.context, documents=documents
+        )
         out_init = nn.initializers.normal(self.residual_init_std)
         out = Linear(width, out_init, "row", self.sequence_axis, name="out")
         return out(y.reshape(batch, seq_len, width))

@@ -60,7 +60,7 @@ class GroupedQueryAttention(nn.Module):
     window: int = 0  # sliding window (0: none)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, documents=None):
         batch, seq_len, width = x.shape
         init = nn.initializers.normal(INIT_STD)
         axis, bias = self.sequence_axis, self.use_bias or self.qkv_bias
@@ -86,6 +86,7 @@ class GroupedQueryAttention(nn.Module):
             self.kv_split,
             rope_scaling=self.rope_scaling,
             window=self.window,
+            documents=documents,
         ).reshape(batch, seq_len, self.num_heads * self.head_dim)
         out_init = nn.initializers.normal(self.residual_init_std)
         return Linear(width, out_init, "row", axis, self.use_bias, name="out")(y)

@@ -138,11 +138,12 @@ def rotary(
 ) -> jax.Array:
     """x (batch, seq, heads, head_dim) with rotary positions: pairs of channels (i, i +
     head_dim/2) rotated by position x frequency (Hugging Face's `rotate_half` layout), the
-    frequencies scaled as `scaling` says."""
+    frequencies scaled as `scaling` says. `positions`: (seq,), or (batch, seq) per row (packed
+    documents, each from 0)."""
     half = x.shape[-1] // 2
     inverse, factor = frequencies(x.shape[-1], base, scaling)
-    angles = positions[:, None].astype(jnp.float32) * jnp.asarray(inverse)  # (seq, half)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inverse)  # (..., seq, half)
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)

@@ -29,6 +29,12 @@ blocks the window hides entirely: those of ranks r with (|c - r| - 1) n + 1 >= w
 nearest of their keys is that far behind c's nearest query), so a rank computes about
 window / n blocks, not C.
 
+Packed documents (`segment_ids`: rows of documents laid end to end, one id per document) join
+every mask with segment equality: a query sees a key of its own document only. The ids are split
+over the context axis as the tokens are (`split_batch` cuts every entry of the sequence's
+length), travel the ring beside their keys (all_gather: are gathered with them), and the masks
+stay causal by the row's true positions, within which a document's tokens are contiguous.
+
 Everything here runs inside a `shard_map` that is manual over the context axis (jddp's mesh
 strategies run their per-device program so); the functions read the rank from `lax.axis_index`.
 """
@@ -136,10 +142,18 @@ def check_model(model, axis: str = AXIS) -> None:
 
 # --------------------------------------------------------------------------------- attention
 def attention(
-    q, k, v, axis: str = AXIS, implementation: str = "ring", window: int = 0
+    q,
+    k,
+    v,
+    axis: str = AXIS,
+    implementation: str = "ring",
+    window: int = 0,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal softmax attention over the whole sequence for this rank's queries (within a
-    sliding `window` of keys when > 0).
+    sliding `window` of keys when > 0; within its own document when `segment_ids` (rows, 2n),
+    this rank's part of the rows' document ids, are given: a query sees a key only where their
+    ids are equal).
 
     q (rows, 2n, heads, head_dim); k, v (rows, 2n, kv_heads, head_dim): this rank's tokens in the
     balanced layout (`split_sequence`), positions already applied (rotary). Query head h reads
@@ -157,9 +171,9 @@ def attention(
     qg = _grouped(q.astype(jnp.float32), groups)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     if implementation == "all_gather":
-        out = _all_gather_attention(qg, k, v, axis, window)
+        out = _all_gather_attention(qg, k, v, axis, window, segment_ids)
     else:
-        out = _ring(qg, k, v, axis, window)
+        out = _ring(qg, k, v, segment_ids, axis, window)
     return _ungrouped(out).astype(q.dtype)
 
 
@@ -186,13 +200,30 @@ def visible(query_positions, key_positions, window: int = 0) -> jax.Array:
     return seen & (behind < window) if window else seen
 
 
-def _all_gather_attention(q, k, v, axis, window):
+def same_document(query_segments, key_segments) -> jax.Array:
+    """(rows, 1, 1, queries, keys) booleans, broadcasting over grouped scores: which key is in
+    its query's document (equal segment ids)."""
+    return (query_segments[:, :, None] == key_segments[:, None, :])[:, None, None]
+
+
+def _joined(seen, query_segments, key_segments):
+    """The mask `seen` (or None: all) joined with the documents' (None: no segment ids)."""
+    if query_segments is None:
+        return seen
+    same = same_document(query_segments, key_segments)
+    return same if seen is None else seen & same
+
+
+def _all_gather_attention(q, k, v, axis, window, segments):
     rank, size = _rank_and_size(axis)
     chunk = q.shape[3] // 2
     keys = lax.all_gather(k, axis, axis=SEQUENCE, tiled=True)
     values = lax.all_gather(v, axis, axis=SEQUENCE, tiled=True)
     key_positions = jnp.concatenate([chunk_positions(r, size, chunk) for r in range(size)])
     seen = visible(chunk_positions(rank, size, chunk), key_positions, window)
+    if segments is not None:
+        key_segments = lax.all_gather(segments, axis, axis=SEQUENCE, tiled=True)
+        seen = _joined(seen, segments, key_segments)
     s = jnp.where(seen, _scores(q, keys), _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhgqk,bkhd->bhgqd", p, values)
@@ -264,25 +295,37 @@ def _inside_stage_conditionals() -> bool:
     return jax.default_backend() == "cpu" and "stage" in manual
 
 
-def _ring_forward(q, k, v, axis, window):
+def _front_segments(segments, chunk):
+    return None if segments is None else segments[:, :chunk]
+
+
+def _back_segments(segments, chunk):
+    return None if segments is None else segments[:, chunk:]
+
+
+def _ring_forward(q, k, v, segments, axis, window):
     rank, size = _rank_and_size(axis)
     chunk, dim = q.shape[3] // 2, k.shape[-1]
     zeros = jnp.zeros(q.shape[:-1], jnp.float32)
     state = (jnp.zeros_like(q), jnp.full_like(zeros, _MASKED), zeros)
-    state = _fold(state, q, k, v, _diagonal_mask(rank, size, chunk, window))
-    block = jnp.concatenate([k, v], axis=-1)  # one message a hop
+    diagonal = _joined(_diagonal_mask(rank, size, chunk, window), segments, segments)
+    state = _fold(state, q, k, v, diagonal)
+    # One message a hop: keys and values, and their document ids beside them.
+    block = (jnp.concatenate([k, v], axis=-1), segments)
     for hop in range(1, size):
         block = _hop(axis, size, block)
         source = (rank - hop) % size
         seen_earlier, seen_later = _hop_masks(rank, source, size, chunk, window)
 
         def earlier(state, block, seen=seen_earlier):  # every query sees the front chunk
-            front = block[:, :chunk]
+            front, theirs = block[0][:, :chunk], _front_segments(block[1], chunk)
+            seen = _joined(seen, segments, theirs)
             return _fold(state, q, front[..., :dim], front[..., dim:], seen)
 
         def later(state, block, seen=seen_later):  # only the back chunk's queries see it at all
+            keys, seen = block[0], _joined(seen, _back_segments(segments, chunk), block[1])
             back = _rows(state, chunk, 2 * chunk)
-            back = _fold(back, q[:, :, :, chunk:], block[..., :dim], block[..., dim:], seen)
+            back = _fold(back, q[:, :, :, chunk:], keys[..., :dim], keys[..., dim:], seen)
             return _set_rows(state, back, chunk)
 
         branches = [earlier, later] + [lambda state, block: state] * bool(window)
@@ -301,54 +344,60 @@ def _block_grads(q, k, v, do, lse, delta, seen=None):
     return jnp.einsum("bhgqk,bkhd->bhgqd", ds, k), jnp.einsum("bhgqk,bhgqd->bkhd", ds, q), dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, axis, window):
-    return _ring_forward(q, k, v, axis, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, segments, axis, window):
+    return _ring_forward(q, k, v, segments, axis, window)[0]
 
 
-def _ring_fwd(q, k, v, axis, window):
-    out, lse = _ring_forward(q, k, v, axis, window)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, segments, axis, window):
+    out, lse = _ring_forward(q, k, v, segments, axis, window)
+    return out, (q, k, v, segments, out, lse)
 
 
 def _ring_bwd(axis, window, residuals, do):
-    q, k, v, out, lse = residuals
+    q, k, v, segments, out, lse = residuals
     rank, size = _rank_and_size(axis)
     chunk, dim = q.shape[3] // 2, k.shape[-1]
     delta = jnp.sum(do * out, axis=-1)
-    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, _diagonal_mask(rank, size, chunk, window))
+    diagonal = _joined(_diagonal_mask(rank, size, chunk, window), segments, segments)
+    dq, dk, dv = _block_grads(q, k, v, do, lse, delta, diagonal)
     # The block's key/value gradients travel with it (one message: keys, values and their
     # gradients, which also keeps XLA from reusing the forward's hops of the same keys and
     # values, and so from keeping the whole sequence's alive until the backward) and arrive
     # home after the last hop.
-    block = jnp.concatenate([k, v, dk, dv], axis=-1)
+    block = (jnp.concatenate([k, v, dk, dv], axis=-1), segments)
     for hop in range(1, size):
         block = _hop(axis, size, block)
         source = (rank - hop) % size
         seen_earlier, seen_later = _hop_masks(rank, source, size, chunk, window)
 
         def earlier(dq, block, seen=seen_earlier):
-            front = block[:, :chunk]
+            front, theirs = block[0][:, :chunk], _front_segments(block[1], chunk)
             k, v = front[..., :dim], front[..., dim : 2 * dim]
+            seen = _joined(seen, segments, theirs)
             g_q, g_k, g_v = _block_grads(q, k, v, do, lse, delta, seen)
             gradients = jnp.concatenate([g_k, g_v], axis=-1)
-            return dq + g_q, block.at[:, :chunk, ..., 2 * dim :].add(gradients)
+            return dq + g_q, (block[0].at[:, :chunk, ..., 2 * dim :].add(gradients), block[1])
 
         def later(dq, block, seen=seen_later):
-            k, v = block[..., :dim], block[..., dim : 2 * dim]
+            k, v = block[0][..., :dim], block[0][..., dim : 2 * dim]
             back = slice(chunk, 2 * chunk)
+            seen = _joined(seen, _back_segments(segments, chunk), block[1])
             g_q, g_k, g_v = _block_grads(
                 q[:, :, :, back], k, v, do[:, :, :, back], lse[..., back], delta[..., back], seen
             )
             gradients = jnp.concatenate([g_k, g_v], axis=-1)
-            return dq.at[:, :, :, back].add(g_q), block.at[..., 2 * dim :].add(gradients)
+            return dq.at[:, :, :, back].add(g_q), (
+                block[0].at[..., 2 * dim :].add(gradients),
+                block[1],
+            )
 
         branches = [earlier, later] + [lambda dq, block: (dq, block)] * bool(window)
         dq, block = lax.switch(_hop_branch(rank, source, chunk, window), branches, dq, block)
-    home = block[..., 2 * dim :]
+    home = block[0][..., 2 * dim :]
     if size > 1:
         home = _hop(axis, size, home)
-    return dq, home[..., :dim], home[..., dim:]
+    return dq, home[..., :dim], home[..., dim:], None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -152,7 +152,7 @@ def build_trainer(
         compute_dtype=config.compute_dtype,
         log_grad_norm=config.log_grad_norm,
         skip_nonfinite=config.nan_policy == "skip",
-        input_key=dataset.input_key,
+        input_key=dataset.model_inputs,
         grad_comm_dtype=config.parallel.grad_comm_dtype,
         grad_compression=config.parallel.grad_compression,
         powersgd_rank=config.parallel.powersgd_rank,
@@ -169,6 +169,9 @@ def sample_batch(config, dataset: data.DatasetSpec, splits=None) -> dict[str, np
     if dataset.kind == data.LANGUAGE_MODEL and splits is None:
         tokens = np.zeros((1, config.data.seq_len), np.int32)
         counted = {losses.LOSS_MASK: np.ones((1, config.data.seq_len), np.float32)}
+        if dataset.packed:  # one document filling the row
+            positions = np.arange(config.data.seq_len, dtype=np.int32)[None]
+            counted |= {"segment_ids": np.ones_like(tokens), "positions": positions}
         return {"inputs": tokens, "targets": tokens, **(counted if dataset.loss_mask else {})}
     if splits is None:
         splits = data.open_dataset(dataset, data.DataOptions.from_config(config.data))

@@ -28,7 +28,8 @@ def check_model_takes_data(
     `sample_batch`'s input, each in one line; given the `dataset`, also a ConfigError for an own
     model with fewer outputs than its classes or vocabulary (`check_outputs`)."""
     _check_sizes(task.model, model_name)
-    sample = np.asarray(sample_batch[task.input_key])
+    sample = np.asarray(sample_batch[task.inputs.entries[0]])
+    inputs = {entry: np.asarray(sample_batch[entry])[:1] for entry in task.inputs.entries}
     what = (
         f"model {model_name!r} cannot take the {task.input_key!r} of {dataset_name} "
         f"({sample.dtype} {sample.shape[1:]} per example)"
@@ -42,7 +43,7 @@ def check_model_takes_data(
             "config.model_args"
         )
     try:
-        state = jax.eval_shape(task.init_state, jax.random.key(0), sample[:1])
+        state = jax.eval_shape(task.init_state, jax.random.key(0), inputs)
     except JddpError as e:  # jddp's own models say what to change themselves
         raise DataError(f"{what}: {e}") from None
     except Exception as e:  # any other failure here is the model rejecting the input

@@ -9,24 +9,11 @@ from jddp.parallel.pipeline import layers
 
 
 class ModelParts:
-    """`task`'s model taken apart at its stack; the stack's block and extra arguments are
-    found once (`find_call`), at the first trace."""
+    """`task`'s model taken apart at its stack: what comes before it, each of its layers (with
+    the arguments the model calls it with on a micro-batch, `capture`), what comes after."""
 
     def __init__(self, task: Task):
         self.task = task
-        self.call: layers.StackCall | None = None
-
-    def find_call(self, rest, batch, rng) -> layers.StackCall:
-        """How the model calls its stack in training (its block and arguments): traced once."""
-        if self.call is None:
-            with layers.capture_stack() as split:
-                jax.eval_shape(
-                    lambda rest, batch: self.task.forward(rest, {}, batch, train=True, rng=rng),
-                    rest,
-                    batch,
-                )
-            self.call = split.call
-        return self.call
 
     def capture(self, rest, batch, rng) -> layers.StackCall:
         """How the model calls its stack on a micro-batch: the stack's input (compute dtype;
@@ -50,12 +37,12 @@ class ModelParts:
         totals = self.task.totals(logits, batch)
         return totals.sums["loss"], totals
 
-    def layer(self, layer_params, x, rng, layer_key, index):
-        """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`: it
-        gets `fold_in(layer_key, index)` as its last argument when the model gave its stack a
-        key (see `Pipelined`)."""
-        call = self.call
-        args = call.args
+    def layer(self, layer_params, x, rng, call: layers.StackCall, index):
+        """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`,
+        with the arguments of the micro-batch's `call` (`capture`: per-row ones, such as packed
+        documents' ids, are the micro-batch's): it gets `fold_in(call.layer_key, index)` as its
+        last argument when the model gave its stack a key (see `Pipelined`)."""
+        args, layer_key = call.args, call.layer_key
         if layer_key is not None:
             args = (*args, jax.random.fold_in(layer_key, index))
         key = jax.random.fold_in(rng, index)

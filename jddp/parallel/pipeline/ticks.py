@@ -79,18 +79,15 @@ class StageTicks:
         self.low = self.chunk_layers // 2 if schedule.split_backward else 0
         self.tables = {name: jnp.asarray(getattr(schedule, name)) for name in TABLES}
         self.rows = parts.task.batch_rows(self.take(0))
-        parts.find_call(rest, self.take(0), self.key(0))
         # Shapes of what moves and what is kept, from one abstract micro-batch.
         self.x_shape = jax.eval_shape(parts.before, rest, self.take(0), self.key(0))
-        layer_key_shape = jax.eval_shape(
-            lambda: parts.capture(rest, self.take(0), self.key(0)).layer_key
-        )
         self.tape, residual_shapes = choose_tape(
             remat,
             lambda tape: jax.eval_shape(
-                lambda x, k: self.layer_forward(tape, x, k, 0, 0, 0)[1],
+                lambda x: self.layer_forward(
+                    tape, x, parts.capture(rest, self.take(0), self.key(0)), 0, 0, 0
+                )[1],
                 self.x_shape,
-                layer_key_shape,
             ),
         )
         self.stash = Stash(self.tape, residual_shapes, schedule.stash_slots, self.chunk_layers)
@@ -189,13 +186,13 @@ class StageTicks:
         )
 
     # --------------------------------------------------------------------------- forward
-    def layer_forward(self, tape, x, layer_key, m, r, i):
-        """(output, residuals to stash) of layer `i` of chunk `r` on `x` for micro-batch `m`,
-        through `tape`."""
+    def layer_forward(self, tape, x, call, m, r, i):
+        """(output, residuals to stash) of layer `i` of chunk `r` on `x` for micro-batch `m`
+        (whose stack `call` gives the layers' arguments), through `tape`."""
         own = _at(self.params, r, i)
         # The layer's index in the whole stack: chunk r of stage s is the model's group r S + s.
         index = (r * self.schedule.stages + self.stage) * self.chunk_layers + i
-        fn = lambda p, x: self.parts.layer(p, x, self.key(m), layer_key, index)  # noqa: E731
+        fn = lambda p, x: self.parts.layer(p, x, self.key(m), call, index)  # noqa: E731
         return tape.forward(fn, own, x)
 
     def forward(self, kept, x_in, slot, m, r):
@@ -208,11 +205,11 @@ class StageTicks:
         first = (self.stage == 0) & (r == 0)
         last = (self.stage == sched.stages - 1) & (r == sched.repeats - 1)
         x = lax.cond(first, lambda: self.parts.before(self.rest, batch, self.key(m)), lambda: x_in)
-        layer_key = self.parts.capture(self.rest, batch, self.key(m)).layer_key
+        call = self.parts.capture(self.rest, batch, self.key(m))
 
         def layer(carry, i):
             x, stash = carry
-            y, residuals = self.layer_forward(self.tape, x, layer_key, m, r, i)
+            y, residuals = self.layer_forward(self.tape, x, call, m, r, i)
             return (y, self.stash.write(stash, residuals, slot, i)), None
 
         (x, stash), _ = lax.scan(layer, (x, stash), jnp.arange(self.chunk_layers))

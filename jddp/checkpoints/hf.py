@@ -187,8 +187,7 @@ def save(
     along; `tokenizer`: a tokenizer.json (or its directory), copied with its tokenizer_config.json,
     special_tokens_map.json and chat_template.jinja. Returns the files copied."""
     check_output(out)
-    if dtype not in EXPORT_DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    as_dtype = export_dtype(dtype)
     source = {}
     if like and os.path.isfile(os.path.join(like, hf_files.CONFIG)):
         source = hf_files.read_config(like, "the original checkpoint")
@@ -203,7 +202,6 @@ def save(
             "chat_template.jinja",  # where recent transformers saves a chat template
         )  # fmt: skip
         companions += [f for f in _existing(folder, *names) if f not in companions]
-    as_dtype = jax.numpy.dtype(dtype)  # bfloat16 too (numpy's own dtypes lack it)
     tensors = {k: v.astype(as_dtype, copy=False) for k, v in hf_tensors(params, model).items()}
     hf_files.write(out, config, tensors, max_shard_bytes, tuple(companions))
     return companions
@@ -211,6 +209,14 @@ def save(
 
 _SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_dtype(dtype: str):
+    """The array dtype an export writes, named by `dtype` (one of EXPORT_DTYPES; numpy's own
+    dtypes lack bfloat16); a ConfigError names another."""
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    return jax.numpy.dtype(dtype)
 
 
 def _existing(folder: str, *names: str) -> list[str]:

@@ -233,8 +233,7 @@ def write(
     """`config.json` and the tensors (in order) as `model.safetensors` (`files` names these
     two: PEFT's adapters are `adapter_config.json`, `adapter_model.safetensors`), or as shards
     of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own) with their
-    index, and
-    a copy of each `companions` file (a tokenizer's, a generation config). Written into
+    index, and a copy of each `companions` file (a tokenizer's, a generation config). Written into
     `PATH.partial`, this export's own (see `_claim`), made durable and renamed at the end: an
     interrupted export leaves no half directory."""
     shards, current, size = [], {}, 0

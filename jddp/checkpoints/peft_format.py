@@ -66,12 +66,16 @@ def adapter_config(lora: LoRA, modules: list[str], base_model: str = "") -> dict
     }
 
 
-def save(params, model, lora: LoRA, out: str, *, base_model: str = "") -> None:
+def save(
+    params, model, lora: LoRA, out: str, *, base_model: str = "", dtype: str = "float32"
+) -> None:
     """Writes the adapters of `params` (the jddp `model`'s, trained with `lora`) to `out` in
-    PEFT's format; `base_model` is recorded as `base_model_name_or_path`. Nothing is written
-    unless every adapter has a PEFT name and `out` is new or empty."""
+    PEFT's format, as `dtype` (one of `hf.EXPORT_DTYPES`); `base_model` is recorded as
+    `base_model_name_or_path`. Nothing is written unless every adapter has a PEFT name and `out`
+    is new or empty."""
     hf.check_output(out)
-    tensors = adapter_tensors(params, model)
+    as_dtype = hf.export_dtype(dtype)
+    tensors = {k: v.astype(as_dtype) for k, v in adapter_tensors(params, model).items()}
     modules = sorted({name[len(PREFIX) :].rsplit(".", 2)[0] for name in tensors})
     config = adapter_config(lora, modules, base_model)
     hf_files.write(out, config, tensors, max_shard_bytes=2**63, files=(CONFIG, WEIGHTS))

@@ -61,7 +61,7 @@ def export_run(
     model = models.MODELS[name](**args)
     if form == "peft":
         base = hf.directory(init_from) if hf.is_hf(init_from) else ""
-        peft_format.save(params, model, adapters, out, base_model=base)
+        peft_format.save(params, model, adapters, out, base_model=base, dtype=dtype)
         return saved.source, []
     if adapters is not None:
         params = lora.merged(params, adapters.scale)

@@ -33,6 +33,9 @@ def test_gpt_count_is_6_n_tokens_plus_attention():
     assert matmul_params == 26_656
     per_token = 6 * matmul_params + 3 * 2 * (2 * 2 * seq * 32)
     assert count.per_step == per_token * batch * seq == 11_022_336
+    # A packed batch's inputs, by keyword: counted from the tokens.
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    assert flops.train_step_flops(model, tokens=ids, segment_ids=ids, positions=ids) == count
 
 
 def xla_train_flops(model, inputs, targets):
@@ -87,6 +90,8 @@ def test_other_modules_are_counted_by_xla():
     assert count.method == "xla"
     matmuls = 3 * 2 * 16 * (64 * 256 + 256 * 10)
     assert matmuls <= count.per_step <= 1.02 * matmuls  # plus biases and ReLU
+    # An input given by keyword (a task's input_key={"x": ...}) is counted the same.
+    assert flops.train_step_flops(NnxMLP(nnx.Rngs(0)), x=jnp.zeros((16, 64))) == count
 
 
 def fake_device(kind, platform):

@@ -1,13 +1,16 @@
 """The config-driven path for the new models: configs build models of the sizes their names say;
-runs log throughput, FLOP/s and MFU, trace chosen steps, and report perplexity for language
-models; bad model settings on the command line are one-line errors."""
+runs log throughput, FLOP/s and MFU (packed runs too), trace chosen steps, and report perplexity
+for language models; bad model settings on the command line are one-line errors."""
 
 import glob
 import json
+import logging
 import math
+import re
 from pydoc_data.topics import topics
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments.configs import (
@@ -29,6 +32,7 @@ from tests.helpers import (
     param_count,
     run_cli,
 )
+from tests.tiny_tokenizer import VOCAB_SIZE, WORDS, save_tokenizer
 
 # (config, the dataset's number of outputs, one example's input, parameters)
 CONFIGS = [
@@ -81,6 +85,37 @@ def test_language_model_run_logs_tokens_mfu_and_perplexity(tmp_path):
         assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
     assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
     assert records[-1]["eval_loss"] < 0.8 * math.log(vocab_size)  # it learned
+
+
+def test_a_packed_run_logs_rows_tokens_and_mfu(tmp_path, caplog):
+    """Documents packed into their windows (`data.packing=true`, the model taking tokens,
+    segment ids and positions): FLOPs counted from the tokens, MFU in every record and on the
+    progress line, which counts the batch's rows as rows."""
+    folder = save_tokenizer(tmp_path / "tokenizer")
+    rng = np.random.default_rng(0)
+    rows = [{"text": " ".join(rng.choice(WORDS, rng.integers(2, 12)))} for _ in range(60)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = shakespeare_gpt_tiny.get_config()
+    config.dataset = f"jsonl:{tmp_path}/rows.jsonl"
+    config.data.update(tokenizer=folder, packing=True, eval_fraction=0.2, seq_len=16)
+    config.model_args.update(num_layers=1, embed_dim=16, num_heads=2, max_seq_len=16)
+    config.global_batch_size, config.num_train_steps, config.warmup_steps = 8, 2, 0
+    config.log_every, config.eval_every, config.checkpoint_every = 1, 2, 0
+    with caplog.at_level(logging.INFO):
+        train_and_evaluate(config, str(tmp_path / "run"))
+
+    model = models.create_model("gpt", VOCAB_SIZE, **config.model_args)
+    step_flops = flops.decoder_train_flops(model, 8, 16)
+    assert f"model FLOPs per step: {step_flops:.4g} (analytic" in caplog.text
+    records = read_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["tokens_per_sec"] == pytest.approx(16 * record["examples_per_sec"])
+        per_device = record["examples_per_sec"] / 8 * step_flops / 8
+        assert record["flops_per_sec_per_device"] == pytest.approx(per_device, rel=1e-9)
+        assert 0 < record["mfu"] < 2
+    progress = [m for m in caplog.messages if m.startswith("step 2/2")]
+    assert len(progress) == 1 and re.search(r" rows/s .* tokens/s  MFU \d", progress[0])
 
 
 def test_resnet_run_with_remat_logs_mfu_and_traces_the_chosen_steps(tmp_path):

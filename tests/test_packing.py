@@ -2,26 +2,35 @@
 kept apart by segment ids and positions that restart per example, train what the same examples
 padded one per row train: on one device (GPT's learned positions, Llama's rotary ones with a
 sliding window shorter than most examples), on 8 devices with a context axis (the ring) and with
-tensor and sequence parallelism; the rows save padding; bad settings are one line."""
+tensor and sequence parallelism; the rows save padding. Documents of tokenized text keep their
+windows and are kept apart within them: segment ids and positions at the windows' edges as the
+documents' spans say, and the windows train what each document's piece of them trains alone.
+Data with nothing to keep apart is one line."""
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl import logging as absl_logging
 
 import jddp
 from jddp import data, models
 from jddp.core import layer_stacks
 from jddp.data import packing
 from jddp.errors import ConfigError
+from jddp.losses import LOSS_MASK
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
 from jddp.run.objectives import objective_for
 from tests.chat_tokenizer import LLAMA3, save_chat_tokenizer
+from tests.helpers import assert_one_line
 from tests.reference import assert_trees_close, plain_training
 from tests.test_instruction_data import opened, write_jsonl
+from tests.tiny_tokenizer import WORDS, save_tokenizer
 
 SEQ_LEN, WINDOW, STEPS, LR = 64, 24, 3, 0.1
 SCALE = 3.0  # on the initial weights (see reference_run)
@@ -192,6 +201,126 @@ def test_packed_rows_train_what_padded_rows_train_on_eight_devices(splits, mesh,
     assert_trees_close(params, expected)
 
 
-def test_packing_data_without_examples_is_one_line():
-    with pytest.raises(ConfigError, match=r"^data.packing=true packs instruction data.*clear"):
-        data.get_dataset("digits", options=data.DataOptions(packing=True))
+DOC_SEQ_LEN = 12
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """(the opened packed documents, their train rows as the `tokenizers` library encodes them,
+    each with its end-of-document id, the packing log line): 30 documents of 1-6 words, every
+    sixth of 20 (longer than a window)."""
+    root = tmp_path_factory.mktemp("documents")
+    folder = save_tokenizer(root / "tokenizer")
+    rng = np.random.default_rng(4)
+    rows = [" ".join(rng.choice(WORDS, 20 if i % 6 == 0 else rng.integers(1, 7)))
+            for i in range(30)]  # fmt: skip
+    write_jsonl(root / "rows.jsonl", [{"text": row} for row in rows])
+    options = data.DataOptions(
+        tokenizer=folder, eval_fraction=0.1, seq_len=DOC_SEQ_LEN, packing=True
+    )
+    spec = data.get_dataset(f"jsonl:{root}/rows.jsonl", options=options)
+    with pytest.MonkeyPatch.context() as patch:  # the log lines opening writes
+        lines = []
+        patch.setattr(absl_logging, "info", lambda fmt, *args: lines.append(fmt % args))
+        split = data.open_dataset(spec, options)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    eos = tokenizer.token_to_id("</s>")
+    encoded = [tokenizer.encode(row).ids + [eos] for row in rows[:27]]  # 3 held out
+    return spec, split, encoded, [line for line in lines if line.startswith("packing")]
+
+
+def window_batch(split):
+    """Every train window from its start (no random offset), through the spec's transform."""
+    return split.transform(split.train.read_batch(np.arange(len(split.train))))
+
+
+def test_documents_are_kept_apart_within_their_windows(documents):
+    """Windows of seq_len + 1 tokens every seq_len, as without packing; in each, a token's
+    segment is its document's (1 for the one the window starts in), its position counts from its
+    document's start or, cut at the window's edge, from the window's; a target counts unless it
+    is the next document's first token. Checked against the documents' spans."""
+    spec, split, encoded, lines = documents
+    batch = window_batch(split)
+    stream = np.concatenate(encoded)
+    document_of = np.repeat(np.arange(len(encoded)), [len(d) for d in encoded])
+    starts = np.cumsum([0] + [len(d) for d in encoded])
+    assert spec.packed and spec.model_inputs == {
+        "tokens": "inputs", "segment_ids": "segment_ids", "positions": "positions"}  # fmt: skip
+    assert len(batch["inputs"]) == (len(stream) - 2 * DOC_SEQ_LEN) // DOC_SEQ_LEN + 1
+    cut, crowded = 0, 0
+    for row, first in enumerate(range(0, len(batch["inputs"]) * DOC_SEQ_LEN, DOC_SEQ_LEN)):
+        span = np.arange(first, first + DOC_SEQ_LEN)
+        np.testing.assert_array_equal(batch["inputs"][row], stream[span])
+        np.testing.assert_array_equal(batch["targets"][row], stream[span + 1])
+        owner = document_of[span]
+        np.testing.assert_array_equal(batch["segment_ids"][row], owner - owner[0] + 1)
+        expected = span - np.maximum(starts[owner], first)
+        np.testing.assert_array_equal(batch["positions"][row], expected)
+        np.testing.assert_array_equal(batch[LOSS_MASK][row], document_of[span + 1] == owner)
+        cut += starts[owner[0]] < first  # a document that began in an earlier window
+        crowded += owner[-1] - owner[0] >= 2
+    assert cut >= 5 and crowded >= 3  # both edges, and windows of 3 or more documents
+    assert lines == [
+        f"packing {spec.name}: 27 train documents of {len(stream) / 27:.1f} tokens on average in "
+        f"windows of seq_len + 1 = {DOC_SEQ_LEN + 1} tokens, no padding; attention stays "
+        "within each document (a new one starts after each end-of-document token) and positions "
+        "restart at each document's start and at each window's"
+    ]
+
+
+def test_packed_windows_train_what_each_documents_piece_trains_alone(documents):
+    """GPT (learned positions): 3 SGD steps on the packed windows give, within 1e-5, the losses
+    and parameters of the same windows cut into their documents' pieces, each alone in a row
+    from position 0 and padded (the mean over the pieces' targets, written here)."""
+    spec, split, encoded, _ = documents
+    packed = window_batch(split)
+    stream = np.concatenate(encoded)
+    ends = np.cumsum([len(d) for d in encoded])
+    length = DOC_SEQ_LEN + 1
+    pieces = []
+    for first in range(0, len(packed["inputs"]) * DOC_SEQ_LEN, DOC_SEQ_LEN):
+        cuts = [first, *(e for e in ends if first < e < first + length), first + length]
+        pieces += [stream[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b - a > 1]
+    rows = np.zeros((len(pieces), length), np.int32)
+    counted = np.zeros((len(pieces), DOC_SEQ_LEN), np.float32)
+    for row, piece in enumerate(pieces):
+        rows[row, : len(piece)] = piece
+        counted[row, : len(piece) - 1] = 1
+    alone = {"inputs": rows[:, :-1], "targets": rows[:, 1:], LOSS_MASK: counted}
+    assert counted.sum() == packed[LOSS_MASK].sum()
+    model = models.MODELS["gpt"](
+        vocab_size=spec.num_classes, num_layers=2, num_heads=2, embed_dim=16,
+        max_seq_len=DOC_SEQ_LEN,
+    )  # fmt: skip
+    initial, expected, expected_losses = reference_run(model, alone)
+    params, _, losses = plain_training(
+        packed_loss(model), initial, {}, optax.sgd(LR), [packed] * STEPS
+    )
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(params, expected)
+
+
+def test_packing_data_without_documents_or_examples_is_one_line(tmp_path):
+    """Before any file is read or written: images, a text file (one document, with or without a
+    tokenizer), character-level rows, a single row of text."""
+    folder = save_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "corpus.txt").write_text("the quick brown fox\n" * 20)
+    write_jsonl(tmp_path / "rows.jsonl", [{"text": "the quick fox"}, {"text": "a dog"}])
+    write_jsonl(tmp_path / "one.jsonl", [{"text": "the quick fox"}])
+    cases = [
+        ("digits", {}, "is not text"),
+        ("text_file", {"text_file": str(tmp_path / "nowhere.txt")}, "is one text file"),
+        ("text_file", {"text_file": str(tmp_path / "corpus.txt"), "tokenizer": folder},
+         "is one text file"),
+        (f"jsonl:{tmp_path}/rows.jsonl", {"eval_fraction": 0.5}, "character-level text"),
+        (f"jsonl:{tmp_path}/one.jsonl", {"eval_fraction": 0.5, "tokenizer": folder},
+         "a single row of text"),
+    ]  # fmt: skip
+    for name, fields, why in cases:
+        options = data.DataOptions(packing=True, **fields)
+        with pytest.raises(ConfigError) as error:
+            data.get_dataset(name, options=options)
+        assert_one_line(error, "data.packing=true keeps documents apart", why, "clear data.packing")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "one.jsonl", "rows.jsonl", "tokenizer"]

@@ -8,7 +8,8 @@ with the dataset's preprocessing. Own data (`npz:PATH`, `jsonl:PATH`, `parquet:P
 the text) already, to count the classes (or the characters). With `data.tokenizer`, text is
 tokenized by a Hugging Face tokenizer (jddp/data/tokenizer.py) instead of by characters, and
 instruction data (chat `messages`, `prompt` / `completion`) is rendered by its chat template and
-tokenized a row per example, with a loss mask (jddp/data/instruction.py).
+tokenized a row per example, with a loss mask (jddp/data/instruction.py). With `data.packing`,
+instruction examples share rows and documents share windows, kept apart (jddp/data/packing.py).
 """
 
 import contextlib
@@ -64,8 +65,9 @@ class DataOptions:
     # Instruction data: the tokens the loss counts, completion (the assistant's) | all; "" =
     # completion for instruction data (plain text counts every token).
     loss_on: str = ""
-    # Instruction data: several examples per row of seq_len + 1 tokens, attention kept within
-    # each (packing.py); false: one example per row, padded.
+    # Several examples per row of seq_len + 1 tokens (instruction data), or documents kept apart
+    # in their windows (text tokenized by data.tokenizer), attention kept within each
+    # (packing.py); false: one example per row, padded, and windows that run across documents.
     packing: bool = False
     threads: int = 1  # loader threads
     workers: int = 0  # loader processes (0: none, the threads of this process load)
@@ -107,9 +109,9 @@ class DatasetSpec:
     # Own data: its splits and columns, resolved when the spec is made (user_data.py).
     own: user_data.OwnData | None = dataclasses.field(default=None, compare=False, repr=False)
     tokenizer: tokenizer_lib.TextTokenizer | None = None  # data.tokenizer; None: characters
-    loss_mask: bool = False  # instruction data: batches say which targets count (`loss_mask`)
+    loss_mask: bool = False  # instruction data, packing: batches say which targets count
     chat_template: ChatTemplate | None = dataclasses.field(default=None, compare=False, repr=False)
-    packed: bool = False  # instruction data packed: batches carry segment_ids and positions
+    packed: bool = False  # data.packing: batches carry segment_ids and positions
 
     @property
     def model_inputs(self):
@@ -205,11 +207,10 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
         if own.instruction:
             return _instruction_spec(own, tokenizer, options)
         _check_no_completion(options, name)
-        _check_no_packing(options, name)
         if tokenizer is not None and not own.language_model:
             where = f"the input {own.input_key!r} of {name} (not text)"
             raise ConfigError(_tokenizer_needs_text(where, own=True))
-        return _own_dataset_spec(own, tokenizer)
+        return _packed_documents(_own_dataset_spec(own, tokenizer), options)
     if name not in DATASETS:
         close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
         hint = f" (close: {', '.join(close)})" if close else ""
@@ -222,14 +223,15 @@ def get_dataset(name: str, text_file: str = "", *, options: DataOptions | None =
             "own data: npz:PATH, jsonl:PATH, parquet:PATH, hf:PATH, package.module:function"
         )
     _check_no_completion(options, name)
-    _check_no_packing(options, name)
     spec = DATASETS[name]
+    _check_packable(spec, options)  # before a text file is read
     if name == "text_file":
         vocabulary = text.scan_text_file(text_file).vocabulary
         spec = dataclasses.replace(
             spec, num_classes=len(vocabulary), vocabulary=vocabulary, text_file=text_file
         )
-    return _tokenized_spec(spec, tokenizer) if tokenizer is not None else spec
+    spec = _tokenized_spec(spec, tokenizer) if tokenizer is not None else spec
+    return _packed_documents(spec, options)
 
 
 def _check_no_completion(options: DataOptions, name: str) -> None:
@@ -241,13 +243,51 @@ def _check_no_completion(options: DataOptions, name: str) -> None:
         )
 
 
-def _check_no_packing(options: DataOptions, name: str) -> None:
-    if options.packing:
-        raise ConfigError(
-            f"data.packing=true packs instruction data (a messages column, or prompt and "
-            f"completion), one example per document; dataset {name!r} is not, and its text "
-            "already fills every window of seq_len: clear data.packing"
+def _check_packable(spec: DatasetSpec, options: DataOptions) -> None:
+    """With data.packing, one line unless `spec`'s data has documents to keep apart (instruction
+    data's examples are checked where they are read)."""
+    if not options.packing:
+        return
+    if spec.kind != LANGUAGE_MODEL:
+        why = (
+            "is not text: packing keeps apart instruction examples (a messages column, or prompt "
+            "and completion) or documents (text tokenized by data.tokenizer)"
         )
+    elif spec.own is None and spec.builder_class is None:
+        why = (
+            "is one text file, a single document with no boundaries to keep apart; write one "
+            "document per row of a jsonl:, parquet: or hf: dataset"
+        )
+    elif not options.tokenizer:
+        why = (
+            "is character-level text, one stream with no document boundaries; set "
+            "data.tokenizer (each row, or each work, is then a document)"
+        )
+    elif spec.own is not None and len(spec.own.train) < 2:
+        why = (
+            "has a single row of text, one document with no boundaries to keep apart; give one "
+            "document per row"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"data.packing=true keeps documents apart, and dataset {spec.name!r} {why}, or clear "
+        "data.packing"
+    )
+
+
+def _packed_documents(spec: DatasetSpec, options: DataOptions) -> DatasetSpec:
+    """`spec`, or with data.packing its documents kept apart in their windows (packing.py):
+    each batch with segment ids, positions and a loss mask. One line if it has no documents."""
+    _check_packable(spec, options)
+    if not options.packing:
+        return spec
+    windows = functools.partial(_document_windows, spec.tokenizer.eos_id)
+    return dataclasses.replace(spec, make_transform=windows, loss_mask=True, packed=True)
+
+
+def _document_windows(eos_id: int, options: DataOptions) -> Transform:
+    return packing.DocumentWindows(_next_character(options), eos_id)
 
 
 def _instruction_spec(own: user_data.OwnData, tokenizer, options: DataOptions) -> DatasetSpec:
@@ -479,4 +519,9 @@ def _tokenized_splits(spec, options, documents, where, transform, eval_fraction=
         tokens[train], tokens[test] = tokenizer_lib.split_tokens(tokens[train], eval_fraction)
     else:
         tokens[test] = spec.tokenizer.pack(documents[test])
+    if spec.packed:
+        summary = packing.document_summary(
+            spec.name, tokens[train], spec.tokenizer.eos_id, options.seq_len
+        )
+        logging.info("%s", summary)
     return _windows(spec, options, tokens, where, transform, "tokens")

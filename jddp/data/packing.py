@@ -1,6 +1,6 @@
-"""Packing (`data.packing=true`): several examples per row, kept apart.
+"""Packing (`data.packing=true`): several examples or documents per row, kept apart.
 
-Examples (instruction rows of up to seq_len + 1 tokens, instruction.py) are laid end to end into
+Instruction examples (rows of up to seq_len + 1 tokens, instruction.py) are laid end to end into
 rows of seq_len + 1 tokens, greedily in their order (next-fit, the rule of T5's and MaxText's
 `pack_dataset`): a row takes the next example while it fits and is closed, padded, by the first
 that does not. Rows are formed once, over the whole split, from the examples' lengths alone, so
@@ -8,9 +8,24 @@ they do not depend on the device or process count, and resume and per-process re
 exact. Each row carries `segments` (1, 2, ... per example, 0 on padding) and `positions` (each
 token's position in its example, from 0), which the decoder models use to keep attention within
 an example and to restart their positions (jddp/models/decoder.py).
+
+Documents (rows of text tokenized by `data.tokenizer`, each ended by the end-of-document token in
+one stream: tokenizer.py) keep their windows, cut from the stream with no padding
+(`DocumentWindows`); what keeps them apart is read from each window's tokens alone, so order,
+resume and per-process reading stay those of unpacked text. A new document starts after each
+end-of-document token. A document cut at a window's edge continues in the next window as its first
+segment, its positions restarting at 0 there: what grain's concat-then-split packing (MaxText's
+`grain_packing_type=concat_then_split`) gives, and Levanter's windows, whose positions are the
+window's own.
 """
 
+import dataclasses
+
 import numpy as np
+
+from jddp.data.instruction import POSITIONS, SEGMENT_IDS
+from jddp.data.transforms import NextCharacter
+from jddp.losses import LOSS_MASK
 
 PAD_SEGMENT = 0
 
@@ -79,4 +94,41 @@ def summary(name: str, train: PackedRows) -> str:
         f"packing {name}: {examples} train examples in {len(train)} rows of {train.length} "
         f"tokens (greedy, in order): {packed:.1%} of the tokens are padding, {unpacked:.1%} "
         "with one example per row"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentWindows:
+    """A transform: `windows`' inputs and targets of a stream of documents each ended by
+    `eos_id`, with what keeps the documents apart: the inputs' `segment_ids` (1, 2, ... per
+    document in the window; a new one starts after each `eos_id`) and `positions` (from 0 at
+    each document's start and at the window's start), and a `loss_mask` that counts every target
+    but those after an `eos_id` (the next document's first token, which the end of the last one
+    cannot see)."""
+
+    windows: NextCharacter
+    eos_id: int
+
+    def __call__(self, batch, keys=None) -> dict[str, np.ndarray]:
+        out = self.windows(batch, keys)
+        inputs = out["inputs"]
+        starts = np.ones(inputs.shape, bool)
+        starts[:, 1:] = inputs[:, :-1] == self.eos_id
+        column = np.arange(inputs.shape[1], dtype=np.int32)
+        first = np.maximum.accumulate(np.where(starts, column, 0), axis=1)
+        return out | {
+            SEGMENT_IDS: np.cumsum(starts, axis=1, dtype=np.int32),
+            POSITIONS: column - first,
+            LOSS_MASK: (inputs != self.eos_id).astype(np.float32),
+        }
+
+
+def document_summary(name: str, tokens, eos_id: int, seq_len: int) -> str:
+    """The log line of packed documents: how many, their mean length, how they are kept apart."""
+    documents = max(int(np.count_nonzero(np.asarray(tokens) == eos_id)), 1)
+    return (
+        f"packing {name}: {documents} train documents of {len(tokens) / documents:.1f} tokens "
+        f"on average in windows of seq_len + 1 = {seq_len + 1} tokens, no padding; attention "
+        "stays within each document (a new one starts after each end-of-document token) and "
+        "positions restart at each document's start and at each window's"
     )

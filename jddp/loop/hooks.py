@@ -76,7 +76,9 @@ class RecordKeeper:
         self.workdir, self.num_steps, self.start_step = workdir, num_steps, start_step
         self.is_writer = jax.process_index() == 0
         self.writer = None  # opened by `start`
-        self.progress = Progress(num_steps, first_step=start_step, enabled=self.is_writer)
+        self.progress = Progress(
+            num_steps, first_step=start_step, enabled=self.is_writer, unit=records.example_unit
+        )
         self.notes = dict(records.notes)  # join the next record written
         self.throughput = None  # set up at the first step
         self.started = time.perf_counter()

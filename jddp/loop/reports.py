@@ -69,14 +69,16 @@ def _memory_report(trainer, state, batch) -> dict:
 
 
 def _throughput(trainer, sample_batch, global_batch_size, tokens_per_example, peak) -> Throughput:
-    """Speed reporting: model FLOPs of one global step (jddp/observe/flops.py) and the device's
-    peak."""
-    key = trainer.task.input_key
-    step_flops = None
-    if isinstance(key, str):
-        inputs = np.asarray(sample_batch[key])
-        global_inputs = jax.ShapeDtypeStruct((global_batch_size, *inputs.shape[1:]), inputs.dtype)
-        step_flops = flops.train_step_flops(trainer.task.model, global_inputs)
+    """Speed reporting: model FLOPs of one global step on the model's inputs, however the task
+    routes them (one array, or a packed batch's tokens, segment ids and positions), by
+    jddp/observe/flops.py; and the device's peak."""
+    task = trainer.task
+    global_inputs = {
+        entry: jax.ShapeDtypeStruct((global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype)
+        for entry, x in task.model_inputs(sample_batch).items()
+    }
+    args, kwargs = task.inputs.call_args(global_inputs)
+    step_flops = flops.train_step_flops(task.model, *args, **kwargs)
     dtype = np.dtype(trainer.task.compute_dtype).name
     peak, peak_source = device_peak.peak_flops_per_device(jax.local_devices()[0], dtype, peak)
     logging.info(

@@ -40,7 +40,8 @@ class Records:
     (an entry point that prints its own at exit turns it off, so it shows once); `writers`:
     the trackers each record's numbers go to besides metrics.jsonl (names: tensorboard, wandb,
     mlflow; or `jddp.observe.writers.Writer`s), which record `config` (JSON-able) at each
-    start."""
+    start; `example_unit`: what the progress line calls a batch's rows ("rows" where each packs
+    several documents; `examples_per_sec` counts them)."""
 
     every: int = 50
     hooks: tuple[Hook, ...] = ()
@@ -51,6 +52,7 @@ class Records:
     goodput_line: bool = True
     writers: tuple = DEFAULT_WRITERS
     config: Mapping = dataclasses.field(default_factory=dict)
+    example_unit: str = "examples"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,18 +79,20 @@ def layerwise_forward_flops(model: nn.Module, sample_input, **call_kwargs) -> in
     return total
 
 
-def xla_forward_flops(model, sample_input) -> float | None:
-    """FLOPs XLA counts in the forward pass of a Linen or NNX model, or None if it reports none.
-    Compiles the forward pass once."""
+def xla_forward_flops(model, *inputs, **keyword_inputs) -> float | None:
+    """FLOPs XLA counts in the forward pass of a Linen or NNX model called with `inputs` (and
+    `keyword_inputs`), or None if it reports none. Compiles the forward pass once."""
     functional = as_functional(model)
     params, model_state = jax.eval_shape(
-        lambda inputs: functional.init({"params": jax.random.key(0)}, (inputs,), {}), sample_input
+        lambda args, kwargs: functional.init({"params": jax.random.key(0)}, args, kwargs),
+        inputs,
+        keyword_inputs,
     )
 
-    def forward(params, model_state, inputs):
-        return functional.apply(params, model_state, (inputs,), {}, train=False)[0]
+    def forward(params, model_state, args, kwargs):
+        return functional.apply(params, model_state, args, kwargs, train=False)[0]
 
-    compiled = jax.jit(forward).lower(params, model_state, sample_input).compile()
+    compiled = jax.jit(forward).lower(params, model_state, inputs, keyword_inputs).compile()
     return xla_flops(compiled)
 
 
@@ -104,17 +106,21 @@ def xla_flops(compiled) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
-def train_step_flops(model, sample_batch_input) -> StepFlops | None:
-    """Model FLOPs of one training step on a batch like `sample_batch_input` (its whole batch:
-    pass the global batch for the global count). None if nothing can count them."""
-    batch_size = sample_batch_input.shape[0]
+def train_step_flops(model, *inputs, **keyword_inputs) -> StepFlops | None:
+    """Model FLOPs of one training step on a batch of the model's call arguments, arrays or
+    shapes of its whole batch (pass the global batch for the global count): `inputs` (the one
+    input array, mostly) and `keyword_inputs` (a packed batch's `tokens`, `segment_ids` and
+    `positions`: a decoder's FLOPs come from its tokens). None if nothing can count them."""
     if isinstance(model, Decoder):
-        flops = decoder_train_flops(model, batch_size, sample_batch_input.shape[1])
+        tokens = inputs[0] if inputs else keyword_inputs["tokens"]
+        flops = decoder_train_flops(model, *tokens.shape[:2])
         return StepFlops(flops, "analytic (6 N tokens + attention)")
-    if isinstance(model, LAYERWISE_MODELS):
+    if isinstance(model, LAYERWISE_MODELS) and len(inputs) == 1 and not keyword_inputs:
         kwargs = {"train": False} if isinstance(model, ResNet) else {}
-        forward = layerwise_forward_flops(model, sample_batch_input, **kwargs)
+        forward = layerwise_forward_flops(model, inputs[0], **kwargs)
         return StepFlops(3 * forward, "analytic (per layer)")
-    shape = jax.ShapeDtypeStruct(sample_batch_input.shape, sample_batch_input.dtype)
-    forward = xla_forward_flops(model, shape)
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (inputs, keyword_inputs)
+    )
+    forward = xla_forward_flops(model, *shapes[0], **shapes[1])
     return StepFlops(3 * forward, "xla") if forward else None

@@ -10,11 +10,14 @@ from absl import logging
 
 class Progress:
     """Shows step, loss, examples/s (tokens/s, MFU when known) and ETA; `update` is called at
-    logged steps only, with the record's rates (jddp/observe/throughput.py)."""
+    logged steps only, with the record's rates (jddp/observe/throughput.py). `unit` names a
+    batch's rows on the line: examples, or rows where each packs several."""
 
-    def __init__(self, total_steps: int, *, first_step: int = 0, enabled: bool = True):
+    def __init__(
+        self, total_steps: int, *, first_step: int = 0, enabled: bool = True, unit="examples"
+    ):
         self.total_steps = total_steps
-        self.enabled = enabled
+        self.enabled, self.unit = enabled, unit
         self._last_step = first_step
         self._start = time.perf_counter()
         self._first_step = first_step
@@ -27,7 +30,7 @@ class Progress:
     def update(self, step: int, loss: float, rates: dict[str, float]) -> None:
         if not self.enabled:
             return
-        speed = f"{rates['examples_per_sec']:,.0f} examples/s"
+        speed = f"{rates['examples_per_sec']:,.0f} {self.unit}/s"
         if "tokens_per_sec" in rates:
             speed += f"  {rates['tokens_per_sec']:,.0f} tokens/s"
         if "mfu" in rates:

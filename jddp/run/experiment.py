@@ -203,6 +203,7 @@ def train_and_evaluate(
             hooks=(record_hook,),
             learning_rate=schedule,
             tokens_per_example=objective.tokens_per_example(sample_batch),
+            example_unit="rows" if dataset.packed else "examples",
             peak_flops_per_device=config.peak_flops_per_device,
             notes=notes,
             goodput_line=False,  # jddp-train prints the workdir's at exit, after the export

@@ -240,7 +240,8 @@ def test_documents_are_kept_apart_within_their_windows(documents):
     """Windows of seq_len + 1 tokens every seq_len, as without packing; in each, a token's
     segment is its document's (1 for the one the window starts in), its position counts from its
     document's start or, cut at the window's edge, from the window's; a target counts unless it
-    is the next document's first token. Checked against the documents' spans."""
+    is the next document's first token. Checked against the documents' spans; resume and
+    per-process reads stay exact."""
     spec, split, encoded, lines = documents
     batch = window_batch(split)
     stream = np.concatenate(encoded)
@@ -262,6 +263,26 @@ def test_documents_are_kept_apart_within_their_windows(documents):
         cut += starts[owner[0]] < first  # a document that began in an earlier window
         crowded += owner[-1] - owner[0] >= 2
     assert cut >= 5 and crowded >= 3  # both edges, and windows of 3 or more documents
+
+    # With random offsets: a resumed loader continues with the same batch, and two processes
+    # read the halves of the one process's batch, segment ids and positions with them.
+    def loader(**where):
+        return data.train_batches(
+            split.train, split.transform, global_batch_size=8, seed=1, **where
+        )
+
+    batches = loader()
+    next(batches)
+    saved, second = batches.get_state(), next(batches)
+    again = loader()
+    again.set_state(saved)
+    resumed = next(again)
+    halves = [loader(process_index=i, process_count=2, start_step=1) for i in (0, 1)]
+    halves = [next(half) for half in halves]
+    for name in ("inputs", "segment_ids", "positions", LOSS_MASK):
+        np.testing.assert_array_equal(resumed[name], second[name])
+        np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), second[name])
+    assert (second["positions"][:, 0] == 0).all() and second["segment_ids"].max() >= 2
     assert lines == [
         f"packing {spec.name}: 27 train documents of {len(stream) / 27:.1f} tokens on average in "
         f"windows of seq_len + 1 = {DOC_SEQ_LEN + 1} tokens, no padding; attention stays "

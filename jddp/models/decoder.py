@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp.core import layer_keys
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import sequence_parallel
 from jddp.models.rotary import rotary
@@ -164,10 +165,11 @@ class Block(nn.Module):
             rng = None if key is None else jax.random.fold_in(key, index)
             return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
 
-        x = self._pinned(x)
-        attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
-        x = self._pinned(x + dropout(attended, 0))
-        return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
+        with layer_keys.running(key, self.path):  # LoRA's adapters draw from `key` too
+            x = self._pinned(x)
+            attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
+            x = self._pinned(x + dropout(attended, 0))
+            return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
 
     def _pinned(self, x):
         """`x` held as `stream_spec` says, where it says anything."""
@@ -306,7 +308,8 @@ class Decoder(nn.Module):
         stream = self._stream_spec(tensor_axis, sequence_axis)
         block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate, stream)
         # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
-        layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
+        drawing = self.dropout_rate or layer_keys.wanted()
+        layer_key = self.make_rng("dropout") if train and drawing else None
         if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
             stack = Pipelined(block(name=STACKED), self.num_layers)
             x = stack(x, train, documents, layer_key=layer_key)

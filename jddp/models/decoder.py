@@ -140,8 +140,9 @@ def causal_attention(
 
 class Block(nn.Module):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x)); dropout on each residual branch, drawn from
-    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike). The
-    model gives the attention, MLP and norm modules (constructors taking `name`)."""
+    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike; LoRA's
+    adapters inside the layer fold theirs from it, jddp/core/layer_keys.py). The model gives
+    the attention, MLP and norm modules (constructors taking `name`)."""
 
     attention: Callable[..., nn.Module]
     mlp: Callable[..., nn.Module]
@@ -165,7 +166,7 @@ class Block(nn.Module):
             rng = None if key is None else jax.random.fold_in(key, index)
             return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
 
-        with layer_keys.running(key, self.path):  # LoRA's adapters draw from `key` too
+        with layer_keys.running(key, self.path):
             x = self._pinned(x)
             attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
             x = self._pinned(x + dropout(attended, 0))

@@ -2,17 +2,22 @@
 so that the first steps already differ from the base model), SGD in float32 on 1 device (20
 steps, with a save and restore halfway) and on `data:2,fsdp:2,tensor:2` (zero3) and
 `stage:2,fsdp:4` (4 steps); the base bit for bit unchanged, the optimizer state the adapters'
-alone; both exports loaded back by PEFT and transformers."""
+alone; both exports loaded back by PEFT and transformers. With `lora.dropout`, 1 device and both
+meshes train what a plain loop drawing every mask by the documented rule trains."""
 
 import re
+import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import peft
 import pytest
 import torch
 import transformers
+from flax import linen as nn
+from flax import nnx
 
 import jddp
 from jddp.checkpoints import hf, peft_format
@@ -23,6 +28,8 @@ from jddp.parallel.rules import adapt_preset
 from jddp.run.config import default_config, validate
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import configured, safetensors_in, tiny_llama_config
+from tests.reference import per_example_ce
+from tests.test_dropout import RULE_KEYS, step_keys
 from tests.tiny_gpt import mesh_devices
 
 LM = OBJECTIVES["language_model"]
@@ -207,12 +214,112 @@ def test_sharded_base_equals_peft(base, strategy, mesh):
         assert "tensor" in str(kernel["attn"]["q"]["kernel"].sharding.spec)
 
 
+# ------------------------------------------------------------------- the adapters' dropout
+# A column-parallel projection (q) and a row-parallel one (down, its input split over `tensor`),
+# in each of the two layers: four masks, each its own (fewer targets: a quicker compile).
+DROPPING = jddp.LoRA(rank=4, alpha=32.0, dropout=0.5, targets=r"attn/q$|mlp/down$")
+DROPOUT_STEPS = 3
+
+
+class _FirstKey(nn.Module):
+    """The first key of a Linen model's `dropout` stream at its top (the decoder's `layer_key`)."""
+
+    def __call__(self):
+        return self.make_rng("dropout")
+
+
+def _rule_loss(model, base, adapters, tokens, key_data, rate):
+    """Mean cross-entropy of `model` (jddp's Llama, no LoRA) with the adapters added here, each
+    mask drawn by the documented rule: the adapters on module `within` (`attn/q`) of layer i
+    draw from fold_in(fold_in(K, i), crc32(within)), K the top of the `dropout` stream."""
+    top = _FirstKey().apply(
+        {}, rngs={"dropout": jax.random.wrap_key_data(key_data, impl=RULE_KEYS)}
+    )
+    flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
+    modules = {name.rsplit("/", 1)[0] for name in flat}
+    per_module = {m: (flat[f"{m}/lora_A"], flat[f"{m}/lora_B"]) for m in modules}
+
+    def add_adapters(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        where = "/".join(context.module.path)
+        if context.method_name != "__call__" or where not in per_module:
+            return y
+        layer, within = where.split("/", 1)
+        key = jax.random.fold_in(top, int(layer.removeprefix("block_")))
+        key = jax.random.fold_in(key, zlib.crc32(within.encode()))
+        x = args[0]
+        keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+        a, b = per_module[where]
+        return y + (jnp.where(keep, x / (1 - rate), 0) @ a @ b) * DROPPING.scale
+
+    with nn.intercept_methods(add_adapters):
+        logits = model.apply({"params": base}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+@pytest.fixture(scope="module")
+def dropout_rule(base):
+    """A 1-device trainer with DROPPING and its state to start from; the rule's losses and
+    final adapters (per layer) over DROPOUT_STEPS SGD steps from there, in a plain loop."""
+    trainer = _trainer(base, lora_config=DROPPING)
+    state = _adapters_to_start(trainer, base)
+    base_params, adapters = lora.split(trainer.host_state(state).params)
+    model, optimizer = hf.create_model(base), optax.sgd(LR, momentum=MOMENTUM)
+
+    @jax.jit
+    def step(adapters, opt_state, tokens, key_data, rate):
+        loss_fn = lambda a: _rule_loss(model, base_params, a, tokens, key_data, rate)  # noqa: E731
+        loss, grads = jax.value_and_grad(loss_fn)(adapters)
+        updates, opt_state = optimizer.update(grads, opt_state, adapters)
+        return loss, optax.apply_updates(adapters, updates), opt_state
+
+    opt_state, losses = optimizer.init(adapters), []
+    keys = [jax.random.key_data(k) for k in step_keys(DROPOUT_STEPS)]
+    no_dropout = step(adapters, opt_state, _tokens(1), keys[0], np.float32(0))[0]
+    for seed, key_data in enumerate(keys, start=1):
+        loss, adapters, opt_state = step(
+            adapters, opt_state, _tokens(seed), key_data, np.float32(DROPPING.dropout)
+        )
+        losses.append(float(loss))
+    assert abs(float(no_dropout) - losses[0]) > 1e-4  # the masks drop: 20x the tolerance
+    return trainer, state, losses, jax.device_get(adapters)
+
+
+@pytest.mark.parametrize(
+    "strategy,mesh",
+    [("ddp", None), ("zero3", "data:2,fsdp:2,tensor:2"), ("zero3", "stage:2,fsdp:4")],
+)
+def test_adapter_dropout_draws_by_the_rule_on_every_layout(base, dropout_rule, strategy, mesh):
+    """With lora.dropout > 0, one device, a tensor mesh and a pipeline (stacked layers) train
+    what a plain loop that draws every mask by the documented rule trains."""
+    trainer, state, want_losses, want_adapters = dropout_rule
+    if mesh:
+        trainer = _trainer(base, strategy, mesh, lora_config=DROPPING)
+        state = _adapters_to_start(trainer, base)
+    state, losses = _jddp_steps(trainer, state, [_tokens(s) for s in range(1, DROPOUT_STEPS + 1)])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    _, adapters = lora.split(layer_stacks.to_per_layer(trainer.host_state(state).params))
+    close = lambda got, want: np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # noqa: E731
+    jax.tree.map(close, adapters, want_adapters)
+
+
+class _NnxIdentity(nnx.Module):
+    """An NNX model (no parameters: nothing to compute before the check)."""
+
+    def __call__(self, x):
+        return x
+
+
 @pytest.mark.parametrize(
     "make,message",
     [
         (lambda: jddp.LoRA(rank=-1), "lora.rank must be a positive integer"),
         (lambda: jddp.LoRA(rank=4, dropout=1.0), "lora.dropout must be in [0, 1)"),
         (lambda: jddp.LoRA(rank=4, targets="("), "is not a regex"),
+        (
+            lambda: jddp.Trainer(_NnxIdentity(), per_example_ce, optax.sgd(0.1), lora=LORA),
+            "lora adapts Linen models only and _NnxIdentity is an NNX module",
+        ),
         (
             lambda: validate(configured(default_config(), {"lora.rank": -1})),
             "lora.rank must be an integer >= 0",

@@ -7,6 +7,11 @@ The model's code is not touched: a Flax method interceptor runs around each targ
 and adds their product to the module's output. Every other parameter is frozen: the model sees it
 through `lax.stop_gradient` (no weight gradient is computed for it) and the optimizer updates
 only the adapters (`optax.multi_transform`: no optimizer state for the base).
+
+The adapters' dropout masks follow the example and the layer, never the layout: inside a layer
+of jddp's decoders they draw from the layer's own key (jddp/core/layer_keys.py), with row keys
+(jddp/core/row_keys.py); docs/huggingface.md states the rule. NNX models are refused: they do not
+run through Linen's interceptor.
 """
 
 import contextlib
@@ -18,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
 
+from jddp.core import layer_keys
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import ConfigError
 
@@ -58,14 +65,26 @@ class LoRA:
         return self.alpha / self.rank
 
     # ------------------------------------------------------------------------- the model
+    def check_adaptable(self, model) -> None:
+        """A ConfigError for an NNX model: the adapters are added by a Linen method
+        interceptor, which NNX modules do not run through."""
+        if isinstance(model, nnx.Module):
+            raise ConfigError(
+                f"lora adapts Linen models only and {type(model).__name__} is an NNX module; "
+                "write the model with flax.linen, or build flax.nnx.LoRA layers into it and "
+                "train without lora, freezing the rest in the optimizer (optax.multi_transform)"
+            )
+
     @contextlib.contextmanager
     def adapting(self, train: bool):
         """Within it, the targeted modules of any Linen model create and add their adapters
-        (with `train`, dropout draws from the `dropout` stream)."""
-        with nn.intercept_methods(lambda *call: self._adapt(train, *call)):
-            yield
+        (with `train`, their dropout draws as `dropout_key` says)."""
+        dropping = train and self.dropout > 0
+        with nn.intercept_methods(lambda *call: self._adapt(dropping, *call)):
+            with layer_keys.wanting(dropping):
+                yield
 
-    def _adapt(self, train: bool, next_fun, args, kwargs, context):
+    def _adapt(self, dropping: bool, next_fun, args, kwargs, context):
         y = next_fun(*args, **kwargs)
         module = context.module
         if context.method_name != "__call__" or not re.search(self.targets, path_str_of(module)):
@@ -87,8 +106,8 @@ class LoRA:
         a = module.param("lora_A", init_a, (fan_in, self.rank))
         b = module.param("lora_B", nn.initializers.zeros_init(), (self.rank, fan_out))
         x = args[0]
-        if train and self.dropout > 0:
-            keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - self.dropout, x.shape)
+        if dropping:
+            keep = jax.random.bernoulli(dropout_key(module), 1 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
         return y + ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)) * self.scale
 
@@ -122,6 +141,16 @@ class LoRA:
             f"lora.targets {self.targets!r} matches no module of the model with a 2-D kernel"
             f"{which}; set --config.lora.targets to a regex over those paths"
         )
+
+
+def dropout_key(module: nn.Module) -> jax.Array:
+    """The key of a targeted module's dropout mask: inside a layer of jddp's decoders, the
+    layer's key folded with the module's path within the layer (jddp/core/layer_keys.py: the
+    same whether the layers are unrolled, stacked or pipelined); elsewhere (a user's Linen
+    model) the module's `dropout` stream. Both are row keys in training (jddp/core/row_keys.py):
+    the mask's rows are the examples' own on every device count."""
+    key = layer_keys.key_for(module)
+    return module.make_rng("dropout") if key is None else key
 
 
 def path_str_of(module: nn.Module) -> str:

@@ -105,6 +105,8 @@ class Task:
         if scaling is None and self.compute_dtype == jnp.float16:
             scaling = DynamicLossScale()
         object.__setattr__(self, "loss_scaling", scaling)
+        if self.lora:
+            self.lora.check_adaptable(self.model)
         # What updates the parameters: with LoRA the adapters alone (the base has no state).
         tx = self.lora.optimizer(self.optimizer) if self.lora else self.optimizer
         object.__setattr__(self, "_tx", tx)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp.core import layer_keys
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import sequence_parallel
 from jddp.models.rotary import rotary
@@ -139,8 +140,9 @@ def causal_attention(
 
 class Block(nn.Module):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x)); dropout on each residual branch, drawn from
-    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike). The
-    model gives the attention, MLP and norm modules (constructors taking `name`)."""
+    `key` (the layer's own, so that unrolled, stacked and pipelined layers draw alike; LoRA's
+    adapters inside the layer fold theirs from it, jddp/core/layer_keys.py). The model gives
+    the attention, MLP and norm modules (constructors taking `name`)."""
 
     attention: Callable[..., nn.Module]
     mlp: Callable[..., nn.Module]
@@ -164,10 +166,11 @@ class Block(nn.Module):
             rng = None if key is None else jax.random.fold_in(key, index)
             return nn.Dropout(self.dropout_rate, deterministic=not train)(h, rng=rng)
 
-        x = self._pinned(x)
-        attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
-        x = self._pinned(x + dropout(attended, 0))
-        return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
+        with layer_keys.running(key, self.path):
+            x = self._pinned(x)
+            attended = self.attention(name="attn")(self.norm(name="ln_1")(x), documents)
+            x = self._pinned(x + dropout(attended, 0))
+            return x + dropout(self.mlp(name="mlp")(self.norm(name="ln_2")(x)), 1)
 
     def _pinned(self, x):
         """`x` held as `stream_spec` says, where it says anything."""
@@ -306,7 +309,8 @@ class Decoder(nn.Module):
         stream = self._stream_spec(tensor_axis, sequence_axis)
         block = functools.partial(block_cls, attention, mlp, norm, self.dropout_rate, stream)
         # Layer i draws from fold_in(layer_key, i) however the layers are laid out.
-        layer_key = self.make_rng("dropout") if train and self.dropout_rate else None
+        drawing = self.dropout_rate or layer_keys.wanted()
+        layer_key = self.make_rng("dropout") if train and drawing else None
         if self.scan_layers:  # one block traced, its parameters stacked: blocks/...
             stack = Pipelined(block(name=STACKED), self.num_layers)
             x = stack(x, train, documents, layer_key=layer_key)

@@ -290,6 +290,8 @@ def model_workload(
 
     shape = jax.ShapeDtypeStruct(np.shape(sample_input), np.asarray(sample_input).dtype)
     functional = as_functional(model)  # the trainer's view: the same parameter paths
+    if lora:
+        lora.check_adaptable(model)
     with lora.adapting(train=False) if lora else contextlib.nullcontext():
         params, _ = jax.eval_shape(
             lambda x: functional.init(

@@ -27,10 +27,15 @@ def tiny_model(heads: int, layers: int = LAYERS, **mesh_fields) -> GPT:
 
 
 def tiny_workload(
-    heads: int = 4, layers: int = LAYERS, microbatches: int = 0, grad_comm_dtype="float32"
+    heads: int = 4,
+    layers: int = LAYERS,
+    microbatches: int = 0,
+    grad_comm_dtype="float32",
+    lora=None,
 ):
     """The planner's view of the tiny GPT as `compiled_text` trains it (Megatron's rules on
-    every mesh, every tensor sharded however small)."""
+    every mesh, every tensor sharded however small; with `lora`, its adapters on a frozen
+    base)."""
     return model_workload(
         tiny_model(heads, layers),
         np.zeros((1, SEQ), np.int32),
@@ -40,16 +45,22 @@ def tiny_workload(
         min_shard_size=1,
         microbatches=microbatches,
         grad_comm_bytes=2 if grad_comm_dtype == "bfloat16" else 0,
+        lora=lora,
     )
 
 
 def compiled_text(
-    layout, heads: int = 4, layers: int = LAYERS, microbatches: int = 0, grad_comm_dtype="float32"
+    layout,
+    heads: int = 4,
+    layers: int = LAYERS,
+    microbatches: int = 0,
+    grad_comm_dtype="float32",
+    lora=None,
 ) -> tuple[str, list[str], np.ndarray]:
     """(the compiled train step's HLO text, the mesh's axis names, its device ids shaped like
     the mesh) of the tiny GPT under `layout` on the first devices; a stage axis pipelines
     `layers` layers over `microbatches` micro-batches (0: as many as stages); gradients
-    reduced in `grad_comm_dtype`."""
+    reduced in `grad_comm_dtype`; with `lora` (a `jddp.LoRA`), adapters on a frozen base."""
     devices = jax.devices()[: layout.devices]
     lm = OBJECTIVES["language_model"]
     if layout.strategy == "ddp":
@@ -68,7 +79,7 @@ def compiled_text(
         names, shape = list(mesh.axis_names), [mesh.size(a) for a in mesh.axis_names]
     trainer = jddp.Trainer(
         model, lm.loss_fn, adamw(), metrics=dict(lm.metrics), input_key="inputs",
-        strategy=layout.strategy, grad_comm_dtype=grad_comm_dtype, **kwargs,
+        strategy=layout.strategy, grad_comm_dtype=grad_comm_dtype, lora=lora, **kwargs,
     )  # fmt: skip
     batch = token_batches(steps=1)[0]
     state = trainer.abstract_state(batch)

@@ -182,11 +182,14 @@ def split_stack(params, path):
 
 
 def join_stack(rest, stacked, path):
-    """`rest` with `stacked` put back at `path`."""
+    """`rest` with `stacked` put back at `path` (a part of the parameters, such as LoRA's
+    adapters, may lack the nodes above it, or hold nothing in the stack: then none is added)."""
+    if not jax.tree.leaves(stacked):
+        return rest
     tree = dict(rest)
     node = tree
     for key in path[:-1]:
-        node[key] = dict(node[key])
+        node[key] = dict(node.get(key, {}))
         node = node[key]
     node[path[-1]] = stacked
     return tree

@@ -4,9 +4,11 @@ holding a 2-D `kernel` (x @ kernel): `y = base(x) + dropout(x) @ A @ B * alpha /
 The model's code is not touched: a Flax method interceptor runs around each targeted module's
 `__call__`, creates the adapters `lora_A` (in, rank) and `lora_B` (rank, out) beside its kernel
 (so they are stacked with a `Pipelined` stack and sharded with the model by the partition rules)
-and adds their product to the module's output. Every other parameter is frozen: the model sees it
-through `lax.stop_gradient` (no weight gradient is computed for it) and the optimizer updates
-only the adapters (`optax.multi_transform`: no optimizer state for the base).
+and adds their product to the module's output. Every other parameter is frozen: the step takes
+the gradient with respect to the adapters alone (`split`: `jddp.core.task.Task.trainable`), so
+the base has no gradient to reduce or accumulate and no optimizer state. The model also sees it
+through `lax.stop_gradient` (`freeze`), for the pipeline engine, which differentiates a layer's
+whole parameters (to keep its weights out of the stash) and keeps the adapters' part.
 
 The adapters' dropout masks follow the example and the layer, never the layout: inside a layer
 of jddp's decoders they draw from the layer's own key (jddp/core/layer_keys.py), with row keys
@@ -21,7 +23,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import linen as nn
 from flax import nnx
 
@@ -118,15 +119,6 @@ class LoRA:
             lambda path, x: x if is_adapter(path) else jax.lax.stop_gradient(x), params
         )
 
-    def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-        """`tx` on the adapters; the base is never updated and has no optimizer state."""
-        return optax.multi_transform(
-            {"adapter": tx, "frozen": optax.set_to_zero()},
-            lambda params: jax.tree_util.tree_map_with_path(
-                lambda path, _: "adapter" if is_adapter(path) else "frozen", params
-            ),
-        )
-
     def check_found(self, params) -> None:
         """A ConfigError unless `targets` matched at least one module with a 2-D kernel."""
         if any(is_adapter(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)):
@@ -164,7 +156,8 @@ def is_adapter(path) -> bool:
 
 
 def split(params) -> tuple[dict, dict]:
-    """(the base parameters, the adapters), each as a nested dict of `params`' structure."""
+    """(the base parameters, the adapters), each as a nested dict of `params`' structure; of
+    any tree shaped like the parameters or a part of them (gradients, specs, one layer's)."""
     flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     base = nest_paths({k: v for k, v in flat.items() if not is_adapter(k)})
     adapters = nest_paths({k: v for k, v in flat.items() if is_adapter(k)})

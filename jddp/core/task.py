@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jddp.core import layer_stacks, row_keys
+from jddp.core import layer_stacks, lora, row_keys
 from jddp.core.layer_stacks import Stack, finding_stacks
 from jddp.core.lora import LoRA
 from jddp.core.loss_scale import DynamicLossScale
@@ -46,7 +46,7 @@ def cast_floats(tree, dtype):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Task:
     """What to train: a Flax module (Linen or NNX), a per-example loss on its outputs, an optax
-    optimizer.
+    optimizer (of the trainable parameters, `trainable`: with `lora` the adapters alone).
 
     Parameters and optimizer state stay float32; with `compute_dtype` bfloat16 or float16
     parameters and inputs are cast on the way into the model (activations and matmuls in that
@@ -107,9 +107,6 @@ class Task:
         object.__setattr__(self, "loss_scaling", scaling)
         if self.lora:
             self.lora.check_adaptable(self.model)
-        # What updates the parameters: with LoRA the adapters alone (the base has no state).
-        tx = self.lora.optimizer(self.optimizer) if self.lora else self.optimizer
-        object.__setattr__(self, "_tx", tx)
         # Linen and NNX modules alike, as init -> (params, model_state) and apply.
         object.__setattr__(self, "_module", as_functional(self.model, self.axis_aliases))
         object.__setattr__(self, "inputs", ModelInputs.parse(self.input_key))
@@ -161,10 +158,12 @@ class Task:
             self.lora.check_found(params)
         comm_state = None
         if self.init_comm_state is not None:
-            comm_state = self.init_comm_state(params, jax.random.fold_in(seed_key, 1))
+            comm_state = self.init_comm_state(
+                self.trainable(params), jax.random.fold_in(seed_key, 1)
+            )
         state = TrainState.create(
             params=params,
-            opt_state=self._tx.init(params),
+            opt_state=self.optimizer.init(self.trainable(params)),
             model_state=model_state,
             rng=jax.random.key_data(step_key),
             loss_scale=self.loss_scaling.init() if self.loss_scaling else None,
@@ -217,6 +216,17 @@ class Task:
         """`params` as the model sees them: with LoRA, the base without gradient."""
         return self.lora.freeze(params) if self.lora else params
 
+    # --------------------------------------------------------- what trains, what is frozen
+    def trainable(self, tree):
+        """The part of a tree shaped like the parameters (or like a part of them: gradients,
+        partition specs, one layer's) that trains: with LoRA the adapters, else all of it.
+        Gradients, their reductions, the optimizer and its state cover this part alone."""
+        return lora.split(tree)[1] if self.lora else tree
+
+    def with_trainable(self, params, trainable):
+        """`params` with their trainable part replaced by `trainable`."""
+        return lora.joined(lora.split(params)[0], trainable) if self.lora else trainable
+
     def model_inputs(self, batch: Batch) -> dict:
         """The entries of `batch` the model takes."""
         return {entry: batch[entry] for entry in self.inputs.entries}
@@ -240,12 +250,15 @@ class Task:
     def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, slices=None):
         totals_fn = slices.bind(self._slice_totals) if slices else self._slice_totals
 
-        def scaled_loss(params):
-            totals, new_model_state = totals_fn(params_fn(params), model_state, batch, rng)
+        def scaled_loss(trainable):  # the frozen parameters enter as constants
+            params_used = params_fn(self.with_trainable(params, trainable))
+            totals, new_model_state = totals_fn(params_used, model_state, batch, rng)
             loss = totals.sums["loss"]
             return (loss if scale is None else loss * scale), (totals, new_model_state)
 
-        (_, (totals, model_state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        (_, (totals, model_state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(
+            self.trainable(params)
+        )
         return grads, totals, model_state
 
     def local_grads(
@@ -259,7 +272,8 @@ class Task:
         slices: Slices | None = None,
     ):
         """(gradient, `Totals`, mutable collections) of `batch`, over `grad_accum_steps`
-        micro-batches: the gradient of the mean (weighted) loss, before `apply_gradients`
+        micro-batches: the gradient of the mean (weighted) loss with respect to the trainable
+        parameters (`trainable`; with LoRA the adapters alone), before `apply_gradients`
         divides it by the mean weight and the loss scale.
 
         No collective of its own: a strategy averages the result across devices once per step.
@@ -303,7 +317,7 @@ class Task:
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             return (add(grad_sum, grads), add(totals_sum, totals), model_state), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, self.trainable(params))
         first = jax.tree.map(lambda x: x[0], micro_batches)
         shapes = jax.eval_shape(
             lambda: self._micro_grads(params, model_state, first, rng, params_fn, scale, slices)[1]
@@ -335,13 +349,16 @@ class Task:
         """
         metrics = totals.means()
         grads = self._unscaled(grads, totals, state.loss_scale)
+        trainable = self.trainable(state.params)
         if self.regularizer is not None:
-            penalty, penalty_grads = jax.value_and_grad(self.regularizer)(state.params)
+            penalty, penalty_grads = jax.value_and_grad(
+                lambda trainable: self.regularizer(self.with_trainable(state.params, trainable))
+            )(trainable)
             grads = jax.tree.map(jnp.add, grads, penalty_grads)
             metrics["regularizer"] = penalty
-        updates, opt_state = self._tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
         comm_state = state.comm_state if comm_state is None else comm_state
-        updated = (optax.apply_updates(state.params, updates), opt_state, model_state, comm_state)
+        updated = (optax.apply_updates(trainable, updates), opt_state, model_state, comm_state)
         finite = finite_loss = jnp.isfinite(metrics["loss"])
         if self.log_grad_norm or self.skip_nonfinite or self.loss_scaling:
             grad_norm = optax.global_norm(grads)
@@ -354,12 +371,12 @@ class Task:
             counted = ~finite_loss | (~finite & self.loss_scaling.at_minimum(loss_scale))
             loss_scale = self.loss_scaling.update(loss_scale, finite)
         if self.skip_nonfinite or self.loss_scaling:
-            kept = (state.params, state.opt_state, state.model_state, state.comm_state)
+            kept = (trainable, state.opt_state, state.model_state, state.comm_state)
             updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
-        params, opt_state, model_state, comm_state = updated
+        trainable, opt_state, model_state, comm_state = updated
         new_state = state.replace(
             step=state.step + 1,
-            params=params,
+            params=self.with_trainable(state.params, trainable),
             opt_state=opt_state,
             model_state=model_state,
             nonfinite_steps=state.nonfinite_steps + counted.astype(jnp.int32),

@@ -239,9 +239,11 @@ class DDP:
         return jax.tree.map(lambda _: self._replicated, self._abstract_state)
 
     def layout(self):
-        """Everything replicated: the state, and the averaged gradients."""
+        """Everything replicated: the state, and the averaged gradients (of the trainable
+        parameters)."""
         state = self._abstract_state
-        return jax.tree.map(lambda _: P(), state), jax.tree.map(lambda _: P(), state.params)
+        grads = self.task.trainable(state.params)
+        return jax.tree.map(lambda _: P(), state), jax.tree.map(lambda _: P(), grads)
 
     def abstract_batch(self, batch):
         """ShapeDtypeStructs of a placed global batch: one leading slice per device."""

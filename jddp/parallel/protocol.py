@@ -42,7 +42,8 @@ class Strategy(Protocol):
         ...
 
     def layout(self) -> tuple[TrainState, Any]:
-        """(PartitionSpecs of the state, PartitionSpecs of the averaged gradients)."""
+        """(PartitionSpecs of the state, PartitionSpecs of the averaged gradients: those of
+        the trainable parameters, `Task.trainable`)."""
         ...
 
     def init_state(self, seed: int, sample_input) -> TrainState:

@@ -171,17 +171,21 @@ class ZeroStrategy:
         )
         self._check_tensor_axis_used(full)
         whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage")), full)
+        # Gradients and optimizer state cover the trainable parameters alone (LoRA's adapters).
+        trainable = self.task.trainable
         self._specs = TrainState(
             step=P(),
             params=full if self.shard_params else whole_over_fsdp,
-            opt_state=mirror_specs(abstract_state.opt_state, abstract_state.params, full),
+            opt_state=mirror_specs(
+                abstract_state.opt_state, trainable(abstract_state.params), trainable(full)
+            ),
             model_state=jax.tree.map(lambda _: P(), abstract_state.model_state),
             rng=P(),
             nonfinite_steps=P(),
             loss_scale=jax.tree.map(lambda _: P(), abstract_state.loss_scale),
             comm_state=jax.tree.map(lambda _: P(), abstract_state.comm_state),
         )
-        self._grad_specs = full if self.shard_grads else whole_over_fsdp
+        self._grad_specs = trainable(full if self.shard_grads else whole_over_fsdp)
         self._state_shardings = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), self._specs
         )
@@ -193,6 +197,7 @@ class ZeroStrategy:
         self._fsdp_params = part(self._specs.params, self.batch_axes)
         self._fsdp_grads = part(self._grad_specs, self.batch_axes)
         self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
+        self._grad_tensor_specs = trainable(self._tensor_specs)
         # An interleaved pipeline holds its stack in its stages' order (core/layer_stacks.py): each
         # stage's layer groups at rest where it runs them; checkpoints get the model's order.
         schedule = self.pipeline.schedule if self.pipeline else None
@@ -299,7 +304,7 @@ class ZeroStrategy:
             return summed / self._contributions
 
         on_shards = self._on_tensor_shards(reduce)
-        return jax.tree.map(on_shards, grads, self._fsdp_grads, self._tensor_specs)
+        return jax.tree.map(on_shards, grads, self._fsdp_grads, self._grad_tensor_specs)
 
     @property
     def _contributions(self) -> int:

@@ -174,17 +174,18 @@ def _auto_collectives(workload: Workload, layout: Layout, reduce_scatter: bool):
         wire = workload.comm_bytes or p.itemsize
         whole = p.elements * wire // (tensor if p.split_over("tensor") else 1)
         choice = picked.get(p.path)
+        grads = whole if p.trains else 0  # frozen (LoRA's base): no gradient (`add` skips 0)
         if tensor > 1 and not p.split_over("tensor"):
             # computed from partial sums over tensor, as under zero3 (jddp/planner/comm.py)
-            add("all-reduce", ("tensor",), whole // (n if choice else 1), 1, BACKWARD, "grads")
+            add("all-reduce", ("tensor",), grads // (n if choice else 1), 1, BACKWARD, "grads")
         if choice is None:  # not split over fsdp: its gradient is summed over the batch ...
             if p.path in column_biases:  # ... or, computed split, its shards summed over
-                add("all-reduce", data, whole // n, 1, BACKWARD, "gradient shards")  # data
-                add("all-gather", fsdp, whole, accum, BACKWARD, "bias gradients")  # and gathered
+                add("all-reduce", data, grads // n, 1, BACKWARD, "gradient shards")  # data
+                add("all-gather", fsdp, grads, accum, BACKWARD, "bias gradients")  # and gathered
             else:  # (feature-split, each fsdp group holds its whole batch)
-                add("all-reduce", data if feature_split else batch, whole, 1, BACKWARD, "grads")
+                add("all-reduce", data if feature_split else batch, grads, 1, BACKWARD, "grads")
             continue
-        add("all-reduce", data, whole // n, 1, BACKWARD, "gradient shards")
+        add("all-reduce", data, grads // n, 1, BACKWARD, "gradient shards")
         if choice == GATHER:
             # A tied token table is gathered, and its gradient summed, once per use (HLO);
             # with remat and accumulation assumed as under zero3 (jddp/planner/comm.py).
@@ -192,7 +193,7 @@ def _auto_collectives(workload: Workload, layout: Layout, reduce_scatter: bool):
             uses = 2 if p.path == TOKEN_TABLE and t is not None and t.tied else 1
             gathers = 2 if workload.regather_in_backward else 1
             add("all-gather", fsdp, whole, uses * gathers, FORWARD, "parameters")
-            reduce_to_split(whole, uses * accum, BACKWARD, "gradients")
+            reduce_to_split(grads, uses * accum, BACKWARD, "gradients")
             if moved and _is_kernel(p) and not feature_split:  # backward from the local shard
                 fan_in, fan_out = p.shape
                 add("all-gather", fsdp, rows * fan_out * cb, accum, CRITICAL, "activations")

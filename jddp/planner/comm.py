@@ -79,17 +79,19 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         b = p.elements * wire // split
         g = p.elements * (workload.grad_comm_bytes or wire) // split  # reduced gradients
         sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
-        if layout.strategy in ("ddp", "zero1") or not sharded:
+        # A frozen parameter (LoRA's base) has no gradient to reduce and no update to gather.
+        if p.trains and (layout.strategy in ("ddp", "zero1") or not sharded):
             reduce("all-reduce", batch, g, 1, "gradients")
-        else:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
+        elif p.trains:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
             count = accum if layout.strategy == "zero3" else 1
             reduce("reduce-scatter", ("fsdp",), g // fsdp, count, "gradients")
             reduce("all-reduce", data, g // fsdp, 1, "gradient shards")
         if sharded and layout.strategy == "zero3":
             add("all-gather", ("fsdp",), b, gathers, FORWARD, "parameters")
-        elif sharded:  # zero1, zero2: the updated parameters, from the sharded update
+        elif sharded and p.trains:  # zero1, zero2: the updated parameters, from the update
             add("all-gather", ("fsdp",), b, 1, UPDATE, "updated parameters")
-        if layout.strategy == "zero3" and tensor > 1 and not p.split_over("tensor"):
+        zero3_tensor = layout.strategy == "zero3" and tensor > 1
+        if zero3_tensor and p.trains and not p.split_over("tensor"):
             # XLA computes these gradients from partial sums over tensor and reduces them
             # (seen in every zero3 program with a tensor axis; not under zero1 / zero2).
             add("all-reduce", ("tensor",), b // (fsdp if sharded else 1), 1, BACKWARD, "grads")

@@ -49,7 +49,8 @@ class StateBytes:
 
 def state_bytes(workload: Workload, layout: Layout) -> StateBytes:
     """Parameters, averaged gradients and optimizer state held by one device of the first
-    (most loaded) pipeline stage, as jddp/planner/shards.py lays each out."""
+    (most loaded) pipeline stage, as jddp/planner/shards.py lays each out (frozen parameters,
+    LoRA's base, have neither gradient nor optimizer state)."""
     key = Layout(layout.strategy, fsdp=layout.fsdp, tensor=layout.tensor, stage=layout.stage)
     return _state_bytes(workload, key)
 
@@ -64,6 +65,8 @@ def _state_bytes(workload: Workload, layout: Layout) -> StateBytes:
             whole_over_fsdp = p.nbytes // p.split(sizes, ("tensor",))
             split_params = layout.strategy in SPLIT_PARAMS
             params += p.nbytes // p.split(sizes) if split_params else whole_over_fsdp
+            if not p.trains:  # frozen (LoRA's base): no gradient
+                continue
             grads += (
                 p.nbytes // p.split(sizes)
                 if layout.strategy in ("zero2", *SPLIT_PARAMS)

@@ -30,6 +30,8 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
                 return f"{name} {size} do not split over tensor={layout.tensor}"
         if layout.sequence_parallel and t.seq_len % layout.tensor:
             return f"sequences of {t.seq_len} do not split over tensor={layout.tensor}"
+        if layout.sequence_parallel and workload.frozen_params:  # jddp/run/config.py
+            return "LoRA does not run under sequence parallelism"
     if reason := _why_not_context(workload, layout):
         return reason
     try:

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jddp.core.tree_paths import path_str
+from jddp.core.tree_paths import nest_paths, path_str
 from jddp.parallel.mesh import DeviceMesh
 from jddp.parallel.rules import (
     check_rules_used,
@@ -44,6 +44,7 @@ class ParamShard:
     axes: tuple[str, ...] = ()  # the mesh axes `spec` names
     block: int | None = None  # the transformer block it belongs to
     shape: tuple[int, ...] = ()  # its whole shape
+    trains: bool = True  # False: frozen (LoRA's base), without gradient or optimizer state
 
     @property
     def nbytes(self) -> int:
@@ -93,16 +94,30 @@ def _param_table(workload: Workload) -> tuple[tuple[str, tuple[int, ...], int], 
 def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
     """(index of the parameter a leaf mirrors, or None, its bytes) for every optimizer-state
     leaf: the mapping of jddp.parallel.rules.mirror_specs, computed once (the default state is
-    Adam's two float32 moments per parameter)."""
+    Adam's two float32 moments per trainable parameter)."""
+    table = _param_table(workload)
     if workload.opt_state is None:
-        table = _param_table(workload)
         return tuple(
-            (i, 4 * math.prod(shape)) for i, (_, shape, _) in enumerate(table) for _ in "mv"
+            (i, 4 * math.prod(shape))
+            for i, (path, shape, _) in enumerate(table)
+            if path not in workload.frozen_params
+            for _ in "mv"
         )
-    markers = [P(f"param{i}") for i in range(len(_param_table(workload)))]
-    tree = jax.tree.unflatten(jax.tree.structure(workload.params), markers)
+    params = workload.params
+    markers = jax.tree.unflatten(
+        jax.tree.structure(params), [P(f"param{i}") for i in range(len(table))]
+    )
+    if workload.frozen_params:  # the state mirrors the trainable parameters alone
+        leaves = zip(table, jax.tree.leaves(params), strict=True)
+        trains = [
+            (path, leaf, P(f"param{i}"))
+            for i, ((path, _, _), leaf) in enumerate(leaves)
+            if path not in workload.frozen_params
+        ]
+        params = nest_paths({path: leaf for path, leaf, _ in trains})
+        markers = nest_paths({path: marker for path, _, marker in trains})
     mirrored = jax.tree.leaves(
-        mirror_specs(workload.opt_state, workload.params, tree),
+        mirror_specs(workload.opt_state, params, markers),
         is_leaf=lambda x: isinstance(x, P),
     )
     leaves = jax.tree.leaves(workload.opt_state)
@@ -133,9 +148,17 @@ def all_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:
 def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int):
     table = _param_table(workload)
     specs = (P(),) * len(table) if ddp else _specs(workload, fsdp, tensor)
+    frozen = workload.frozen_params
     return tuple(
         ParamShard(
-            path, math.prod(shape), itemsize, spec, spec_axes(spec), block_index(path), shape
+            path,
+            math.prod(shape),
+            itemsize,
+            spec,
+            spec_axes(spec),
+            block_index(path),
+            shape,
+            path not in frozen,
         )
         for (path, shape, itemsize), spec in zip(table, specs, strict=True)
     )

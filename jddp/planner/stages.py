@@ -82,10 +82,11 @@ def stage_collectives(workload: Workload, layout: Layout):
     out = [
         Collective("collective-permute", ("stage",), activation, sends * accum, CRITICAL, "stages")
     ]
-    # The replicated parameters' float32 gradients, summed over the stages once per pipeline.
+    # The replicated (trainable) parameters' float32 gradients, summed over the stages once
+    # per pipeline.
     replicated = 0
     for p in param_shards(workload, layout):
-        if p.block is None:
+        if p.block is None and p.trains:
             tensor_split = p.split_over("tensor") or (
                 layout.sequence_parallel and p.path == "position_embed"
             )

@@ -174,6 +174,9 @@ class Workload:
     recompute: float = 0.0  # fraction of the blocks' forward recomputed in backward (remat: 1)
     compute_bytes: int = 4  # bytes per activation element (bfloat16 compute: 2)
     opt_state: Any = None  # ShapeDtypeStructs of the optimizer state; None: Adam's two moments
+    # Paths of the parameters that do not train (LoRA's base): no gradient, no gradient
+    # collective, no optimizer state (`opt_state` covers the others alone).
+    frozen_params: frozenset = frozenset()
     comm_bytes: int = 0  # bytes per parameter / gradient element on the wire; 0: their own
     grad_comm_bytes: int = 0  # bytes per gradient element reduced (grad_comm_dtype); 0: as above
     microbatches: int = 0  # pipeline micro-batches per step; 0: chosen (jddp/planner/stages.py)
@@ -282,9 +285,12 @@ def model_workload(
 ) -> Workload:
     """The workload of training a Flax Linen or NNX `model` on `global_batch` examples shaped
     like `sample_input` (one example, batch of 1) per step with `optax` `optimizer` (None:
-    Adam's two moments); with `lora` (a `jddp.LoRA`), its adapters too and optimizer state for
-    them alone. `fields` set the rest of `Workload`. Shapes only: nothing is computed."""
+    Adam's two moments); with `lora` (a `jddp.LoRA`), its adapters too, and the rest frozen:
+    gradients and optimizer state for the adapters alone. `fields` set the rest of `Workload`.
+    Shapes only: nothing is computed."""
+    from jddp.core.lora import split
     from jddp.core.modules import as_functional
+    from jddp.core.tree_paths import path_str
     from jddp.models import Decoder
     from jddp.observe import flops
 
@@ -299,8 +305,12 @@ def model_workload(
             ),
             shape,
         )
-    if lora:  # the trainer's optimizer: the base has no state
-        optimizer = lora.optimizer(optimizer or optax.adam(1e-3))
+    trained = params
+    if lora:  # as the trainer does: the base has no gradient and no optimizer state
+        base, trained = split(params)
+        optimizer = optimizer or optax.adam(1e-3)
+        frozen = jax.tree_util.tree_leaves_with_path(base)
+        fields = {"frozen_params": frozenset(path_str(p) for p, _ in frozen)} | fields
     transformer = None
     if isinstance(model, Decoder):
         transformer = decoder_dimensions(model, shape.shape[1])
@@ -313,7 +323,7 @@ def model_workload(
         global_batch=global_batch,
         model_flops=step_flops.per_step if step_flops else 0.0,
         transformer=transformer,
-        opt_state=jax.eval_shape(optimizer.init, params) if optimizer else None,
+        opt_state=jax.eval_shape(optimizer.init, trained) if optimizer else None,
         **fields,
     )
 

@@ -12,6 +12,8 @@ once the stage's whole tick is done (sends.py).
 
 Gradients are summed over micro-batches on each stage, the replicated parts' summed over the
 stages, and returned unreduced over the batch axes: the strategy reduces them once per step.
+They are the trainable parameters' alone (`Task.trainable`: with LoRA the adapters): a frozen
+weight's cotangent is a zero that no buffer keeps, so XLA never computes it.
 """
 
 import jax
@@ -79,7 +81,10 @@ class Pipeline:
             grads, totals = self._pipeline(groups, rest, microbatches, part_rng)
             return jax.tree.map(jnp.add, grad_sum, grads), totals
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), (groups, rest))
+        trainable = self.task.trainable
+        zeros = jax.tree.map(
+            lambda p: jnp.zeros(p.shape, jnp.float32), (trainable(groups), trainable(rest))
+        )
         # Each step's `Totals` (scalars) stacked: no zeros to build whose structure only a
         # trace of the loss knows.
         (grad_groups, grad_rest), totals = lax.scan(accumulate, zeros, (jnp.arange(steps), parts))
@@ -90,8 +95,9 @@ class Pipeline:
 
     def _pipeline(self, groups, rest, microbatches, rng):
         """((gradients of the stage's layer groups, of the other parameters), `Totals`):
-        gradients of the loss's weighted values averaged over the examples of one pipeline of
-        `microbatches` (leading axis M); `groups`: (chunk, layer, ...) per leaf."""
+        gradients (of their trainable parts) of the loss's weighted values averaged over the
+        examples of one pipeline of `microbatches` (leading axis M); `groups`: (chunk, layer,
+        ...) per leaf."""
         # Cast to the compute dtype once, here: a cast inside the stage would leave the cast
         # copies of the weights among each micro-batch's stashed residuals.
         params = cast_floats(groups, self.task.compute_dtype)

@@ -34,8 +34,9 @@ from jddp.parallel.pipeline.stash import Stash, choose_tape
 class Buffers(NamedTuple):
     """What a stage carries from tick to tick."""
 
-    grad_rest: Any  # gradients of the parameters outside the stack (float32)
-    grads: Any  # gradients of the stage's layer groups, (chunk, layer, ...) per leaf (float32)
+    # Gradients (float32) of the trainable parameters (`Task.trainable`) outside the stack,
+    grad_rest: Any
+    grads: Any  # and of the stage's layer groups, (chunk, layer, ...) per leaf
     inbox_b: jax.Array  # cotangents from the next stage (and the last stage's own), (slot, ...)
     inbox_f: jax.Array  # activations from the previous stage, (slot, ...)
     metrics: Totals  # loss and metrics, each micro-batch's / M summed (weighted.py)
@@ -72,6 +73,7 @@ class StageTicks:
         self.parts, self.schedule, self.axis = parts, schedule, axis
         self.params, self.rest, self.microbatches, self.rng = params, rest, microbatches, rng
         self.fill = fill
+        self.trainable = parts.task.trainable  # the part of each gradient that is kept
         self.stage = lax.axis_index(axis)
         self.chunk_layers = jax.tree.leaves(params)[0].shape[1]
         # Each chunk's layers in two halves, [0, low) and [low, layers): the backward of each
@@ -115,8 +117,8 @@ class StageTicks:
             inbox_f=sends.inbox(x_shape, sched.forward_slots, self.fill),
             inbox_b=sends.inbox(x_shape, sched.backward_slots, self.fill),
             middle=sends.inbox(x_shape, sched.middle_slots, self.fill),
-            grads=zeros(self.params),
-            grad_rest=zeros(self.rest),
+            grads=zeros(self.trainable(self.params)),
+            grad_rest=zeros(self.trainable(self.rest)),
             metrics=zeros(self.totals_shapes),
         )
 
@@ -228,6 +230,7 @@ class StageTicks:
         )
         d_rest, dy = pullback(jnp.asarray(1.0 / M, loss.dtype))
         totals = jax.tree.map(lambda v: v / M, totals)
+        d_rest = self.trainable(d_rest)
         return _add(grad_rest, d_rest), _add(metrics, totals), dy.astype(self.x_shape.dtype)
 
     def no_head(self, grad_rest, metrics):
@@ -248,6 +251,7 @@ class StageTicks:
             d_y, grads = carry
             pullback = self.tape.pullback(self.stash.read(stash, slot, i), _at(self.params, r, i))
             d_own, d_x = pullback(d_y)
+            d_own = self.trainable(d_own)
             # A scatter-add: XLA fuses the read, add and write (a slice and a `put` would copy
             # the layer's gradients out first).
             grads = jax.tree.map(lambda g, d: g.at[r, i].add(d.astype(g.dtype)), grads, d_own)
@@ -262,7 +266,7 @@ class StageTicks:
             _, pullback = jax.vjp(
                 lambda rest: self.parts.before(rest, self.take(m), self.key(m)), self.rest
             )
-            return _add(grad_rest, pullback(d_x)[0])
+            return _add(grad_rest, self.trainable(pullback(d_x)[0]))
 
         first = (self.stage == 0) & (r == 0)
         grad_rest = lax.cond(first, embedding, lambda g: g, grad_rest)

@@ -4,14 +4,14 @@ the output head, and the tensor- and sequence-parallel plumbing.
 
 Parameter names are stable for sharding rules and checkpoint conversion: `token_embed/embedding`,
 `position_embed` (learned positions only), `block_{i}/{ln_1,attn,ln_2,mlp}` (stacked:
-`blocks/...`), `ln_f`, `head` (untied only). Kernels are 2-D (in, out). A model says what goes in a
+`blocks/...`), `ln_f`, `head` (untied only); a mixture of experts' MLP: jddp/models/moe.py. Kernels are 2-D (in, out). A model says what goes in a
 block and which norm it uses (`block_parts`); the rest is here.
 """
 
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import sequence_parallel
+from jddp.models.moe import MoE
+from jddp.models.moe_settings import moe_settings
 from jddp.models.rotary import rotary
 from jddp.parallel import context as context_parallel
 from jddp.parallel.pipeline.layers import Pipelined
@@ -219,9 +221,17 @@ class Decoder(nn.Module):
     sequence_parallel: bool = False
     context_axis: str | None = None
     context_attention: str = "ring"
+    # A mixture of experts in every block's MLP: `model_args.moe` (jddp/models/moe_settings.py).
+    moe: Any = None
+    batch_axis_name: str | tuple[str, ...] | None = None  # set by jddp from the mesh
 
     head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
     gated_mlp = False  # SwiGLU's three MLP matrices instead of two
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe", moe_settings(self.moe))  # hashable, checked
+        _check_moe_layout(self)
+        super().__post_init__()
 
     @property
     def kv_heads(self) -> int:
@@ -243,6 +253,23 @@ class Decoder(nn.Module):
         """(attention, mlp, norm) module constructors of one block (each takes `name`); the
         norm is the final one's too. `context`: (axis, attention) under context parallelism."""
         raise NotImplementedError
+
+    def mlp_part(self, dense: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        """A block's MLP constructor: `dense` (width -> the model's dense MLP) of `hidden_dim`,
+        or with `moe` a mixture of experts (its shared expert a `dense` one)."""
+        if self.moe is None:
+            return functools.partial(dense, self.hidden_dim)
+        width = self.moe.expert_dim or self.hidden_dim
+        return functools.partial(
+            MoE,
+            self.moe,
+            width,
+            self.gated_mlp,
+            self.residual_init_std,
+            dense,
+            self.num_layers,
+            self.batch_axis_name,
+        )
 
     @property
     def residual_init_std(self) -> float:
@@ -389,6 +416,26 @@ def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
     if model.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"{cls} attention_impl={model.attention_impl!r}; choose None, 'xla' or 'cudnn'"
+        )
+
+
+def _check_moe_layout(model: Decoder) -> None:
+    """What a mixture of experts does not run with yet, in one line."""
+    if model.moe is None:
+        return
+    given = [
+        what
+        for what, on in (
+            ("stacked layers (scan_layers, or a stage axis)", model.scan_layers),
+            ("a tensor axis", model.tensor_axis),
+            ("a context axis", model.context_axis),
+        )
+        if on
+    ]
+    if given:
+        raise ConfigError(
+            f"a mixture of experts (model_args.moe) does not run with {given[0]} yet; use a "
+            "mesh of data and fsdp axes only, unstacked layers, or a dense model"
         )
 
 

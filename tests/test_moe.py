@@ -7,14 +7,12 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import jddp
 from jddp.core import sown
-from jddp.errors import ConfigError
 from jddp.models import GPT, Llama
 from jddp.models.gpt import MLP
 from jddp.models.llama import SwiGLU

@@ -13,12 +13,14 @@ import pytest
 
 import jddp
 from jddp.core import sown
+from jddp.errors import ConfigError
 from jddp.models import GPT, Llama
 from jddp.models.gpt import MLP
 from jddp.models.llama import SwiGLU
 from jddp.models.moe import MoE
 from jddp.models.moe_settings import MoESettings
 from jddp.run.objectives import OBJECTIVES
+from tests.helpers import assert_one_line
 from tests.reference import assert_trees_close, plain_training
 from tests.tiny_gpt import adamw, token_batches
 
@@ -94,13 +96,11 @@ def reference_aux(router, x, settings: MoESettings):
     }
 
 
-CASES = [
-    (MoESettings(4, 2), False),
+CASES = [  # (settings, gated): both router orders, shared experts, capacity drops
     (MoESettings(4, 2, normalize_top_k=False, shared_expert_dim=6), True),
     (MoESettings(4, 3, router_order="topk_softmax", shared_expert_dim=6), False),
-    (MoESettings(4, 2, shared_expert_dim=6, shared_expert_gate=False), True),
-    (MoESettings(4, 2, dispatch="capacity", capacity_factor=0.5), True),
-    (MoESettings(4, 1, dispatch="capacity", capacity_factor=0.75, shared_expert_dim=6), False),
+    (MoESettings(4, 2, shared_expert_dim=6, shared_expert_gate=False, z_loss_weight=0.1), True),
+    (MoESettings(4, 1, dispatch="capacity", capacity_factor=0.75), False),
 ]
 
 
@@ -111,10 +111,11 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
         if not gated:
             dense = functools.partial(MLP, residual_init_std=0.02)
         moe = MoE(settings, WIDTH, gated, 0.02, dense, layers=2)
-        params = moe.init(jax.random.key(1), x)["params"]
+        params = jax.jit(moe.init)(jax.random.key(1), x)["params"]
         # Wider weights than a fresh model's, so that routing and experts matter.
         params = jax.tree.map(lambda a: a * 20, params)
-        y, reports = moe.apply({"params": params}, x, mutable=list(sown.COLLECTIONS))
+        apply = jax.jit(functools.partial(moe.apply, mutable=list(sown.COLLECTIONS)))
+        y, reports = apply({"params": params}, x)
         expected, dropped = reference_moe(params, x, settings, gated)
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         metrics = sown.sown_metrics(reports)
@@ -125,7 +126,8 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
         assert set(metrics) == set(aux)
         for name, value in aux.items():
             assert float(metrics[name]) == pytest.approx(value, rel=1e-5), name
-        weighted = settings.load_balance_weight * aux["moe_load_balance_loss"] / 2
+        weighted = settings.load_balance_weight * aux["moe_load_balance_loss"]
+        weighted = (weighted + settings.z_loss_weight * aux["moe_z_loss"]) / 2
         assert float(sown.sown_loss(reports)) == pytest.approx(weighted, rel=1e-5)
 
 
@@ -134,8 +136,8 @@ CAPACITY = MOE | {"dispatch": "capacity", "capacity_factor": 0.5}
 
 
 def tiny_moe(family, moe, **fields):
-    cls = GPT if family == "gpt" else Llama
-    dims = dict(vocab_size=64, num_layers=2, num_heads=4, embed_dim=32, max_seq_len=16)
+    cls, layers = (GPT, 2) if family == "gpt" else (Llama, 1)
+    dims = dict(vocab_size=64, num_layers=layers, num_heads=4, embed_dim=32, max_seq_len=16)
     return cls(**dims, mlp_dim=32, moe=moe, **fields)
 
 
@@ -152,11 +154,16 @@ def moe_trainer(model, strategy, mesh=None):
     )
 
 
+DATA_8, ZERO3 = ("ddp", None), ("zero3", "data:2,fsdp:4")
+
+
 @pytest.mark.parametrize(
-    "family,moe", [("gpt", CAPACITY), ("llama", CAPACITY), ("gpt", MOE)], ids=str
+    "family,moe,layouts",
+    [("gpt", CAPACITY, (DATA_8, ZERO3)), ("llama", MOE, (ZERO3,))],
+    ids=["gpt-capacity", "llama-dropless"],
 )
-def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe):
-    batches = token_batches(steps=3)
+def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts):
+    batches = token_batches(steps=2)
     model = tiny_moe(family, moe, batch_axis_name="batch")
     reference = tiny_moe(family, moe)  # no batch axes: one device holds the whole batch
     params = reference.init(jax.random.key(0), batches[0]["inputs"][:1])["params"]
@@ -175,7 +182,7 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe):
         return ce + extra, model_state
 
     expected, _, _ = plain_training(loss_fn, params, {}, adamw(), batches)
-    for strategy, mesh in (("ddp", None), ("zero3", "data:2,fsdp:4")):
+    for strategy, mesh in layouts:
         trainer = moe_trainer(model, strategy, mesh)
         state = trainer.init(seed=0, sample_batch=batches[0])
         state = trainer.replace_state(state, params=params)
@@ -189,3 +196,22 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe):
         assert_trees_close(trainer.host_state(state).params, expected)
     if moe.get("dispatch") == "capacity":
         assert float(metrics["moe_dropped_fraction"]) > 0
+
+
+@pytest.mark.parametrize(
+    "moe,fields,words",
+    [
+        ({"num_experts": -1}, {}, ["num_experts=-1", ">= 0"]),
+        ({"num_experts": 4, "experts_per_token": 5}, {}, ["experts_per_token=5", "between 1"]),
+        ({"num_experts": 4, "capacity_factor": 0}, {}, ["capacity_factor=0", "> 0"]),
+        ({"num_experts": 4, "dispatch": "drop"}, {}, ["dispatch='drop'", "dropless, capacity"]),
+        ({"num_experts": 4, "router_order": "top"}, {}, ["router_order='top'", "softmax_topk"]),
+        ({"num_expert": 4}, {}, ["no field 'num_expert'", "did you mean 'num_experts'"]),
+        ({"num_experts": 4}, {"scan_layers": True}, ["stacked layers", "not", "yet"]),
+    ],
+    ids=lambda x: str(x)[:30],
+)
+def test_bad_moe_settings_are_one_line_config_errors(moe, fields, words):
+    with pytest.raises(ConfigError) as error:
+        tiny_moe("gpt", moe, **fields)
+    assert_one_line(error, "model_args.moe" if not fields else "", *words)

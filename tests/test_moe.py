@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import jddp
+from jddp import models
 from jddp.core import sown
 from jddp.errors import ConfigError
 from jddp.models import GPT, Llama
@@ -215,3 +216,11 @@ def test_bad_moe_settings_are_one_line_config_errors(moe, fields, words):
     with pytest.raises(ConfigError) as error:
         tiny_moe("gpt", moe, **fields)
     assert_one_line(error, "model_args.moe" if not fields else "", *words)
+
+
+def test_a_moe_model_on_a_tensor_axis_is_refused_when_built():
+    with pytest.raises(ConfigError) as error:
+        models.create_model(
+            "llama", 64, tensor_axis="tensor", tensor_size=2, num_heads=2, moe={"num_experts": 4}
+        )
+    assert_one_line(error, "a tensor axis", "not", "yet")

@@ -231,7 +231,7 @@ class Decoder(nn.Module):
 
     def __post_init__(self):
         object.__setattr__(self, "moe", moe_settings(self.moe))  # hashable, checked
-        _check_moe_layout(self)
+        check_moe_layout(self, tensor=False, context=False)
         super().__post_init__()
 
     @property
@@ -309,6 +309,7 @@ class Decoder(nn.Module):
         )
         tensor_axis = self._tensor_axis_in_mesh()
         tensor_size = jax.sharding.get_abstract_mesh().shape[tensor_axis] if tensor_axis else 1
+        check_moe_layout(self, bool(tensor_axis), bool(context))
         sequence_axis = self._sequence_axis(tensor_axis, seq_len)
         if sequence_axis:  # the residual stream is split along the sequence from here on
             x = sequence_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
@@ -420,16 +421,17 @@ def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
         )
 
 
-def _check_moe_layout(model: Decoder) -> None:
-    """What a mixture of experts does not run with yet, in one line."""
+def check_moe_layout(model: Decoder, tensor: bool, context: bool) -> None:
+    """A ConfigError if `model` has a mixture of experts and stacked layers, or runs on a mesh
+    with a `tensor` or `context` axis: none runs with one yet."""
     if model.moe is None:
         return
     given = [
         what
         for what, on in (
             ("stacked layers (scan_layers, or a stage axis)", model.scan_layers),
-            ("a tensor axis", model.tensor_axis),
-            ("a context axis", model.context_axis),
+            ("a tensor axis", tensor),
+            ("a context axis", context),
         )
         if on
     ]

@@ -131,14 +131,24 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
         weighted = (weighted + settings.z_loss_weight * aux["moe_z_loss"]) / 2
         assert float(sown.sown_loss(reports)) == pytest.approx(weighted, rel=1e-5)
 
+    # Two layers' reports make one number each: min, max, mean; their losses add up.
+    layer = lambda v: {"moe_expert_load_min": (v,), "moe_expert_load_max": (v,), "moe_z_loss": (v,)}  # noqa: E731
+    two = {sown.METRICS: {"block_0": layer(1.0), "block_1": layer(3.0)}}
+    assert sown.sown_metrics(two) == {
+        "moe_expert_load_min": 1.0,
+        "moe_expert_load_max": 3.0,
+        "moe_z_loss": 2.0,
+    }
+    assert sown.sown_loss({sown.LOSSES: {"a": {"moe": (1.0,)}, "b": {"moe": (2.0,)}}}) == 3.0
+
 
 MOE = {"num_experts": 4, "experts_per_token": 2, "z_loss_weight": 1e-3}
 CAPACITY = MOE | {"dispatch": "capacity", "capacity_factor": 0.5}
 
 
 def tiny_moe(family, moe, **fields):
-    cls, layers = (GPT, 2) if family == "gpt" else (Llama, 1)
-    dims = dict(vocab_size=64, num_layers=layers, num_heads=4, embed_dim=32, max_seq_len=16)
+    cls = GPT if family == "gpt" else Llama
+    dims = dict(vocab_size=64, num_layers=1, num_heads=4, embed_dim=32, max_seq_len=16)
     return cls(**dims, mlp_dim=32, moe=moe, **fields)
 
 

@@ -36,6 +36,7 @@ Mixtral `block_sparse_moe.gate` -> `block_i/mlp/router/kernel`, `experts.e.w1 / 
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -91,6 +92,39 @@ def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     return every.sum(0), before, devices
 
 
+class Pairs(NamedTuple):
+    """A device's token-expert pairs, arranged for the experts."""
+
+    order: jax.Array  # the pairs (token t's j-th at t*k + j) by expert, kept ones first
+    kept: jax.Array  # kept pairs per expert: the group sizes of `order`'s head
+    total: jax.Array  # the global batch's pairs per expert, kept or not
+    total_kept: jax.Array  # the global batch's kept pairs per expert
+    global_tokens: int
+
+
+def dispatch(experts: jax.Array, settings: MoESettings, axes: tuple[str, ...]) -> Pairs:
+    """The pairs of each token (row of `experts`, (tokens, k)) and its experts, sorted by
+    expert; in capacity mode without those past their expert's capacity in the global batch's
+    order. `axes`: the batch axes bound here (`bound_axes`)."""
+    num_experts = settings.num_experts
+    pair_expert = experts.reshape(-1)
+    order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
+    counts = jnp.bincount(pair_expert, length=num_experts)
+    total, before, devices = global_counts(counts, axes)
+    global_tokens = experts.shape[0] * devices
+    if settings.dispatch == "dropless":
+        return Pairs(order, counts, total, total, global_tokens)
+    by_expert = pair_expert[order]
+    starts = jnp.cumsum(counts) - counts
+    rank = before[by_expert] + jnp.arange(order.size) - starts[by_expert]  # global position
+    keep = rank < settings.capacity(global_tokens)
+    # The kept pairs first, still by expert: the dropped ones fall past every group.
+    order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
+    kept = jnp.bincount(by_expert, weights=keep.astype(counts.dtype), length=num_experts)
+    total_kept = lax.psum(kept, axes) if axes else kept
+    return Pairs(order, kept, total, total_kept, global_tokens)
+
+
 class Experts(nn.Module):
     """`num_experts` MLPs of `width`, weights stacked on a leading expert dimension, applied to
     rows grouped by expert (`group_sizes`; rows past their sum give zeros)."""
@@ -139,29 +173,15 @@ class MoE(nn.Module):
         weights, experts = route(logits, s)
         axes = () if self.is_initializing() else bound_axes(self.axis_name)
 
-        k = s.experts_per_token
-        pair_expert = experts.reshape(-1)  # token-major: token t's pairs at t*k .. t*k + k - 1
-        order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
-        sorted_expert = pair_expert[order]
-        counts = jnp.bincount(pair_expert, length=s.num_experts)
-        total, before, devices = global_counts(counts, axes)
-        kept = counts
-        if s.dispatch == "capacity":
-            starts = jnp.cumsum(counts) - counts
-            rank = before[sorted_expert] + jnp.arange(order.size) - starts[sorted_expert]
-            keep = rank < s.capacity(tokens.shape[0] * devices)
-            # The kept pairs first, still by expert: the dropped ones fall past every group.
-            order = order[jnp.argsort(jnp.where(keep, sorted_expert, s.num_experts), stable=True)]
-            kept = jnp.bincount(
-                sorted_expert, weights=keep.astype(counts.dtype), length=s.num_experts
-            )
-        rows = tokens[order // k]
+        pairs = dispatch(experts, s, axes)
         expert_mlps = Experts(
             s.num_experts, self.width, self.gated, self.residual_init_std, name="experts"
         )
-        outputs = expert_mlps(rows, kept)
-        unsorted = jnp.zeros_like(outputs).at[order].set(outputs).reshape(-1, k, embed)
-        y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), unsorted)
+        outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
+        # Back in token order (a dropped pair's row is zeros), summed with the router's weights.
+        outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        outputs = outputs.reshape(-1, s.experts_per_token, embed)
+        y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), outputs)
 
         if s.shared_expert_dim:
             shared = self.dense(s.shared_expert_dim, name="shared_expert")(tokens)
@@ -172,15 +192,14 @@ class MoE(nn.Module):
                 shared = shared * jax.nn.sigmoid(tokens @ gate.astype(tokens.dtype))
             y = y + shared
         if not self.is_initializing():
-            kept_total = lax.psum(kept, axes) if axes else kept
-            self._report(logits, total, kept_total, tokens.shape[0] * devices)
+            self._report(logits, pairs)
         return y.reshape(batch, seq_len, embed)
 
-    def _report(self, logits, total_counts, kept_counts, global_tokens: int):
+    def _report(self, logits, pairs: Pairs):
         """Sows the auxiliary losses (this device's share of their global means) and the
         experts' load (global already); jddp/core/sown.py."""
         s = self.settings
-        fraction = lax.stop_gradient(total_counts / global_tokens)  # f_e, global
+        fraction = lax.stop_gradient(pairs.total / pairs.global_tokens)  # f_e, global
         probs = jax.nn.softmax(logits, axis=-1)
         # E sum_e f_e P_e is linear in the tokens' probabilities: the mean of the devices'
         # shares (their own tokens' mean P_e) is the global loss, and so is its gradient.
@@ -191,7 +210,7 @@ class MoE(nn.Module):
         self.sow(sown.METRICS, "moe_expert_load_min", fraction.min())
         self.sow(sown.METRICS, "moe_expert_load_max", fraction.max())
         if s.dispatch == "capacity":
-            dropped = 1 - jnp.sum(kept_counts) / jnp.sum(total_counts)
+            dropped = 1 - jnp.sum(pairs.total_kept) / jnp.sum(pairs.total)
             self.sow(sown.METRICS, "moe_dropped_fraction", dropped)
         if s.load_balance_weight or s.z_loss_weight:
             weighted = s.load_balance_weight * balance + s.z_loss_weight * z_loss

@@ -234,3 +234,20 @@ def test_a_moe_model_on_a_tensor_axis_is_refused_when_built():
             "llama", 64, tensor_axis="tensor", tensor_size=2, num_heads=2, moe={"num_experts": 4}
         )
     assert_one_line(error, "a tensor axis", "not", "yet")
+
+
+def test_auxiliary_losses_with_a_weighted_loss_are_refused_when_the_step_is_traced():
+    batch = token_batches(steps=1, size=2)[0]
+    batch["weight"] = np.ones(2, np.float32)
+    trainer = jddp.Trainer(
+        tiny_moe("gpt", MOE),
+        LM.loss_fn,
+        adamw(),
+        input_key=LM.input_key,
+        weight_key="weight",
+        devices=jax.devices()[:1],
+    )
+    state, _ = trainer.task.abstract_state(batch)  # shapes only: refused before compiling
+    with pytest.raises(ConfigError) as error:
+        jax.eval_shape(trainer.task.local_grads, state.params, {}, batch, jax.random.key(0))
+    assert_one_line(error, "weighted loss", "not", "yet", "weights to 0")

@@ -4,9 +4,9 @@ the output head, and the tensor- and sequence-parallel plumbing.
 
 Parameter names are stable for sharding rules and checkpoint conversion: `token_embed/embedding`,
 `position_embed` (learned positions only), `block_{i}/{ln_1,attn,ln_2,mlp}` (stacked:
-`blocks/...`), `ln_f`, `head` (untied only); a mixture of experts' MLP: jddp/models/moe.py.
-Kernels are 2-D (in, out). A model says what goes in a block and which norm it uses
-(`block_parts`); the rest is here.
+`blocks/...`), `ln_f`, `head` (untied only). Kernels are 2-D (in, out), but for a mixture of
+experts' stacked experts (jddp/models/moe.py). A model says what goes in a block and which norm
+it uses (`block_parts`); the rest is here.
 """
 
 import functools

@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,7 +19,7 @@ from jddp.errors import ConfigError
 from jddp.models import GPT, Llama
 from jddp.models.gpt import MLP
 from jddp.models.llama import SwiGLU
-from jddp.models.moe import MoE
+from jddp.models.moe import MoE, grouped_matmul
 from jddp.models.moe_settings import MoESettings
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import assert_one_line
@@ -131,6 +132,16 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
         weighted = (weighted + settings.z_loss_weight * aux["moe_z_loss"]) / 2
         assert float(sown.sown_loss(reports)) == pytest.approx(weighted, rel=1e-5)
 
+    # Under vmap (auto's batch axes) the experts run as one masked product: the same rows.
+    rows, weights = x.reshape(-1, EMBED)[:10], jax.random.normal(jax.random.key(2), (3, EMBED, 5))
+    sizes = jnp.array([3, 0, 5])  # the last 2 rows in no group: zeros
+    np.testing.assert_allclose(
+        grouped_matmul(rows, weights, sizes, masked=True),
+        grouped_matmul(rows, weights, sizes, masked=False),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
     # Two layers' reports make one number each: min, max, mean; their losses add up.
     layer = lambda v: {"moe_expert_load_min": (v,), "moe_expert_load_max": (v,), "moe_z_loss": (v,)}  # noqa: E731
     two = {sown.METRICS: {"block_0": layer(1.0), "block_1": layer(3.0)}}
@@ -165,12 +176,12 @@ def moe_trainer(model, strategy, mesh=None):
     )
 
 
-DATA_8, ZERO3 = ("ddp", None), ("zero3", "data:2,fsdp:4")
+DATA_8, ZERO3, AUTO = ("ddp", None), ("zero3", "data:2,fsdp:4"), ("auto", "data:2,fsdp:4")
 
 
 @pytest.mark.parametrize(
     "family,moe,layouts",
-    [("gpt", CAPACITY, (DATA_8, ZERO3)), ("llama", MOE, (ZERO3,))],
+    [("gpt", CAPACITY, (DATA_8, ZERO3)), ("llama", MOE, (ZERO3, AUTO))],
     ids=["gpt-capacity", "llama-dropless"],
 )
 def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts):

@@ -62,16 +62,31 @@ def route(logits: jax.Array, settings: MoESettings) -> tuple[jax.Array, jax.Arra
     return weights, experts
 
 
-def bound_axes(axis_name) -> tuple[str, ...]:
-    """The names of `axis_name` (a name, a tuple of them, or None) bound where this runs (a
-    strategy's step); () where the program holds the whole batch."""
+def bound_axes(axis_name) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of `axis_name` (a name, a tuple of them, or None), (the axes bound where this runs that
+    split the batch, those bound with one slice each: `auto`'s, jddp/core/slices.py). Outside
+    a strategy's step none is bound, and the program holds the whole batch."""
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name or ())
     try:
-        for name in names:
-            lax.axis_size(name)
-    except NameError:  # outside a strategy's step (a plain apply): the batch is all here
-        return ()
-    return names
+        sizes = [lax.axis_size(name) for name in names]
+    except NameError:  # outside a strategy's step (a plain apply)
+        return (), ()
+    split = tuple(name for name, size in zip(names, sizes, strict=True) if size > 1)
+    return split, tuple(name for name in names if name not in split)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, masked: bool):
+    """Row r of `x` (rows, in) times `w[e]` (experts, in, out), e the group of the row:
+    `group_sizes` consecutive rows per expert, rows past their sum giving zeros. `masked`: as
+    one masked product with every expert's weights (E times the FLOPs, as jax 0.10.2 lowers
+    `ragged_dot` off TPU anyway), for programs under `vmap` (`auto`'s batch axes,
+    jddp/core/slices.py), where jax 0.10.2's `ragged_dot` raises NotImplementedError."""
+    if not masked:
+        return lax.ragged_dot(x, w, group_sizes)
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(x.shape[0])
+    member = (row >= (ends - group_sizes)[:, None]) & (row < ends[:, None])  # (experts, rows)
+    return jnp.einsum("er,ri,eio->ro", member.astype(x.dtype), x, w)
 
 
 def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, int]:
@@ -85,7 +100,7 @@ def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, 
     for name, size in zip(axes, sizes, strict=True):  # row blocks in the axes' order
         index = index * size + lax.axis_index(name)
     devices = math.prod(sizes)
-    # An all-gather as a psum of one-hot rows: it runs under vmap's bound axes as well.
+    # An all-gather as a psum of one-hot rows, over any number of axes at once.
     rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[index].set(counts)
     every = lax.psum(rows, axes)
     before = jnp.where((jnp.arange(devices) < index)[:, None], every, 0).sum(0)
@@ -133,20 +148,24 @@ class Experts(nn.Module):
     width: int
     gated: bool
     residual_init_std: float
+    masked: bool = False  # `grouped_matmul`'s masked form (under vmap)
 
     @nn.compact
     def __call__(self, rows, group_sizes):
         shape = (self.num_experts, rows.shape[-1], self.width)
-        up = self.param("up", nn.initializers.normal(INIT_STD), shape)
-        down_init = nn.initializers.normal(self.residual_init_std)
-        down = self.param("down", down_init, (self.num_experts, self.width, rows.shape[-1]))
-        h = lax.ragged_dot(rows, up.astype(rows.dtype), group_sizes)
+
+        def grouped(x, name, init, shape):
+            w = self.param(name, init, shape).astype(x.dtype)
+            return grouped_matmul(x, w, group_sizes, self.masked)
+
+        normal = nn.initializers.normal
+        h = grouped(rows, "up", normal(INIT_STD), shape)
         if self.gated:
-            gate = self.param("gate", nn.initializers.normal(INIT_STD), shape)
-            h = jax.nn.silu(lax.ragged_dot(rows, gate.astype(rows.dtype), group_sizes)) * h
+            h = jax.nn.silu(grouped(rows, "gate", normal(INIT_STD), shape)) * h
         else:
             h = nn.gelu(h, approximate=True)
-        return lax.ragged_dot(h, down.astype(rows.dtype), group_sizes)
+        down_shape = (self.num_experts, self.width, rows.shape[-1])
+        return grouped(h, "down", normal(self.residual_init_std), down_shape)
 
 
 class MoE(nn.Module):
@@ -171,11 +190,16 @@ class MoE(nn.Module):
         router = self.param("router", nn.initializers.normal(INIT_STD), (embed, s.num_experts))
         logits = tokens.astype(jnp.float32) @ router.astype(jnp.float32)
         weights, experts = route(logits, s)
-        axes = () if self.is_initializing() else bound_axes(self.axis_name)
+        axes, one_slice = ((), ()) if self.is_initializing() else bound_axes(self.axis_name)
 
         pairs = dispatch(experts, s, axes)
         expert_mlps = Experts(
-            s.num_experts, self.width, self.gated, self.residual_init_std, name="experts"
+            s.num_experts,
+            self.width,
+            self.gated,
+            self.residual_init_std,
+            masked=bool(one_slice),
+            name="experts",
         )
         outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
         # Back in token order (a dropped pair's row is zeros), summed with the router's weights.

@@ -143,8 +143,8 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
     )
 
     # Two layers' reports make one number each: min, max, mean; their losses add up.
-    layer = lambda v: {"moe_expert_load_min": (v,), "moe_expert_load_max": (v,), "moe_z_loss": (v,)}  # noqa: E731
-    two = {sown.METRICS: {"block_0": layer(1.0), "block_1": layer(3.0)}}
+    names = ("moe_expert_load_min", "moe_expert_load_max", "moe_z_loss")
+    two = {sown.METRICS: {f"block_{i}": {n: (v,) for n in names} for i, v in enumerate((1.0, 3.0))}}
     assert sown.sown_metrics(two) == {
         "moe_expert_load_min": 1.0,
         "moe_expert_load_max": 3.0,

@@ -3,6 +3,7 @@
 `as_functional(model)` gives an object with
   `init(rngs, args, kwargs) -> (params, model_state)` and
   `apply(params, model_state, args, kwargs, *, train, rng) -> (outputs, model_state)`,
+and `apply_sown(...)`, which also returns what a Linen module sowed (jddp/core/sown.py);
 where `params` and `model_state` are plain nested dicts of arrays (the same paths for both kinds:
 `{"dense": {"kernel": ...}}`), so optimizers, sharding rules and checkpoints never see which kind
 of module is training. `args` / `kwargs` are the model's own inputs (`ModelInputs` picks them from
@@ -22,6 +23,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from jddp.core import sown
 from jddp.errors import ConfigError
 
 
@@ -124,9 +126,16 @@ class LinenModule:
     def init(self, rngs: dict[str, jax.Array], args, kwargs) -> tuple[Any, dict]:
         mode = _mode_arguments(self._parameters, False)
         variables = dict(self.module.init(rngs, *args, **kwargs, **mode))
+        for name in sown.COLLECTIONS:  # reports of a step, not state
+            variables.pop(name, None)
         return variables.pop("params"), variables
 
     def apply(self, params, model_state, args, kwargs, *, train: bool, rng=None):
+        return self.apply_sown(params, model_state, args, kwargs, train=train, rng=rng)[:2]
+
+    def apply_sown(self, params, model_state, args, kwargs, *, train: bool, rng=None):
+        """`apply`'s (outputs, model_state), and in training what the module sowed into
+        jddp/core/sown.py's collections ({} in evaluation)."""
         if self._aliases:
             with nn.intercept_methods(self._bind_axis_names):
                 return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
@@ -136,9 +145,13 @@ class LinenModule:
         variables = {"params": params, **model_state}
         options = {"rngs": {"dropout": rng} if rng is not None else None}
         options.update(kwargs, **_mode_arguments(self._parameters, train))
-        if train and model_state:
-            return self.module.apply(variables, *args, mutable=list(model_state), **options)
-        return self.module.apply(variables, *args, **options), model_state
+        if not train:
+            return self.module.apply(variables, *args, **options), model_state, {}
+        mutable = list(model_state) + list(sown.COLLECTIONS)
+        outputs, updated = self.module.apply(variables, *args, mutable=mutable, **options)
+        updated = dict(updated)
+        reports = {name: updated.pop(name) for name in sown.COLLECTIONS if name in updated}
+        return outputs, updated, reports
 
 
 def _mode_view(module: nnx.Module, train: bool) -> nnx.Module:
@@ -204,6 +217,10 @@ class NnxModule:
     def init(self, rngs, args, kwargs) -> tuple[dict, dict]:
         del rngs, args, kwargs  # the instance is already initialized
         return self._params.pure, {name: codec.pure for name, codec in self._state.items()}
+
+    def apply_sown(self, params, model_state, args, kwargs, *, train: bool, rng=None):
+        """`apply`'s results and an empty report: NNX modules sow nothing jddp reads yet."""
+        return *self.apply(params, model_state, args, kwargs, train=train, rng=rng), {}
 
     def apply(self, params, model_state, args, kwargs, *, train: bool, rng=None):
         states = [self._params.to_state(params)]

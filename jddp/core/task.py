@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jddp.core import layer_stacks, lora, row_keys
+from jddp.core import layer_stacks, lora, row_keys, sown
 from jddp.core.layer_stacks import Stack, finding_stacks
 from jddp.core.lora import LoRA
 from jddp.core.loss_scale import DynamicLossScale
@@ -58,7 +58,9 @@ class Task:
     entry of per-example weights or a function returns (weighted sums, weights) per example:
     sum(w * l) / sum(w) over the whole global batch, whatever the device count and accumulation.
     `regularizer(params) -> scalar` is added to the training loss (not to the `loss` metric, which
-    stays comparable with eval; it is logged as `regularizer`).
+    stays comparable with eval; it is logged as `regularizer`). What a Linen model sows in
+    training (jddp/core/sown.py: a mixture of experts' auxiliary losses and its experts' load)
+    is added to the training loss, or logged, the same way.
     BatchNorm statistics: with `grad_accum_steps` > 1 they are those of each micro-batch (as in
     PyTorch), and running averages are updated once per micro-batch.
     """
@@ -195,9 +197,13 @@ class Task:
 
     def forward(self, params, model_state, batch: Batch, *, train: bool, rng=None):
         """Model outputs in float32 and the updated mutable collections."""
+        return self._forward_sown(params, model_state, batch, train=train, rng=rng)[:2]
+
+    def _forward_sown(self, params, model_state, batch: Batch, *, train: bool, rng=None):
+        """`forward`'s results and what the model sowed (jddp/core/sown.py)."""
         args, kwargs = self._call_args(cast_floats(self.model_inputs(batch), self.compute_dtype))
         with self.adapting(train):
-            outputs, model_state = self._module.apply(
+            outputs, model_state, reports = self._module.apply_sown(
                 cast_floats(self.frozen(params), self.compute_dtype),
                 model_state,
                 args,
@@ -205,7 +211,7 @@ class Task:
                 train=train,
                 rng=rng,
             )
-        return cast_floats(outputs, jnp.float32), model_state
+        return cast_floats(outputs, jnp.float32), model_state, reports
 
     def adapting(self, train: bool):
         """The context in which the model's targeted modules add their LoRA adapters (none
@@ -243,17 +249,34 @@ class Task:
 
     # ------------------------------------------------------------------------- gradients
     def _slice_totals(self, params, model_state, batch: Batch, rng):
-        """`Totals` of one slice's batch, and the updated mutable collections."""
-        outputs, model_state = self.forward(params, model_state, batch, train=True, rng=rng)
-        return self.totals(outputs, batch), model_state
+        """`Totals` of one slice's batch (with the metrics the model sowed), the updated mutable
+        collections, and the sum of the losses the model sowed (None: none)."""
+        outputs, model_state, reports = self._forward_sown(
+            params, model_state, batch, train=True, rng=rng
+        )
+        totals = self.totals(outputs, batch)
+        reported = sown.sown_metrics(reports)
+        if reported:
+            totals = totals.replace(sums={**reported, **totals.sums})
+        return totals, model_state, sown.sown_loss(reports)
 
     def _micro_grads(self, params, model_state, batch, rng, params_fn, scale, slices=None):
         totals_fn = slices.bind(self._slice_totals) if slices else self._slice_totals
 
         def scaled_loss(trainable):  # the frozen parameters enter as constants
             params_used = params_fn(self.with_trainable(params, trainable))
-            totals, new_model_state = totals_fn(params_used, model_state, batch, rng)
+            totals, new_model_state, extra = totals_fn(params_used, model_state, batch, rng)
             loss = totals.sums["loss"]
+            if extra is not None:
+                if "loss" in totals.weights:
+                    # The step divides the gradient by the global mean loss weight, which a
+                    # device does not know before its backward pass.
+                    raise ConfigError(
+                        "a model's sown losses (a mixture of experts' auxiliary losses) are "
+                        "not added to a weighted loss yet (a loss mask or weight_key); set "
+                        "their weights to 0, or train with an unweighted loss"
+                    )
+                loss = loss + extra
             return (loss if scale is None else loss * scale), (totals, new_model_state)
 
         (_, (totals, model_state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(

@@ -4,14 +4,15 @@ the output head, and the tensor- and sequence-parallel plumbing.
 
 Parameter names are stable for sharding rules and checkpoint conversion: `token_embed/embedding`,
 `position_embed` (learned positions only), `block_{i}/{ln_1,attn,ln_2,mlp}` (stacked:
-`blocks/...`), `ln_f`, `head` (untied only). Kernels are 2-D (in, out). A model says what goes in a
-block and which norm it uses (`block_parts`); the rest is here.
+`blocks/...`), `ln_f`, `head` (untied only). Kernels are 2-D (in, out), but for a mixture of
+experts' stacked experts (jddp/models/moe.py). A model says what goes in a block and which norm
+it uses (`block_parts`); the rest is here.
 """
 
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -22,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jddp.core import layer_keys
 from jddp.errors import ConfigError, ShapeError
 from jddp.models import sequence_parallel
+from jddp.models.moe import MoE
+from jddp.models.moe_settings import moe_settings
 from jddp.models.rotary import rotary
 from jddp.parallel import context as context_parallel
 from jddp.parallel.pipeline.layers import Pipelined
@@ -222,9 +225,17 @@ class Decoder(nn.Module):
     sequence_parallel: bool = False
     context_axis: str | None = None
     context_attention: str = "ring"
+    # A mixture of experts in every block's MLP: `model_args.moe` (jddp/models/moe_settings.py).
+    moe: Any = None
+    batch_axis_name: str | tuple[str, ...] | None = None  # set by jddp from the mesh
 
     head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
     gated_mlp = False  # SwiGLU's three MLP matrices instead of two
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe", moe_settings(self.moe))  # hashable, checked
+        check_moe_layout(self, tensor=False, context=False)
+        super().__post_init__()
 
     @property
     def kv_heads(self) -> int:
@@ -246,6 +257,23 @@ class Decoder(nn.Module):
         """(attention, mlp, norm) module constructors of one block (each takes `name`); the
         norm is the final one's too. `context`: (axis, attention) under context parallelism."""
         raise NotImplementedError
+
+    def mlp_part(self, dense: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        """A block's MLP constructor: `dense` (width -> the model's dense MLP) of `hidden_dim`,
+        or with `moe` a mixture of experts (its shared expert a `dense` one)."""
+        if self.moe is None:
+            return functools.partial(dense, self.hidden_dim)
+        width = self.moe.expert_dim or self.hidden_dim
+        return functools.partial(
+            MoE,
+            self.moe,
+            width,
+            self.gated_mlp,
+            self.residual_init_std,
+            dense,
+            self.num_layers,
+            self.batch_axis_name,
+        )
 
     @property
     def residual_init_std(self) -> float:
@@ -284,6 +312,7 @@ class Decoder(nn.Module):
         )
         tensor_axis = self._tensor_axis_in_mesh()
         tensor_size = jax.sharding.get_abstract_mesh().shape[tensor_axis] if tensor_axis else 1
+        check_moe_layout(self, bool(tensor_axis), bool(context))
         sequence_axis = self._sequence_axis(tensor_axis, seq_len)
         if sequence_axis:  # the residual stream is split along the sequence from here on
             x = sequence_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
@@ -393,6 +422,27 @@ def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
     if model.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"{cls} attention_impl={model.attention_impl!r}; choose None, 'xla' or 'cudnn'"
+        )
+
+
+def check_moe_layout(model: Decoder, tensor: bool, context: bool) -> None:
+    """A ConfigError if `model` has a mixture of experts and stacked layers, or runs on a mesh
+    with a `tensor` or `context` axis: none runs with one yet."""
+    if model.moe is None:
+        return
+    given = [
+        what
+        for what, on in (
+            ("stacked layers (scan_layers, or a stage axis)", model.scan_layers),
+            ("a tensor axis", tensor),
+            ("a context axis", context),
+        )
+        if on
+    ]
+    if given:
+        raise ConfigError(
+            f"a mixture of experts (model_args.moe) does not run with {given[0]} yet; use a "
+            "mesh of data and fsdp axes only, unstacked layers, or a dense model"
         )
 
 

@@ -107,7 +107,9 @@ class GPT(Decoder):
             sequence_axis,
             context,
         )
-        mlp = functools.partial(MLP, self.hidden_dim, std, sequence_axis)
+        mlp = self.mlp_part(
+            functools.partial(MLP, residual_init_std=std, sequence_axis=sequence_axis)
+        )
         return attention, mlp, functools.partial(nn.LayerNorm, epsilon=self.norm_eps)
 
     @property

@@ -171,7 +171,11 @@ class Llama(Decoder):
             rope_scaling=self.rope_scaling,
             window=self.sliding_window,
         )
-        mlp = functools.partial(SwiGLU, self.hidden_dim, self.mlp_bias, std, sequence_axis)
+        mlp = self.mlp_part(
+            functools.partial(
+                SwiGLU, use_bias=self.mlp_bias, residual_init_std=std, sequence_axis=sequence_axis
+            )
+        )
         return attention, mlp, functools.partial(nn.RMSNorm, epsilon=self.norm_eps)
 
 

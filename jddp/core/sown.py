@@ -1,0 +1,43 @@
+"""What a Linen model reports beside its outputs in a training step, by `self.sow`: losses the
+training adds to its own (a mixture of experts' load-balancing loss) and numbers each record
+logs (the experts' load).
+
+A layer sows a float32 scalar under a name: into `LOSSES` its share of the training loss
+(added to the loss the gradient is taken of, not to the `loss` metric, which stays comparable
+with eval), into `METRICS` a number to log. Each device sows its own, and the step averages
+them over devices and micro-batches as it averages the loss: a layer sows what makes that
+average right (its devices' share of a global mean, or a value already global). Several
+layers' values of one name make one number: the minimum for names ending in `_min`, the
+maximum for `_max`, else the mean. Nothing is sown during initialization or evaluation.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
+
+LOSSES = "aux_losses"
+METRICS = "aux_metrics"
+COLLECTIONS = (LOSSES, METRICS)
+
+
+def sown_loss(collections) -> jax.Array | None:
+    """The sum of every value sown into `LOSSES` (None: nothing was)."""
+    values = jax.tree.leaves(collections.get(LOSSES, {}))
+    return sum(values[1:], values[0]) if values else None
+
+
+def sown_metrics(collections) -> dict[str, jax.Array]:
+    """Each name sown into `METRICS`, its layers' values made one (min, max or mean)."""
+    by_name: dict[str, list] = {}
+    for path, values in flatten_dict(dict(collections.get(METRICS, {}))).items():
+        by_name.setdefault(path[-1], []).extend(jax.tree.leaves(values))
+    merged = {}
+    for name, values in by_name.items():
+        stacked = jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
+        if name.endswith("_min"):
+            merged[name] = stacked.min()
+        elif name.endswith("_max"):
+            merged[name] = stacked.max()
+        else:
+            merged[name] = stacked.mean()
+    return merged

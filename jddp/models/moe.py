@@ -1,0 +1,241 @@
+"""A mixture-of-experts MLP for jddp's decoders (GPT, Llama), set by `model_args.moe`
+(jddp/models/moe_settings.py): a router picks each token's experts, the token goes through
+them, and their outputs are summed with the router's weights.
+
+Every number that depends on more than one token is the global batch's, on any layout: the
+experts' load, the load-balancing loss's token fractions and, in capacity mode, which tokens
+are dropped. A device's counts come from the others over the batch axes (`axis_name`, bound
+as BatchNorm's is: jddp/core/slices.py, jddp/core/modules.py); where no batch axis is bound,
+the program holds the whole batch and the counts are its own.
+
+- Router: `router/kernel` (embed, experts), logits in float32.
+- Experts, stacked on a leading expert dimension (which an `expert` mesh axis will split):
+  `experts/up` (experts, embed, width), `experts/down` (experts, width, embed), and for gated
+  (SwiGLU) models `experts/gate` (experts, embed, width); no biases. GPT's experts apply
+  GELU (tanh), Llama's SwiGLU.
+- Dropless dispatch: the token-expert pairs sorted by expert, then three (two) grouped matmuls
+  (`jax.lax.ragged_dot`), then each token's outputs summed with its weights. Capacity
+  dispatch: the same, less the pairs past their expert's capacity in global token order (row
+  by row of the global batch, each row's tokens in order), which add nothing.
+- Shared expert (`shared_expert_dim` > 0): the model's dense MLP, `shared_expert/...`, on
+  every token, times sigmoid(`shared_expert_gate/kernel` . x) where gated.
+- Sown (jddp/core/sown.py): `moe_load_balance_loss` = E sum_e f_e P_e, with f_e the fraction
+  of the global batch's tokens routed to expert e (before any drop; they sum to k, so even
+  routing gives k, as in Mixtral's Hugging Face code) and P_e its mean router probability;
+  `moe_z_loss` = the mean over tokens of logsumexp(logits)^2 (ST-MoE); `moe_expert_load_min`
+  / `_max` (f_e's least and greatest); `moe_dropped_fraction` (capacity: the dropped share of
+  token-expert pairs). Their weighted sum over the layers' mean is the loss added.
+
+Hugging Face tensors the names are chosen for (per layer i, expert e; kernels transposed):
+Mixtral `block_sparse_moe.gate` -> `block_i/mlp/router/kernel`, `experts.e.w1 / w3 / w2` ->
+`experts/gate / up / down[e]`; Qwen2-MoE and Qwen3-MoE `mlp.gate` -> `router/kernel`,
+`mlp.experts.e.{gate,up,down}_proj` -> `experts/{gate,up,down}[e]`,
+`mlp.shared_expert.{gate,up,down}_proj` -> `shared_expert/{gate,up,proj}`,
+`mlp.shared_expert_gate` -> `shared_expert_gate/kernel`.
+"""
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp.core import sown
+from jddp.models.moe_settings import MoESettings
+
+INIT_STD = 0.02  # the decoders' initializer (jddp/models/decoder.py)
+
+
+def route(logits: jax.Array, settings: MoESettings) -> tuple[jax.Array, jax.Array]:
+    """(weights, experts), each (tokens, k): every token's experts and the weights its outputs
+    are summed with, from float32 router `logits` (tokens, experts)."""
+    k = settings.experts_per_token
+    if settings.router_order == "topk_softmax":
+        top, experts = lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if settings.normalize_top_k:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+def bound_axes(axis_name) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of `axis_name` (a name, a tuple of them, or None), (the axes bound where this runs that
+    split the batch, those bound with one slice each: `auto`'s, jddp/core/slices.py). Outside
+    a strategy's step none is bound, and the program holds the whole batch."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name or ())
+    try:
+        sizes = [lax.axis_size(name) for name in names]
+    except NameError:  # outside a strategy's step (a plain apply)
+        return (), ()
+    split = tuple(name for name, size in zip(names, sizes, strict=True) if size > 1)
+    return split, tuple(name for name in names if name not in split)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, masked: bool):
+    """Row r of `x` (rows, in) times `w[e]` (experts, in, out), e the group of the row:
+    `group_sizes` consecutive rows per expert, rows past their sum giving zeros. `masked`: as
+    one masked product with every expert's weights (E times the FLOPs, as jax 0.10.2 lowers
+    `ragged_dot` off TPU anyway), for programs under `vmap` (`auto`'s batch axes,
+    jddp/core/slices.py), where jax 0.10.2's `ragged_dot` raises NotImplementedError."""
+    if not masked:
+        return lax.ragged_dot(x, w, group_sizes)
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(x.shape[0])
+    member = (row >= (ends - group_sizes)[:, None]) & (row < ends[:, None])  # (experts, rows)
+    return jnp.einsum("er,ri,eio->ro", member.astype(x.dtype), x, w)
+
+
+def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, int]:
+    """(the sum of every device's `counts` over the batch `axes`, the sum of those of the
+    devices before this one in the global batch's order, how many devices). Integer counts
+    only: nothing here is differentiated."""
+    if not axes:
+        return counts, jnp.zeros_like(counts), 1
+    sizes = [lax.axis_size(name) for name in axes]
+    index = 0
+    for name, size in zip(axes, sizes, strict=True):  # row blocks in the axes' order
+        index = index * size + lax.axis_index(name)
+    devices = math.prod(sizes)
+    # An all-gather as a psum of one-hot rows, over any number of axes at once.
+    rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[index].set(counts)
+    every = lax.psum(rows, axes)
+    before = jnp.where((jnp.arange(devices) < index)[:, None], every, 0).sum(0)
+    return every.sum(0), before, devices
+
+
+class Pairs(NamedTuple):
+    """A device's token-expert pairs, arranged for the experts."""
+
+    order: jax.Array  # the pairs (token t's j-th at t*k + j) by expert, kept ones first
+    kept: jax.Array  # kept pairs per expert: the group sizes of `order`'s head
+    total: jax.Array  # the global batch's pairs per expert, kept or not
+    total_kept: jax.Array  # the global batch's kept pairs per expert
+    global_tokens: int
+
+
+def dispatch(experts: jax.Array, settings: MoESettings, axes: tuple[str, ...]) -> Pairs:
+    """The pairs of each token (row of `experts`, (tokens, k)) and its experts, sorted by
+    expert; in capacity mode without those past their expert's capacity in the global batch's
+    order. `axes`: the batch axes bound here (`bound_axes`)."""
+    num_experts = settings.num_experts
+    pair_expert = experts.reshape(-1)
+    order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
+    counts = jnp.bincount(pair_expert, length=num_experts)
+    total, before, devices = global_counts(counts, axes)
+    global_tokens = experts.shape[0] * devices
+    if settings.dispatch == "dropless":
+        return Pairs(order, counts, total, total, global_tokens)
+    by_expert = pair_expert[order]
+    starts = jnp.cumsum(counts) - counts
+    rank = before[by_expert] + jnp.arange(order.size) - starts[by_expert]  # global position
+    keep = rank < settings.capacity(global_tokens)
+    # The kept pairs first, still by expert: the dropped ones fall past every group.
+    order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
+    kept = jnp.bincount(by_expert, weights=keep.astype(counts.dtype), length=num_experts)
+    total_kept = lax.psum(kept, axes) if axes else kept
+    return Pairs(order, kept, total, total_kept, global_tokens)
+
+
+class Experts(nn.Module):
+    """`num_experts` MLPs of `width`, weights stacked on a leading expert dimension, applied to
+    rows grouped by expert (`group_sizes`; rows past their sum give zeros)."""
+
+    num_experts: int
+    width: int
+    gated: bool
+    residual_init_std: float
+    masked: bool = False  # `grouped_matmul`'s masked form (under vmap)
+
+    @nn.compact
+    def __call__(self, rows, group_sizes):
+        shape = (self.num_experts, rows.shape[-1], self.width)
+
+        def grouped(x, name, init, shape):
+            w = self.param(name, init, shape).astype(x.dtype)
+            return grouped_matmul(x, w, group_sizes, self.masked)
+
+        normal = nn.initializers.normal
+        h = grouped(rows, "up", normal(INIT_STD), shape)
+        if self.gated:
+            h = jax.nn.silu(grouped(rows, "gate", normal(INIT_STD), shape)) * h
+        else:
+            h = nn.gelu(h, approximate=True)
+        down_shape = (self.num_experts, self.width, rows.shape[-1])
+        return grouped(h, "down", normal(self.residual_init_std), down_shape)
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts MLP of one block: (batch, seq, embed) -> (batch, seq, embed).
+    `dense(width, name=...)` builds the model's dense MLP (the shared expert); `layers`: how
+    many MoE layers the model has (the auxiliary losses are their mean); `axis_name`: the batch
+    axes (jddp/models/moe.py's docstring)."""
+
+    settings: MoESettings
+    width: int
+    gated: bool
+    residual_init_std: float
+    dense: Callable[..., nn.Module]
+    layers: int
+    axis_name: str | tuple[str, ...] | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        s = self.settings
+        batch, seq_len, embed = x.shape
+        tokens = x.reshape(-1, embed)
+        router = self.param("router", nn.initializers.normal(INIT_STD), (embed, s.num_experts))
+        logits = tokens.astype(jnp.float32) @ router.astype(jnp.float32)
+        weights, experts = route(logits, s)
+        axes, one_slice = ((), ()) if self.is_initializing() else bound_axes(self.axis_name)
+
+        pairs = dispatch(experts, s, axes)
+        expert_mlps = Experts(
+            s.num_experts,
+            self.width,
+            self.gated,
+            self.residual_init_std,
+            masked=bool(one_slice),
+            name="experts",
+        )
+        outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
+        # Back in token order (a dropped pair's row is zeros), summed with the router's weights.
+        outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        outputs = outputs.reshape(-1, s.experts_per_token, embed)
+        y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), outputs)
+
+        if s.shared_expert_dim:
+            shared = self.dense(s.shared_expert_dim, name="shared_expert")(tokens)
+            if s.shared_expert_gate:
+                gate = self.param(
+                    "shared_expert_gate", nn.initializers.normal(INIT_STD), (embed, 1)
+                )
+                shared = shared * jax.nn.sigmoid(tokens @ gate.astype(tokens.dtype))
+            y = y + shared
+        if not self.is_initializing():
+            self._report(logits, pairs)
+        return y.reshape(batch, seq_len, embed)
+
+    def _report(self, logits, pairs: Pairs):
+        """Sows the auxiliary losses (this device's share of their global means) and the
+        experts' load (global already); jddp/core/sown.py."""
+        s = self.settings
+        fraction = lax.stop_gradient(pairs.total / pairs.global_tokens)  # f_e, global
+        probs = jax.nn.softmax(logits, axis=-1)
+        # E sum_e f_e P_e is linear in the tokens' probabilities: the mean of the devices'
+        # shares (their own tokens' mean P_e) is the global loss, and so is its gradient.
+        balance = s.num_experts * jnp.sum(fraction * probs.mean(0))
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        self.sow(sown.METRICS, "moe_load_balance_loss", balance)
+        self.sow(sown.METRICS, "moe_z_loss", z_loss)
+        self.sow(sown.METRICS, "moe_expert_load_min", fraction.min())
+        self.sow(sown.METRICS, "moe_expert_load_max", fraction.max())
+        if s.dispatch == "capacity":
+            dropped = 1 - jnp.sum(pairs.total_kept) / jnp.sum(pairs.total)
+            self.sow(sown.METRICS, "moe_dropped_fraction", dropped)
+        if s.load_balance_weight or s.z_loss_weight:
+            weighted = s.load_balance_weight * balance + s.z_loss_weight * z_loss
+            self.sow(sown.LOSSES, "moe", weighted / self.layers)

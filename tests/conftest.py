@@ -22,8 +22,6 @@ os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
 
 import jax  # noqa: E402
 
-import jddp  # noqa: E402, F401  (before the backend starts: jddp/runtime/host_memory.py)
-
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
 
 # Most tests compile far longer than they run (a tiny GPT's step: 7 s to compile, 20 steps in

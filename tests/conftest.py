@@ -1,5 +1,6 @@
-"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported;
-programs compiled in the test processes without LLVM optimization (see below)."""
+"""Test setup: 8 simulated CPU devices, a private TFDS data dir and a shared compilation cache,
+before JAX is imported; programs compiled in the test processes without LLVM optimization (see
+below)."""
 
 import os
 import shutil
@@ -10,15 +11,24 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-# Datasets go to a directory made for this test run, never to one an older run (older code) left
-# behind nor to the developer's own $TFDS_DATA_DIR. The process that makes it (pytest, or
-# pytest-xdist's controller) hands it down in the environment: workers and the programs tests
-# start prepare and read the same data, and the maker removes it at the end.
-_TFDS_DIR_VAR = "JDDP_TEST_TFDS_DIR"
-_MADE_TFDS_DIR = _TFDS_DIR_VAR not in os.environ
-if _MADE_TFDS_DIR:
-    os.environ[_TFDS_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-tfds-")
-os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
+# Datasets and compiled programs go to a directory made for this test run, never to one an older
+# run (older code) left behind nor to the developer's own $TFDS_DATA_DIR. The process that makes
+# it (pytest, or pytest-xdist's controller) hands it down in the environment: workers and the
+# programs tests start prepare and read the same data, and the maker removes it at the end.
+_RUN_DIR_VAR = "JDDP_TEST_RUN_DIR"
+_MADE_RUN_DIR = _RUN_DIR_VAR not in os.environ
+if _MADE_RUN_DIR:
+    os.environ[_RUN_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-run-")
+os.environ["TFDS_DATA_DIR"] = os.path.join(os.environ[_RUN_DIR_VAR], "tfds")
+# JAX's persistent compilation cache, for the programs the tests start (the CLI, launched
+# processes): hundreds of them compile the same few programs (a CLI run of the digits MLP: 4.3
+# CPU-s, 2.9 with its programs cached). Every program is cached, however quick its compile; a
+# size limit turns on the cache's file lock, so that no process reads an entry another is still
+# writing. The test processes themselves keep it off (below).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ[_RUN_DIR_VAR], "compiled")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 
 import jax  # noqa: E402
 
@@ -32,6 +42,10 @@ assert jax.device_count() == 8, "conftest must run before anything imports jax"
 # real uses the `optimized` fixture, or OPTIMIZED_CHILD in its child's environment.
 jax.config.update("jax_disable_most_optimizations", True)
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
+# The test processes compile mostly programs no other process compiles, and keep theirs in
+# memory: writing each to the cache cost them more than it saved (tests/test_experiment.py and
+# test_train_command.py: 2 CPU-s more with it).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture
@@ -84,8 +98,8 @@ LONGEST_FIRST = (
 
 
 def pytest_unconfigure(config):
-    if _MADE_TFDS_DIR:
-        shutil.rmtree(os.environ[_TFDS_DIR_VAR], ignore_errors=True)
+    if _MADE_RUN_DIR:
+        shutil.rmtree(os.environ[_RUN_DIR_VAR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

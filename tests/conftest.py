@@ -66,35 +66,41 @@ def shared_digits_prepared():
     data.open_dataset(data.get_dataset("digits"))
 
 
-# The longest files (worker seconds, `pytest --durations=0`, 2 workers), started first: with
-# `--dist loadfile` each file runs on one worker, so a long file handed out last would leave
-# the other worker idle while it finishes.
+# The longest files (test seconds of a fresh-clone run, `pytest --durations=0`, 2 workers),
+# started first: with `--dist loadfile` each file runs on one worker, so a long file handed out
+# last would leave the other worker idle while it finishes. pytest-xdist would hand the files out
+# by their number of tests instead; `pytest_configure` keeps this order.
 LONGEST_FIRST = (
-    "test_fashion_mnist.py",
-    "test_restarts.py",
-    "test_multiprocess.py",
-    "test_pipeline.py",
-    "test_context_parallel.py",
-    "test_hf_checkpoints.py",
-    "test_hf_commands.py",
-    "test_pipeline_runs.py",
-    "test_dropout.py",
-    "test_own_models.py",
-    "test_train_command.py",
-    "test_sequence_parallel.py",
-    "test_experiment.py",
-    "test_resume_kill.py",
-    "test_watchdog.py",
     "test_docs.py",
-    "test_host_memory.py",
-    "test_tensor_parallel_runs.py",
-    "test_tensor_parallel.py",
-    "test_cli_errors.py",
-    "test_checkpoint.py",
+    "test_pipeline.py",
+    "test_fashion_mnist.py",
+    "test_context_parallel.py",
+    "test_multiprocess.py",
+    "test_hf_checkpoints.py",
+    "test_pipeline_runs.py",
+    "test_resume_kill.py",
+    "test_restarts.py",
+    "test_planner.py",
+    "test_watchdog.py",
+    "test_hf_commands.py",
     "test_compression.py",
-    "test_goodput.py",
-    "test_rollback.py",
+    "test_tensor_parallel.py",
+    "test_own_models.py",
+    "test_sharding.py",
+    "test_experiment.py",
+    "test_host_memory.py",
+    "test_checkpoint.py",
+    "test_cli_errors.py",
+    "test_dropout.py",
+    "test_bad_input.py",
+    "test_own_data.py",
+    "test_loop.py",
 )
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's, on by default
+        config.option.loadscopereorder = False
 
 
 def pytest_unconfigure(config):

@@ -10,14 +10,29 @@ TOOLS := $(VENV)/.installed
 
 .PHONY: setup train test bench docs clean
 
+# Installs with uv, which pip installs into the venv first: it installs the same packages in
+# less time (downloads and byte-compiles in parallel). Where uv cannot be installed, pip installs.
+# uv reads no pip configuration, so it is handed the wheel folders (find-links) and constraints
+# pip is configured with: where pip takes a CPU build of torch from a local folder, so does uv.
+# It byte-compiles as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing else would, and
+# every process would compile what it imports (`import jax`: 1.6 s instead of 0.8).
+define install
+	test -x $(VENV)/bin/uv || $(PY) -m pip install --quiet uv || echo "installing with pip"
+	if test -x $(VENV)/bin/uv; then \
+	  $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) \
+	    $$($(PY) -m pip config get global.find-links 2>/dev/null | xargs -rn1 echo --find-links) \
+	    $$($(PY) -m pip config get global.constraint 2>/dev/null | xargs -rn1 echo --constraint) \
+	    $(1); \
+	else $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet $(1); fi
+endef
+
 $(LIBRARY): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(call install,-e .)
 	touch $@
 
 $(TOOLS): $(LIBRARY)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(call install,-e ".[test]")
 	touch $@
 
 ## The library and the tools the tests and the docs use (pytest, ruff, mkdocs, PyTorch for the

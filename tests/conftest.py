@@ -1,5 +1,6 @@
-"""Test setup: 8 simulated CPU devices and a private TFDS data dir, before JAX is imported;
-programs compiled in the test processes without LLVM optimization (see below)."""
+"""Test setup: 8 simulated CPU devices, a private TFDS data dir and a shared compilation cache,
+before JAX is imported; programs compiled in the test processes without LLVM optimization (see
+below)."""
 
 import os
 import shutil
@@ -10,19 +11,26 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-# Datasets go to a directory made for this test run, never to one an older run (older code) left
-# behind nor to the developer's own $TFDS_DATA_DIR. The process that makes it (pytest, or
-# pytest-xdist's controller) hands it down in the environment: workers and the programs tests
-# start prepare and read the same data, and the maker removes it at the end.
-_TFDS_DIR_VAR = "JDDP_TEST_TFDS_DIR"
-_MADE_TFDS_DIR = _TFDS_DIR_VAR not in os.environ
-if _MADE_TFDS_DIR:
-    os.environ[_TFDS_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-tfds-")
-os.environ["TFDS_DATA_DIR"] = os.environ[_TFDS_DIR_VAR]
+# Datasets and compiled programs go to a directory made for this test run, never to one an older
+# run (older code) left behind nor to the developer's own $TFDS_DATA_DIR. The process that makes
+# it (pytest, or pytest-xdist's controller) hands it down in the environment: workers and the
+# programs tests start prepare and read the same data, and the maker removes it at the end.
+_RUN_DIR_VAR = "JDDP_TEST_RUN_DIR"
+_MADE_RUN_DIR = _RUN_DIR_VAR not in os.environ
+if _MADE_RUN_DIR:
+    os.environ[_RUN_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-run-")
+os.environ["TFDS_DATA_DIR"] = os.path.join(os.environ[_RUN_DIR_VAR], "tfds")
+# JAX's persistent compilation cache, for the programs the tests start (the CLI, launched
+# processes): hundreds of them compile the same few programs (a CLI run of the digits MLP: 4.3
+# CPU-s, 2.9 with its programs cached). Every program is cached, however quick its compile; a
+# size limit turns on the cache's file lock, so that no process reads an entry another is still
+# writing. The test processes themselves keep it off (below).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ[_RUN_DIR_VAR], "compiled")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 
 import jax  # noqa: E402
-
-import jddp  # noqa: E402, F401  (before the backend starts: jddp/runtime/host_memory.py)
 
 assert jax.device_count() == 8, "conftest must run before anything imports jax"
 
@@ -34,6 +42,10 @@ assert jax.device_count() == 8, "conftest must run before anything imports jax"
 # real uses the `optimized` fixture, or OPTIMIZED_CHILD in its child's environment.
 jax.config.update("jax_disable_most_optimizations", True)
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
+# The test processes compile mostly programs no other process compiles, and keep theirs in
+# memory: writing each to the cache cost them more than it saved (tests/test_experiment.py and
+# test_train_command.py: 2 CPU-s more with it).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture
@@ -54,40 +66,46 @@ def shared_digits_prepared():
     data.open_dataset(data.get_dataset("digits"))
 
 
-# The longest files (worker seconds, `pytest --durations=0`, 2 workers), started first: with
-# `--dist loadfile` each file runs on one worker, so a long file handed out last would leave
-# the other worker idle while it finishes.
+# The longest files (test seconds of a fresh-clone run, `pytest --durations=0`, 2 workers),
+# started first: with `--dist loadfile` each file runs on one worker, so a long file handed out
+# last would leave the other worker idle while it finishes. pytest-xdist would hand the files out
+# by their number of tests instead; `pytest_configure` keeps this order.
 LONGEST_FIRST = (
-    "test_fashion_mnist.py",
-    "test_restarts.py",
-    "test_multiprocess.py",
-    "test_pipeline.py",
-    "test_context_parallel.py",
-    "test_hf_checkpoints.py",
-    "test_hf_commands.py",
-    "test_pipeline_runs.py",
-    "test_dropout.py",
-    "test_own_models.py",
-    "test_train_command.py",
-    "test_sequence_parallel.py",
-    "test_experiment.py",
-    "test_resume_kill.py",
-    "test_watchdog.py",
     "test_docs.py",
-    "test_host_memory.py",
-    "test_tensor_parallel_runs.py",
-    "test_tensor_parallel.py",
-    "test_cli_errors.py",
-    "test_checkpoint.py",
+    "test_pipeline.py",
+    "test_fashion_mnist.py",
+    "test_context_parallel.py",
+    "test_multiprocess.py",
+    "test_hf_checkpoints.py",
+    "test_pipeline_runs.py",
+    "test_resume_kill.py",
+    "test_restarts.py",
+    "test_planner.py",
+    "test_watchdog.py",
+    "test_hf_commands.py",
     "test_compression.py",
-    "test_goodput.py",
-    "test_rollback.py",
+    "test_tensor_parallel.py",
+    "test_own_models.py",
+    "test_sharding.py",
+    "test_experiment.py",
+    "test_host_memory.py",
+    "test_checkpoint.py",
+    "test_cli_errors.py",
+    "test_dropout.py",
+    "test_bad_input.py",
+    "test_own_data.py",
+    "test_loop.py",
 )
 
 
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's, on by default
+        config.option.loadscopereorder = False
+
+
 def pytest_unconfigure(config):
-    if _MADE_TFDS_DIR:
-        shutil.rmtree(os.environ[_TFDS_DIR_VAR], ignore_errors=True)
+    if _MADE_RUN_DIR:
+        shutil.rmtree(os.environ[_RUN_DIR_VAR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

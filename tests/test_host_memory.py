@@ -35,7 +35,7 @@ def faults_per_execution():
 """
 PLAIN = MEASURE + "print(json.dumps({'faults': faults_per_execution()}))"
 IMPORTED = (
-    "import jddp\n"
+    "from jddp import *\n"  # every public name: the modules behind them imported
     + MEASURE
     + "started = xla_bridge.backends_are_initialized()\n"
     + "print(json.dumps({'faults': faults_per_execution(), 'backend_started_by_import': started}))"

@@ -40,7 +40,7 @@ SMALL_LLAMA = dict(
     max_position_embeddings=2048, rope_scaling=LLAMA3_ROPE | {"factor": 32.0},
 )  # fmt: skip
 SEQ_LEN, GLOBAL_BATCH = 128, 16
-LAYOUTS = {  # the layout's name as the planner prints it: (strategy, mesh)
+LAYOUTS = {  # the planner's name of each zero3 layout: its mesh sizes
     "zero3 fsdp:8": dict(fsdp=8),
     "zero3 data:2,fsdp:2,tensor:2": dict(data=2, fsdp=2, tensor=2),
     "zero3 stage:2,fsdp:4": dict(stage=2, fsdp=4),

@@ -5,8 +5,9 @@ of a page runs, in order, in one namespace per page, with the working directory 
 temporary one; every ```bash / ```console block runs its jddp commands (`jddp-train`,
 `python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`, `jddp-export`) from the
 repository root, with `--workdir` (and the other paths in RUN_DIR_FLAGS, and `jddp-export`'s
-directories) moved under that temporary directory. A shell block that cannot run here says why
-on the line before it: `<!-- not-run: REASON -->`.
+directories) moved under that temporary directory; a command that touches no file of its page
+(a plan) runs once per test run, however many pages show it. A shell block that cannot run here
+says why on the line before it: `<!-- not-run: REASON -->`.
 
 A tutorial shows files of a user's project: a block preceded by `<!-- file: PATH -->` is written
 to PATH under the temporary directory instead of run. On a page that says
@@ -15,6 +16,8 @@ in their project folder would; and Python blocks import from it, as a script run
 """
 
 import glob
+import hashlib
+import json
 import os
 import re
 import shlex
@@ -63,6 +66,7 @@ RUN_DIR_FLAGS = (
 # ... except a data file of the checkout itself (README.md as text), read where it is.
 DATA_FLAGS = ("--config.data.text_file", "--config.data.tokenizer")
 HF_PREFIX = "hf:"  # init_from="hf:DIR": a Hugging Face checkpoint directory
+RUN_DIR_VAR = "JDDP_TEST_RUN_DIR"  # this test run's own directory (tests/conftest.py)
 
 
 def page_id(path: str) -> str:
@@ -171,12 +175,29 @@ def run_shell_block(code: str, tmp_path, where: str, cwd=REPO) -> None:
         )
         if "XLA_FLAGS" in env:  # keep the tests' simulated devices unless the page sets its own
             env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
+        marker = ran_already(argv, env, cwd, tmp_path)
+        if marker and os.path.exists(marker):
+            continue
         result = subprocess.run(
             argv, cwd=cwd, env=checkout_env(**env), capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 0, (
             f"{where}: {command}\nexit {result.returncode}\n{result.stderr[-3000:]}"
         )
+        if marker:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
+
+
+def ran_already(argv: list[str], env: dict, cwd, tmp_path) -> str | None:
+    """Where a command that neither reads nor writes its page's files (none of its words under
+    `tmp_path`, run from the checkout) marks that it succeeded in this test run, so that a page
+    repeating another's command (the README's plan is the planner page's first) does not run it
+    again, whichever of the two runs first; None for any other command."""
+    if str(cwd) != REPO or any(str(tmp_path) in word for word in argv):
+        return None
+    key = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()[:16]
+    return os.path.join(os.environ[RUN_DIR_VAR], "docs-commands-ran", key)
 
 
 def check_library_example(namespace) -> None:

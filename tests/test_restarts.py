@@ -120,7 +120,7 @@ def test_max_restarts_brings_the_job_back_after_each_kill_bit_for_bit(tmp_path, 
     workdir, marker = str(tmp_path / "run"), str(tmp_path / "stalled-save")
     # tests.stalled_save: the first save stops before its commit until MARKER exists.
     stalling = [sys.executable, "-m", "tests.stalled_save", marker, *FLAGS]
-    launcher = start(*launcher_command("--max_restarts=3"), *stalling, f"--workdir={workdir}")
+    launcher = start(*launcher_command("--max_restarts=2"), *stalling, f"--workdir={workdir}")
     rng, killed, newest = random.Random(37), [], []
 
     def kill_a_process():
@@ -140,16 +140,17 @@ def test_max_restarts_brings_the_job_back_after_each_kill_bit_for_bit(tmp_path, 
         # 1. Inside the first checkpoint save (process 0 writes it; either process is killed).
         wait_for(launcher, lambda: os.path.exists(marker))
         kill_a_process()
-        # 2, 3. At random steps, each past the furthest step any start logged before.
-        for _ in range(2):
-            target = min(STEPS - 2, last_step(workdir) + rng.randint(3, 8))
-            wait_for(launcher, lambda t=target: last_step(workdir) >= t)
-            kill_a_process()
+        # 2. At a random step past the furthest step the start before logged: one kill that
+        # resumes from a committed checkpoint proves what more of them would (each restart is
+        # a 2-process start, the cost of this test).
+        target = min(STEPS - 2, last_step(workdir) + rng.randint(3, 8))
+        wait_for(launcher, lambda: last_step(workdir) >= target)
+        kill_a_process()
         output = finish(launcher)
     assert launcher.returncode == 0, output[-3000:]
     said = [line for line in output.splitlines() if line.startswith("[launcher]")]
-    assert len(said) == 3 and all("(killed by SIGKILL)" in line for line in said), said
-    assert [line.split("restart ")[1][:6] for line in said] == ["1 of 3", "2 of 3", "3 of 3"]
+    assert len(said) == 2 and all("(killed by SIGKILL)" in line for line in said), said
+    assert [line.split("restart ")[1][:6] for line in said] == ["1 of 2", "2 of 2"]
     assert "Traceback" not in output, output[output.index("Traceback") - 2000 :][:5000]
     resumed = re.findall(r"\[0\] .*resuming from the checkpoint at step (\d+)", output)
     # The first restart starts afresh (the stalled save never committed); the others resume

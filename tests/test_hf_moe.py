@@ -4,7 +4,6 @@ tensor per expert on disk), imported with the logits and gradients of transforme
 on 8 devices as on one, exported and loaded back by transformers."""
 
 import collections
-import functools
 import json
 import re
 
@@ -189,18 +188,26 @@ def test_moe_checkpoint_equals_transformers_finetunes_on_8_devices_and_exports(
     params = jax.device_get(state.params)
 
     reference = model.clone(batch_axis_name=None)  # one device, the whole batch
+    optimizer = adamw()
 
     @jax.jit
-    @functools.partial(jax.value_and_grad, has_aux=True)
-    def loss_and_grads(params, batch):
-        logits, reports = reference.apply(
-            {"params": params}, batch["inputs"], mutable=list(sown.COLLECTIONS)
-        )
-        return LM.loss_fn(logits, batch).mean() + sown.sown_loss(reports), logits
+    def reference_step(params, opt_state, batch):
+        """The single-device optax step; its loss, logits and gradients besides."""
 
-    (loss, logits), grads = loss_and_grads(params, batches[0])
+        def loss_fn(params):
+            logits, reports = reference.apply(
+                {"params": params}, batch["inputs"], mutable=list(sown.COLLECTIONS)
+            )
+            return LM.loss_fn(logits, batch).mean() + sown.sown_loss(reports), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, logits, grads
+
+    opt_state = optimizer.init(params)
+    _, _, loss, logits, grads = reference_step(params, opt_state, batches[0])
     np.testing.assert_allclose(logits, their_logits, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(loss, float(their_loss), rtol=1e-5)
+    np.testing.assert_allclose(loss, float(their_loss.detach()), rtol=1e-5)
     ours = _in_memory(hf.hf_tensors(grads, model))
     assert sorted(ours) == sorted(their_grads)
     for tensor, grad in their_grads.items():
@@ -218,22 +225,18 @@ def test_moe_checkpoint_equals_transformers_finetunes_on_8_devices_and_exports(
     assert reloaded.config.router_aux_loss_coef == coefficient
     np.testing.assert_allclose(_hf_logits(reloaded, tokens[:, :-1]), their_logits, atol=1e-6)
 
-    optimizer = adamw()
-    expected, opt_state = params, optimizer.init(params)
-    for batch in batches:  # the single-device optax loop, eagerly
-        step = trainer.step(state, batch)
-        state, metrics = step
-        _, batch_grads = loss_and_grads(expected, batch)
-        updates, opt_state = optimizer.update(batch_grads, opt_state, expected)
-        expected = optax.apply_updates(expected, updates)
-        if batch is batches[0]:  # its loss is the cross-entropy alone
-            assert float(metrics["loss"]) == pytest.approx(float(their_ce), rel=1e-5)
+    expected = params
+    for step, batch in enumerate(batches):
+        state, metrics = trainer.step(state, batch)
+        expected, opt_state, *_ = reference_step(expected, opt_state, batch)
+        if step == 0:  # the step's loss is the cross-entropy alone
+            assert float(metrics["loss"]) == pytest.approx(float(their_ce.detach()), rel=1e-5)
     trained = jax.device_get(trainer.host_state(state).params)
     assert_trees_close(trained, jax.device_get(expected))
 
     hf.save(trained, model, str(tmp_path / "finetuned"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned")
-    (_, ours), _ = loss_and_grads(trained, batches[0])
+    ours = reference_step(trained, opt_state, batches[0])[3]
     theirs = _hf_logits(reloaded, tokens[:, :-1])
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
 

@@ -143,8 +143,8 @@ def test_moe_checkpoint_equals_transformers_finetunes_on_8_devices_and_exports(
     device, the logits and the loss's gradient of every tensor equal transformers' with the
     load-balancing loss (1e-5; one layer, where transformers' loss over the layers' pooled
     counts is jddp's mean over layers); fine-tuned 2 steps, the single-device optax loop's
-    parameters (1e-5); exported untrained, the original tensors bit for bit and a config.json
-    transformers loads with the original logits; exported fine-tuned, jddp's logits."""
+    parameters (1e-5); exported untrained, the original tensors bit for bit; exported
+    fine-tuned, transformers loads it as the same family with jddp's logits."""
     path = checkpoints[name]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, output_router_logits=True)
     tokens = _tokens(0)
@@ -221,9 +221,7 @@ def test_moe_checkpoint_equals_transformers_finetunes_on_8_devices_and_exports(
     assert sorted(original) == sorted(exported)
     for tensor, value in original.items():
         assert np.array_equal(exported[tensor], value), tensor
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "untrained")
-    assert reloaded.config.router_aux_loss_coef == coefficient
-    np.testing.assert_allclose(_hf_logits(reloaded, tokens[:, :-1]), their_logits, atol=1e-6)
+    assert written["router_aux_loss_coef"] == coefficient
 
     expected = params
     for step, batch in enumerate(batches):
@@ -236,6 +234,7 @@ def test_moe_checkpoint_equals_transformers_finetunes_on_8_devices_and_exports(
 
     hf.save(trained, model, str(tmp_path / "finetuned"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned")
+    assert type(reloaded) is type(hf_model)
     ours = reference_step(trained, opt_state, batches[0])[3]
     theirs = _hf_logits(reloaded, tokens[:, :-1])
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)

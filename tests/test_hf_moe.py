@@ -1,7 +1,8 @@
-"""Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE (q/k norms) checkpoints in and
-out, held to transformers itself: tiny random one-layer models saved with save_pretrained (one
-tensor per expert on disk), imported with the logits and gradients of transformers, fine-tuned
-on 8 devices as on one, exported and loaded back by transformers."""
+"""Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE (q/k norms) checkpoints, each
+with a sliding window, in and out, held to transformers itself: tiny random one-layer models
+saved with save_pretrained (one tensor per expert on disk), imported with the logits and
+gradients of transformers, fine-tuned on 8 devices as on one, exported and loaded back by
+transformers."""
 
 import collections
 import json
@@ -37,21 +38,25 @@ DIMS = dict(
     rms_norm_eps=1e-5,
     router_aux_loss_coef=0.02,
 )
+WINDOW = 5  # a sliding window shorter than the sequences
+SLIDING = {"use_sliding_window": True, "sliding_window": WINDOW}
 FAMILIES = {  # name: (config class, model class, its own fields)
     "mixtral": (
         transformers.MixtralConfig,
         transformers.MixtralForCausalLM,
-        {"num_local_experts": 4},
+        {"num_local_experts": 4, "sliding_window": WINDOW},
     ),
     "qwen2_moe": (
         transformers.Qwen2MoeConfig,
         transformers.Qwen2MoeForCausalLM,
-        {"num_experts": 4, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12},
+        {"num_experts": 4, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12}
+        | SLIDING,  # one layer: Qwen2-MoE's every other layer is every layer
     ),
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
-        {"num_experts": 4, "moe_intermediate_size": 8, "norm_topk_prob": True, "head_dim": 8},
+        {"num_experts": 4, "moe_intermediate_size": 8, "norm_topk_prob": True, "head_dim": 8}
+        | SLIDING,
     ),
 }
 
@@ -260,6 +265,10 @@ def _config_json(model_type: str, **entries) -> dict:
         (
             {"model_type": "qwen3_moe", "decoder_sparse_step": 2},
             ["dense MLP layers", "decoder_sparse_step=2"],
+        ),
+        (
+            {"model_type": "qwen2_moe", "use_sliding_window": True, "sliding_window": 4},
+            ["every other layer below max_window_layers=28", "layer_types"],
         ),
         (
             {"model_type": "mixtral", "router_jitter_noise": 0.1},

@@ -143,8 +143,14 @@ def _mixtral_args(hf: dict, where: str) -> dict:
 def _qwen2_moe_args(hf: dict, where: str) -> dict:
     if hf.get("use_sliding_window") and not hf.get("layer_types"):  # Qwen2MoeConfig's rule
         first = hf.get("max_window_layers", 28)
-        layers = range(count(hf, "num_hidden_layers", where))
-        sliding = [i % 2 == 0 and i < first for i in layers]
+        sliding = [i % 2 == 0 and i < first for i in range(count(hf, "num_hidden_layers", where))]
+        if len(set(sliding)) > 1:
+            raise ConfigError(
+                f"{where} slides its attention window on every other layer below "
+                f"max_window_layers={first} (Qwen2-MoE's use_sliding_window); jddp's Llama "
+                "applies one window to every layer: set layer_types (all 'sliding_attention') "
+                "or use_sliding_window false"
+            )
         hf = hf | {"layer_types": [("sliding" if s else "full") + "_attention" for s in sliding]}
     args = _qwen2_args(hf, where) | {"qkv_bias": bool(hf.get("qkv_bias", True))}
     return args | {"moe": hf_moe.settings(hf, where, "qwen2_moe")}

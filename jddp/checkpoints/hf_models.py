@@ -35,8 +35,8 @@ class Architecture:
 
 
 # ------------------------------------------------------------------- Llama, Qwen2, Qwen3, Mistral
-# One jddp model, `llama`, whose few orthogonal fields cover the four families; their tensors are
-# named alike (`_llama_tensors`).
+# One jddp model, `llama`, whose few orthogonal fields cover the four families (and with `moe`,
+# the three MoE ones); their tensors are named alike (`_llama_tensors`), but for the experts'.
 ROPE_TYPES = ("default", *rotary.SCALINGS)
 _LENGTH = "max_position_embeddings"
 

@@ -333,7 +333,7 @@ def _config_json(**entries) -> dict:
 @pytest.mark.parametrize(
     "entries,message",
     [
-        ({"model_type": "bert"}, "model_type='bert'; jddp reads gpt2, llama, mistral, qwen2"),
+        ({"model_type": "bert"}, "model_type='bert'; jddp reads gpt2, llama, mistral, mixtral"),
         ({"rope_scaling": {"rope_type": "longrope"}}, "rope_type='longrope', which jddp's model"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
         (

@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints in and out: a `save_pretrained` directory of a Llama- or GPT-2-family
-causal language model starts a jddp run under any strategy and mesh, and a run's weights go back
-out as one that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
+"""Hugging Face checkpoints in and out: a `save_pretrained` directory of a Llama-family (Mixtral's
+and Qwen-MoE's mixtures of experts too) or GPT-2 causal language model starts a jddp run under
+any strategy and mesh, and a run's weights go back out as one that
+`transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
 
     model = jddp.checkpoints.hf.create_model("llama-dir")          # its config.json's model
     trainer = jddp.Trainer(model, loss_fn, optax.adamw(1e-4), strategy="zero3")
@@ -12,6 +13,7 @@ From a config: `init_from = "hf:DIR"` (the model's arguments come from DIR/confi
 command `jddp-export --format=hf WORKDIR OUT` (jddp/run/export.py).
 """
 
+import dataclasses
 import os
 
 import jax
@@ -22,6 +24,7 @@ from jddp.core import layer_stacks, lora
 from jddp.core.state import arranged_like
 from jddp.core.tree_paths import nest_paths, path_str
 from jddp.errors import CheckpointError, ConfigError
+from jddp.models.moe_settings import MoESettings
 
 PREFIX = "hf:"
 
@@ -52,6 +55,10 @@ def resolved_model_args(model: str, given: dict, init_from: str) -> dict:
             f"init_from {init_from!r} holds a {name} model and the config trains model "
             f"{model!r}; set model={name!r}"
         )
+    given, from_file = _flat_moe(given), _flat_moe(from_file)
+    for key in MOE_TRAINING:  # the config's choice over the checkpoint's
+        if key in given:
+            from_file.pop(key, None)
     clashes = [k for k in sorted(given.keys() & from_file.keys()) if given[k] != from_file[k]]
     if clashes:
         shown = ", ".join(f"{k}={given[k]!r} (config.json: {from_file[k]!r})" for k in clashes)
@@ -59,7 +66,26 @@ def resolved_model_args(model: str, given: dict, init_from: str) -> dict:
             f"model_args {shown} contradict {path}/config.json; remove them from model_args "
             "(the checkpoint sets them)"
         )
-    return {**given, **from_file}
+    args = {**given, **from_file}
+    moe = {k.removeprefix(MOE): args.pop(k) for k in sorted(args) if k.startswith(MOE)}
+    return args | ({"moe": moe} if moe else {})
+
+
+# A mixture of experts' settings a config may choose over a checkpoint's (how tokens are
+# dispatched, the auxiliary losses' weights); the others are the checkpoint's architecture.
+MOE = "moe."
+MOE_TRAINING = tuple(
+    MOE + k for k in ("dispatch", "capacity_factor", "load_balance_weight", "z_loss_weight")
+)
+
+
+def _flat_moe(args) -> dict:
+    """`args` with its `moe` as "moe.FIELD" entries; a checkpoint's has every field."""
+    args = dict(args)
+    moe = args.pop("moe", None)
+    if isinstance(moe, MoESettings):
+        moe = dataclasses.asdict(moe)
+    return args | {MOE + k: v for k, v in dict(moe or {}).items()}
 
 
 def create_model(path: str, **overrides):
@@ -151,7 +177,12 @@ def hf_tensors(params, model) -> dict[str, np.ndarray]:
         raise CheckpointError(
             f"parameter {unmapped[0]!r} has no place in a Hugging Face {type(model).__name__}"
         )
-    return {t.name: t.to_hf(flat[t.path]) for t in tensors}
+    found = {}
+    for tensor in tensors:
+        ours = flat[tensor.path]
+        parts = tensor.parts()  # one per expert: the stack's slices
+        found |= {p.name: p.to_hf(ours[e] if tensor.experts else ours) for e, p in enumerate(parts)}
+    return found
 
 
 def check_output(out: str) -> None:

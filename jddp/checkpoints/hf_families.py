@@ -9,17 +9,29 @@ FAMILY_FIELDS = {
     "qwen2": (("qkv_bias",), ("sliding_window",)),
     "qwen3": (("qk_norm",), ("attention_bias", "sliding_window")),
     "mistral": ((), ("sliding_window",)),
+    # with a mixture of experts (jddp/checkpoints/hf_moe.py)
+    "mixtral": (("moe",), ("sliding_window",)),
+    "qwen2_moe": (("moe", "shared_expert"), ("qkv_bias", "sliding_window", "unnormalized_top_k")),
+    "qwen3_moe": (("moe", "qk_norm"), ("attention_bias", "sliding_window", "unnormalized_top_k")),
 }
 
 
 def _llama_features(model) -> set[str]:
-    """The family fields `model` has on (qkv_bias counts only without attention_bias)."""
+    """The family fields `model` has on (qkv_bias counts only without attention_bias); of its
+    mixture of experts, those no family has as well (topk_softmax, an ungated shared expert)."""
+    moe = model.moe
+    shared = bool(moe and moe.shared_expert_dim)
     on = {
         "attention_bias": model.attention_bias,
         "mlp_bias": model.mlp_bias,
         "qkv_bias": model.qkv_bias and not model.attention_bias,
         "qk_norm": model.qk_norm,
         "sliding_window": model.sliding_window > 0,
+        "moe": moe is not None,
+        "shared_expert": shared and moe.shared_expert_gate,
+        "ungated_shared_expert": shared and not moe.shared_expert_gate,
+        "unnormalized_top_k": bool(moe and not moe.normalize_top_k),
+        "topk_softmax": bool(moe and moe.router_order == "topk_softmax"),
     }
     return {name for name, value in on.items() if value}
 

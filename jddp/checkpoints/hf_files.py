@@ -16,7 +16,7 @@ import socket
 
 import numpy as np
 
-from jddp.checkpoints.hf_models import QKV_BY_HEAD, TRANSPOSE, Tensor
+from jddp.checkpoints.hf_mapping import QKV_BY_HEAD, TRANSPOSE, Tensor
 from jddp.errors import CheckpointError
 from jddp.observe.memory import format_bytes
 from jddp.runtime import atomic_write
@@ -131,13 +131,16 @@ class Reader:
     def check(self, tensors: list[Tensor], shapes: dict[str, tuple]) -> None:
         """A CheckpointError naming the first tensor that is missing or of the wrong shape
         for jddp parameters of `shapes` ({per-layer path: shape}); reads headers only."""
-        for tensor in tensors:
+        parts = [
+            (p, whole.part_shape(shapes[whole.path])) for whole in tensors for p in whole.parts()
+        ]
+        for tensor, shape in parts:
             if tensor.name not in self.files:
                 raise CheckpointError(
                     f"{self.what} has no tensor {tensor.name!r} (jddp's {tensor.path}); is it "
                     "the model config.json describes?"
                 )
-            expected = tensor.hf_shape(shapes[tensor.path])
+            expected = tensor.hf_shape(shape)
             source = self.slice(tensor.name)
             if source.get_dtype() not in FLOAT_DTYPES:
                 raise CheckpointError(
@@ -152,7 +155,14 @@ class Reader:
                     f"it {expected}"
                 )
 
-    def lazy(self, tensor: Tensor, shape: tuple, dtype) -> "LazyTensor":
+    def lazy(self, tensor: Tensor, shape: tuple, dtype) -> "LazyTensor | LazyLayers":
+        """jddp's parameter of `shape` read from `tensor` when indexed; stacked experts as
+        one LazyTensor per expert (indexing reads only the experts, and the part of each,
+        that the index holds)."""
+        if tensor.experts:
+            part_shape = tensor.part_shape(shape)
+            experts = [LazyTensor(self, part, part_shape, dtype) for part in tensor.parts()]
+            return LazyLayers(experts)
         return LazyTensor(self, tensor, tuple(shape), np.dtype(dtype))
 
     def close(self) -> None:
@@ -200,7 +210,8 @@ class LazyTensor:
 
 
 class LazyLayers:
-    """Per-layer LazyTensors as one stacked parameter (leading axis = layer)."""
+    """Per-layer (or per-expert) LazyTensors as one stacked parameter (leading axis = layer,
+    or expert)."""
 
     lazy = True
 

@@ -4,57 +4,22 @@ weights: `config.json` <-> a jddp model's arguments, and each jddp parameter <->
 
 Llama (`LlamaForCausalLM`, model_type "llama"), Qwen2 / Qwen2.5 ("qwen2": biases on q, k and v),
 Qwen3 ("qwen3": RMSNorm on each head's queries and keys) and Mistral ("mistral": a sliding window)
-are jddp's `llama` with those fields on; an export is written as the family that holds the model's
-fields (jddp/checkpoints/hf_families.py). GPT-2 (`GPT2LMHeadModel`, model_type "gpt2") is jddp's
-`gpt` with learned positions and tied embeddings. Hugging Face's `nn.Linear` weights are (out, in)
-and jddp's kernels (in, out): those are transposed. GPT-2's `Conv1D` weights are already (in,
-out); its fused `c_attn` holds all query columns, then all keys, then all values, where jddp's
-`qkv` holds each head's q, k, v together (`QKV_BY_HEAD`).
+are jddp's `llama` with those fields on, and Mixtral, Qwen2-MoE and Qwen3-MoE the same with a
+mixture of experts (`moe`: jddp/checkpoints/hf_moe.py); an export is written as the family that
+holds the model's fields (jddp/checkpoints/hf_families.py). GPT-2 (`GPT2LMHeadModel`,
+model_type "gpt2") is jddp's `gpt` with learned positions and tied embeddings. The transforms
+between the layouts: jddp/checkpoints/hf_mapping.py.
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable
 
-import numpy as np
-
+from jddp.checkpoints import hf_moe
 from jddp.checkpoints.hf_families import family_of
+from jddp.checkpoints.hf_mapping import QKV_BY_HEAD, TRANSPOSE, Tensor, count, require
 from jddp.errors import ConfigError
 from jddp.models import rotary
-
-TRANSPOSE, QKV_BY_HEAD = "transpose", "qkv_by_head"
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One jddp parameter (its per-layer path) and the Hugging Face tensor it comes from."""
-
-    path: str  # "block_0/attn/q/kernel"
-    name: str  # "model.layers.0.self_attn.q_proj.weight"
-    transform: str = ""  # "", TRANSPOSE, or QKV_BY_HEAD
-    heads: int = 0  # QKV_BY_HEAD: the number of heads
-
-    def to_jddp(self, hf: np.ndarray) -> np.ndarray:
-        if self.transform == TRANSPOSE:
-            return hf.T
-        if self.transform == QKV_BY_HEAD:  # [...][part, head, dim] -> [...][head, part, dim]
-            lead = hf.shape[:-1]
-            split = hf.reshape(*lead, 3, self.heads, -1)
-            return np.swapaxes(split, -3, -2).reshape(*lead, -1)
-        return hf
-
-    def to_hf(self, ours: np.ndarray) -> np.ndarray:
-        if self.transform == TRANSPOSE:
-            return ours.T
-        if self.transform == QKV_BY_HEAD:
-            lead = ours.shape[:-1]
-            split = ours.reshape(*lead, self.heads, 3, -1)
-            return np.swapaxes(split, -3, -2).reshape(*lead, -1)
-        return ours
-
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The Hugging Face tensor's shape for a jddp parameter of `shape`."""
-        return tuple(reversed(shape)) if self.transform == TRANSPOSE else tuple(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,33 +34,9 @@ class Architecture:
     tensors: Callable[[object], list[Tensor]]  # jddp model -> its parameters' tensors
 
 
-def _require(hf: dict, where: str, **expected) -> None:
-    """A ConfigError for a config.json setting jddp's model does not have."""
-    for key, allowed in expected.items():
-        value = hf.get(key, allowed[0])
-        if value not in allowed:
-            raise ConfigError(
-                f"{where} has {key}={value!r}, which jddp's model does not implement "
-                f"(it supports {' or '.join(map(repr, allowed))})"
-            )
-
-
-def _count(hf: dict, key: str, where: str, default: int | None = None) -> int:
-    """config.json's `key`, a positive integer (a dimension or a count); `default` where it is
-    absent or null."""
-    if key not in hf and default is None:
-        raise ConfigError(f"{where} has no {key!r}; is it a save_pretrained config.json?")
-    value = hf.get(key)
-    if value is None and default is not None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where} has {key}={value!r}; expected a positive integer")
-    return value
-
-
 # ------------------------------------------------------------------- Llama, Qwen2, Qwen3, Mistral
-# One jddp model, `llama`, whose few orthogonal fields cover the four families; their tensors are
-# named alike (`_llama_tensors`).
+# One jddp model, `llama`, whose few orthogonal fields cover the four families (and with `moe`,
+# the three MoE ones); their tensors are named alike (`_llama_tensors`), but for the experts'.
 ROPE_TYPES = ("default", *rotary.SCALINGS)
 _LENGTH = "max_position_embeddings"
 
@@ -112,7 +53,7 @@ def _rope(hf: dict, where: str) -> dict:
     kind = rope.get("rope_type", rope.get("type", "default"))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     read = {"rope_type": kind, "partial_rotary_factor": partial}
-    _require(read, where, rope_type=ROPE_TYPES, partial_rotary_factor=(1.0,))
+    require(read, where, rope_type=ROPE_TYPES, partial_rotary_factor=(1.0,))
     args = {"rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if kind != "default":
         required, optional = rotary.SCALINGS[kind]
@@ -135,7 +76,7 @@ def _qwen_window(hf: dict, where: str) -> int:
     window = hf["sliding_window"] if hf.get("use_sliding_window") else None
     if window is None:
         return 0
-    layers = _count(hf, "num_hidden_layers", where)
+    layers = count(hf, "num_hidden_layers", where)
     first = hf["max_window_layers"]
     types = hf.get("layer_types") or [
         "sliding_attention" if i >= first else "full_attention" for i in range(layers)
@@ -147,29 +88,29 @@ def _qwen_window(hf: dict, where: str) -> int:
             f"max_window_layers={first}); jddp's Llama applies one window to every layer: "
             "set max_window_layers to 0 (all) or num_hidden_layers (none)"
         )
-    return _count(hf, "sliding_window", where) if sliding == {True} else 0
+    return count(hf, "sliding_window", where) if sliding == {True} else 0
 
 
 def _llama_args(hf: dict, where: str) -> dict:
     """The arguments every family shares, Llama's biases, and no window (transformers' Llama
     reads none)."""
-    _require(hf, where, hidden_act=("silu",))
-    heads, width = _count(hf, "num_attention_heads", where), _count(hf, "hidden_size", where)
+    require(hf, where, hidden_act=("silu",))
+    heads, width = count(hf, "num_attention_heads", where), count(hf, "hidden_size", where)
     args = {
-        "vocab_size": _count(hf, "vocab_size", where),
-        "num_layers": _count(hf, "num_hidden_layers", where),
+        "vocab_size": count(hf, "vocab_size", where),
+        "num_layers": count(hf, "num_hidden_layers", where),
         "num_heads": heads,
-        "num_kv_heads": _count(hf, "num_key_value_heads", where, heads),
+        "num_kv_heads": count(hf, "num_key_value_heads", where, heads),
         "embed_dim": width,
-        "mlp_dim": _count(hf, "intermediate_size", where),
-        "max_seq_len": _count(hf, "max_position_embeddings", where, 2048),
+        "mlp_dim": count(hf, "intermediate_size", where),
+        "max_seq_len": count(hf, "max_position_embeddings", where, 2048),
         **_rope(hf, where),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": bool(hf.get("attention_bias", False)),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
     }
-    head_dim = _count(hf, "head_dim", where, width // heads)
+    head_dim = count(hf, "head_dim", where, width // heads)
     if head_dim * heads != width:
         args["head_dim"] = head_dim
     return args
@@ -188,9 +129,39 @@ def _qwen3_args(hf: dict, where: str) -> dict:
 
 def _mistral_args(hf: dict, where: str) -> dict:
     hf = {"sliding_window": 4096} | hf  # MistralConfig's default; null: no window
-    window = _count(hf, "sliding_window", where) if hf["sliding_window"] is not None else 0
+    window = count(hf, "sliding_window", where) if hf["sliding_window"] is not None else 0
     args = _llama_args(hf, where) | {"attention_bias": False, "mlp_bias": False}
     return args | {"sliding_window": window}
+
+
+# Mixtral, Qwen2-MoE, Qwen3-MoE: their dense family's attention, experts in every MLP.
+def _mixtral_args(hf: dict, where: str) -> dict:
+    hf = {"sliding_window": None} | hf  # MixtralConfig's default
+    return _mistral_args(hf, where) | {"moe": hf_moe.settings(hf, where, "mixtral")}
+
+
+def _qwen2_moe_args(hf: dict, where: str) -> dict:
+    if hf.get("use_sliding_window") and not hf.get("layer_types"):  # Qwen2MoeConfig's rule
+        first = hf.get("max_window_layers", 28)
+        sliding = [i % 2 == 0 and i < first for i in range(count(hf, "num_hidden_layers", where))]
+        if len(set(sliding)) > 1:
+            raise ConfigError(
+                f"{where} slides its attention window on every other layer below "
+                f"max_window_layers={first} (Qwen2-MoE's use_sliding_window); jddp's Llama "
+                "applies one window to every layer: set layer_types (all 'sliding_attention') "
+                "or use_sliding_window false"
+            )
+        hf = hf | {"layer_types": [("sliding" if s else "full") + "_attention" for s in sliding]}
+    args = _qwen2_args(hf, where) | {"qkv_bias": bool(hf.get("qkv_bias", True))}
+    return args | {"moe": hf_moe.settings(hf, where, "qwen2_moe")}
+
+
+def _qwen3_moe_args(hf: dict, where: str) -> dict:
+    """Qwen3's attention, but a window on every layer or none, and head_dim's default
+    hidden_size / num_attention_heads (Qwen3MoeConfig's)."""
+    window = count(hf, "sliding_window", where) if hf.get("use_sliding_window") else 0
+    args = _llama_args(hf, where) | {"mlp_bias": False, "qk_norm": True}
+    return args | {"sliding_window": window, "moe": hf_moe.settings(hf, where, "qwen3_moe")}
 
 
 def _family_config(model_type: str, hf_class: str, model) -> dict:
@@ -219,18 +190,25 @@ def _family_config(model_type: str, hf_class: str, model) -> dict:
         "max_window_layers": 0 if window else layers,
         "layer_types": [("sliding" if window else "full") + "_attention"] * layers,
     }
+    qwen3_moe_window = {"use_sliding_window": window is not None, "sliding_window": window}
     own = {
         "llama": {"attention_bias": model.attention_bias, "mlp_bias": model.mlp_bias},
         "qwen2": qwen_window,
         "qwen3": {"attention_bias": model.attention_bias} | qwen_window,
         "mistral": {"sliding_window": window},
+        "mixtral": {"sliding_window": window},
+        "qwen2_moe": qwen_window | {"qkv_bias": model.qkv_bias},
+        "qwen3_moe": {"attention_bias": model.attention_bias} | qwen3_moe_window,
     }
-    return common | own[model_type]
+    experts = hf_moe.config(model, model_type) if model.moe else {}
+    return common | own[model_type] | experts
 
 
 def _llama_tensors(model) -> list[Tensor]:
     found = [Tensor("token_embed/embedding", "model.embed_tokens.weight")]
-    linears = {"attn": ("q", "k", "v", "out"), "mlp": ("gate", "up", "proj")}
+    linears = {"attn": ("q", "k", "v", "out"), "mlp": () if model.moe else ("gate", "up", "proj")}
+    # An MoE model's experts are named as the one MoE family that holds its fields names them.
+    moe_family = family_of(model) if model.moe else None
     hf_linear = {"out": "o_proj", "proj": "down_proj"}
     qkv_bias = model.attention_bias or model.qkv_bias
     biases = {"q": qkv_bias, "k": qkv_bias, "v": qkv_bias, "out": model.attention_bias}
@@ -249,6 +227,8 @@ def _llama_tensors(model) -> list[Tensor]:
             for norm in ("q_norm", "k_norm"):
                 hf_name = f"{theirs}.self_attn.{norm}.weight"
                 found.append(Tensor(f"{ours}/attn/{norm}/scale", hf_name))
+        if moe_family:
+            found += hf_moe.tensors(model, moe_family, ours, theirs)
     found.append(Tensor("ln_f/scale", "model.norm.weight"))
     if not model.tie_embeddings:
         found.append(Tensor("head/kernel", "lm_head.weight", TRANSPOSE))
@@ -257,7 +237,7 @@ def _llama_tensors(model) -> list[Tensor]:
 
 # ------------------------------------------------------------------------------------ GPT-2
 def _gpt2_args(hf: dict, where: str) -> dict:
-    _require(
+    require(
         hf,
         where,
         activation_function=("gelu_new", "gelu_pytorch_tanh"),
@@ -265,14 +245,14 @@ def _gpt2_args(hf: dict, where: str) -> dict:
         scale_attn_by_inverse_layer_idx=(False,),
         tie_word_embeddings=(True,),
     )
-    width = _count(hf, "n_embd", where)
+    width = count(hf, "n_embd", where)
     return {
-        "vocab_size": _count(hf, "vocab_size", where),
-        "num_layers": _count(hf, "n_layer", where),
-        "num_heads": _count(hf, "n_head", where),
+        "vocab_size": count(hf, "vocab_size", where),
+        "num_layers": count(hf, "n_layer", where),
+        "num_heads": count(hf, "n_head", where),
         "embed_dim": width,
-        "mlp_dim": _count(hf, "n_inner", where, 4 * width),
-        "max_seq_len": _count(hf, "n_positions", where),
+        "mlp_dim": count(hf, "n_inner", where, 4 * width),
+        "max_seq_len": count(hf, "n_positions", where),
         "positions": "learned",
         "tie_embeddings": True,
         "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
@@ -339,6 +319,9 @@ ARCHITECTURES = {
     "qwen2": _family("qwen2", "Qwen2ForCausalLM", _qwen2_args),
     "qwen3": _family("qwen3", "Qwen3ForCausalLM", _qwen3_args),
     "mistral": _family("mistral", "MistralForCausalLM", _mistral_args),
+    "mixtral": _family("mixtral", "MixtralForCausalLM", _mixtral_args),
+    "qwen2_moe": _family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_args),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_args),
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "gpt", _gpt2_args, _gpt2_config, _gpt2_tensors),
 }
 # jddp model name: the Architecture whose tensor names it has (every Llama family's alike).

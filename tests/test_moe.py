@@ -20,7 +20,9 @@ from jddp.models import GPT, Llama
 from jddp.models.gpt import MLP
 from jddp.models.llama import SwiGLU
 from jddp.models.moe import MoE, grouped_matmul
+from jddp.models.moe_dispatch import all_to_all_bytes
 from jddp.models.moe_settings import MoESettings
+from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import assert_one_line
 from tests.reference import assert_trees_close, plain_training
@@ -153,7 +155,7 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
     assert sown.sown_loss({sown.LOSSES: {"a": {"moe": (1.0,)}, "b": {"moe": (2.0,)}}}) == 3.0
 
 
-MOE = {"num_experts": 4, "experts_per_token": 2, "z_loss_weight": 1e-3}
+MOE = {"num_experts": 8, "experts_per_token": 2, "z_loss_weight": 1e-3}
 CAPACITY = MOE | {"dispatch": "capacity", "capacity_factor": 0.5}
 
 
@@ -177,16 +179,21 @@ def moe_trainer(model, strategy, mesh=None):
 
 
 DATA_8, ZERO3, AUTO = ("ddp", None), ("zero3", "data:2,fsdp:4"), ("auto", "data:2,fsdp:4")
+# Expert parallelism: the experts split over `expert`, tokens sent to them by all-to-all.
+EXPERT_8, EXPERT_FSDP = ("zero3", "expert:8"), ("zero3", "expert:4,fsdp:2")
 
 
 @pytest.mark.parametrize(
     "family,moe,layouts",
-    [("gpt", CAPACITY, (DATA_8, ZERO3)), ("llama", MOE, (ZERO3, AUTO))],
+    [
+        ("gpt", CAPACITY, (DATA_8, ZERO3, EXPERT_8, EXPERT_FSDP)),
+        ("llama", MOE, (ZERO3, AUTO, EXPERT_8, EXPERT_FSDP)),
+    ],
     ids=["gpt-capacity", "llama-dropless"],
 )
 def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts):
     batches = token_batches(steps=2)
-    model = tiny_moe(family, moe, batch_axis_name="batch")
+    model = tiny_moe(family, moe, batch_axis_name="batch", expert_axis="expert")
     reference = tiny_moe(family, moe)  # no batch axes: one device holds the whole batch
     params = reference.init(jax.random.key(0), batches[0]["inputs"][:1])["params"]
 
@@ -216,8 +223,30 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
             for name, value in reported.items():
                 assert float(metrics[name]) == pytest.approx(float(value), rel=1e-5), name
         assert_trees_close(trainer.host_state(state).params, expected)
+        if mesh == EXPERT_FSDP[1]:
+            assert_all_to_all_bytes(trainer, state, batches[0], MoESettings(**moe))
     if moe.get("dispatch") == "capacity":
         assert float(metrics["moe_dropped_fraction"]) > 0
+
+
+def assert_all_to_all_bytes(trainer, state, batch, settings: MoESettings):
+    """The compiled step's all-to-alls move over `expert` what `all_to_all_bytes` says."""
+    device_mesh = trainer.strategy.device_mesh
+    placed = trainer.place_batch(batch).arrays
+    text = trainer.strategy.lower_train_step(state, placed).compile().as_text()
+    axes = device_mesh.axis_names
+    ids = np.vectorize(lambda d: d.id)(device_mesh.mesh.devices)
+    moved = {key: n for key, n in bytes_by_axes(collective_ops(text), ids, axes).items()}
+    rows, seq_len = batch["inputs"].shape
+    expected = all_to_all_bytes(
+        settings,
+        tokens_per_device=rows * seq_len // device_mesh.batch_slices,
+        batch_slices=device_mesh.batch_slices,
+        embed_dim=32,
+        expert_size=device_mesh.size("expert"),
+    )
+    assert moved[(("expert",), "all-to-all")] == expected  # one MoE layer
+    assert {kind for _, kind in moved} >= {"all-to-all"}
 
 
 @pytest.mark.parametrize(

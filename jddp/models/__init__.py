@@ -50,6 +50,7 @@ _MESH_FIELDS = {
     "sequence_parallel",
     "context_axis",
     "context_attention",
+    "expert_axis",
 }
 
 
@@ -64,6 +65,7 @@ def create_model(
     sequence_parallel: bool = False,
     context_axis: str | None = None,
     context_attention: str = "ring",
+    expert_axis: str | None = None,
     pipelined: bool = False,
     seed: int = 0,
     **model_args,
@@ -73,7 +75,8 @@ def create_model(
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
     BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`), `sequence_parallel`,
-    `context_axis` and `context_attention` (ring | all_gather) to GPT and Llama; `pipelined` (a
+    `context_axis`, `context_attention` (ring | all_gather) and `expert_axis` to GPT and
+    Llama; `pipelined` (a
     mesh with a stage axis) stacks their layers (`scan_layers`). An
     own model ("package.module:Name") gets the same fields where it declares them, its outputs as
     `num_outputs`, and an NNX one `rngs=nnx.Rngs(seed)`.
@@ -86,6 +89,7 @@ def create_model(
         "sequence_parallel": sequence_parallel,
         "context_axis": context_axis,
         "context_attention": context_attention,
+        "expert_axis": expert_axis,
     }
     if is_import_path(name):
         model = create_user_model(

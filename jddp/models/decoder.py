@@ -228,6 +228,7 @@ class Decoder(nn.Module):
     # A mixture of experts in every block's MLP: `model_args.moe` (jddp/models/moe_settings.py).
     moe: Any = None
     batch_axis_name: str | tuple[str, ...] | None = None  # set by jddp from the mesh
+    expert_axis: str | None = None  # the mesh's expert axis (set by jddp), with `moe`
 
     head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
     gated_mlp = False  # SwiGLU's three MLP matrices instead of two
@@ -273,6 +274,7 @@ class Decoder(nn.Module):
             dense,
             self.num_layers,
             self.batch_axis_name,
+            self.expert_axis,
         )
 
     @property

@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp.core import sown
+from jddp.errors import ConfigError
+from jddp.models import moe_dispatch
 from jddp.models.moe_settings import MoESettings
 
 INIT_STD = 0.02  # the decoders' initializer (jddp/models/decoder.py)
@@ -89,22 +91,22 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, masked: b
     return jnp.einsum("er,ri,eio->ro", member.astype(x.dtype), x, w)
 
 
-def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, int]:
-    """(the sum of every device's `counts` over the batch `axes`, the sum of those of the
-    devices before this one in the global batch's order, how many devices). Integer counts
-    only: nothing here is differentiated."""
-    if not axes:
-        return counts, jnp.zeros_like(counts), 1
-    sizes = [lax.axis_size(name) for name in axes]
+def device_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's place in the global batch's order of the devices over the batch `axes`
+    (row blocks in the axes' order)."""
     index = 0
-    for name, size in zip(axes, sizes, strict=True):  # row blocks in the axes' order
-        index = index * size + lax.axis_index(name)
-    devices = math.prod(sizes)
+    for name in axes:
+        index = index * lax.axis_size(name) + lax.axis_index(name)
+    return index
+
+
+def every_device(counts: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Every device's `counts` over the batch `axes`, (devices, ...) in the global batch's
+    order. Integer counts only: nothing here is differentiated."""
+    devices = math.prod(lax.axis_size(name) for name in axes)
     # An all-gather as a psum of one-hot rows, over any number of axes at once.
-    rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[index].set(counts)
-    every = lax.psum(rows, axes)
-    before = jnp.where((jnp.arange(devices) < index)[:, None], every, 0).sum(0)
-    return every.sum(0), before, devices
+    rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[device_index(axes)].set(counts)
+    return lax.psum(rows, axes)
 
 
 class Pairs(NamedTuple):
@@ -115,29 +117,43 @@ class Pairs(NamedTuple):
     total: jax.Array  # the global batch's pairs per expert, kept or not
     total_kept: jax.Array  # the global batch's kept pairs per expert
     global_tokens: int
+    # Under expert parallelism, (expert axis size, experts): the kept pairs per expert of each
+    # device of this one's expert group (the devices it exchanges pairs with), in axis order.
+    group_kept: jax.Array | None = None
 
 
-def dispatch(experts: jax.Array, settings: MoESettings, axes: tuple[str, ...]) -> Pairs:
+def dispatch(
+    experts: jax.Array, settings: MoESettings, axes: tuple[str, ...], expert_axis=None
+) -> Pairs:
     """The pairs of each token (row of `experts`, (tokens, k)) and its experts, sorted by
     expert; in capacity mode without those past their expert's capacity in the global batch's
-    order. `axes`: the batch axes bound here (`bound_axes`)."""
+    order. `axes`: the batch axes bound here (`bound_axes`); `expert_axis`: the one of them the
+    experts are split over, if any."""
     num_experts = settings.num_experts
     pair_expert = experts.reshape(-1)
     order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
     counts = jnp.bincount(pair_expert, length=num_experts)
-    total, before, devices = global_counts(counts, axes)
-    global_tokens = experts.shape[0] * devices
-    if settings.dispatch == "dropless":
-        return Pairs(order, counts, total, total, global_tokens)
-    by_expert = pair_expert[order]
-    starts = jnp.cumsum(counts) - counts
-    rank = before[by_expert] + jnp.arange(order.size) - starts[by_expert]  # global position
-    keep = rank < settings.capacity(global_tokens)
-    # The kept pairs first, still by expert: the dropped ones fall past every group.
-    order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
-    kept = jnp.bincount(by_expert, weights=keep.astype(counts.dtype), length=num_experts)
-    total_kept = lax.psum(kept, axes) if axes else kept
-    return Pairs(order, kept, total, total_kept, global_tokens)
+    every = every_device(counts, axes) if axes else counts[None]  # (devices, experts)
+    index = device_index(axes) if axes else 0
+    earlier = jnp.cumsum(every, 0) - every  # each expert's pairs from the devices before each
+    global_tokens = experts.shape[0] * every.shape[0]
+    kept, kept_every = counts, every
+    if settings.dispatch == "capacity":
+        capacity = settings.capacity(global_tokens)
+        kept_every = jnp.clip(capacity - earlier, 0, every)
+        kept = kept_every[index]
+        by_expert = pair_expert[order]
+        starts = jnp.cumsum(counts) - counts
+        rank = earlier[index][by_expert] + jnp.arange(order.size) - starts[by_expert]
+        keep = rank < capacity  # by its global position
+        # The kept pairs first, still by expert: the dropped ones fall past every group.
+        order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
+    group_kept = None
+    if expert_axis:
+        stride = math.prod(lax.axis_size(a) for a in axes[axes.index(expert_axis) + 1 :])
+        group = jnp.arange(lax.axis_size(expert_axis)) - lax.axis_index(expert_axis)
+        group_kept = kept_every[index + group * stride]
+    return Pairs(order, kept, every.sum(0), kept_every.sum(0), global_tokens, group_kept)
 
 
 class Experts(nn.Module):
@@ -172,7 +188,8 @@ class MoE(nn.Module):
     """The mixture-of-experts MLP of one block: (batch, seq, embed) -> (batch, seq, embed).
     `dense(width, name=...)` builds the model's dense MLP (the shared expert); `layers`: how
     many MoE layers the model has (the auxiliary losses are their mean); `axis_name`: the batch
-    axes (jddp/models/moe.py's docstring)."""
+    axes (jddp/models/moe.py's docstring); `expert_axis`: the one of them the experts are split
+    over (jddp/models/moe_dispatch.py), where the mesh has one."""
 
     settings: MoESettings
     width: int
@@ -181,6 +198,7 @@ class MoE(nn.Module):
     dense: Callable[..., nn.Module]
     layers: int
     axis_name: str | tuple[str, ...] | None = None
+    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -192,18 +210,32 @@ class MoE(nn.Module):
         weights, experts = route(logits, s)
         axes, one_slice = ((), ()) if self.is_initializing() else bound_axes(self.axis_name)
 
-        pairs = dispatch(experts, s, axes)
+        expert_axis = self._expert_axis(axes)
+        pairs = dispatch(experts, s, axes, expert_axis)
         expert_mlps = Experts(
-            s.num_experts,
+            s.num_experts // (lax.axis_size(expert_axis) if expert_axis else 1),
             self.width,
             self.gated,
             self.residual_init_std,
             masked=bool(one_slice),
             name="experts",
         )
-        outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
-        # Back in token order (a dropped pair's row is zeros), summed with the router's weights.
-        outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        if expert_axis:  # each pair to its expert's device and back
+            outputs = moe_dispatch.exchange(
+                tokens,
+                pairs.order,
+                pairs.kept,
+                pairs.group_kept,
+                s,
+                expert_axis,
+                pairs.global_tokens,
+                expert_mlps,
+            )
+        else:
+            outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
+            # Back in pair order (a dropped pair's row is zeros).
+            outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        # Each token's outputs summed with the router's weights.
         outputs = outputs.reshape(-1, s.experts_per_token, embed)
         y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), outputs)
 
@@ -218,6 +250,25 @@ class MoE(nn.Module):
         if not self.is_initializing():
             self._report(logits, pairs)
         return y.reshape(batch, seq_len, embed)
+
+    def _expert_axis(self, axes: tuple[str, ...]) -> str | None:
+        """The expert axis when this program holds a share of the experts (a strategy's
+        per-device step on a mesh with one); under `auto` (a slice of one) or outside a
+        strategy it holds them all."""
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = () if self.is_initializing() else mesh.manual_axes
+        split = [a for a in manual if mesh.shape[a] > 1]
+        if self.expert_axis is None and "expert" in split:
+            raise ConfigError(
+                "the mesh splits the experts over an expert axis but the model's expert_axis "
+                "is not set; build it with expert_axis='expert' (jddp's config path does)"
+            )
+        if self.expert_axis in split and self.expert_axis not in axes:
+            raise ConfigError(
+                f"the model's expert axis {self.expert_axis!r} is not among its batch axes "
+                f"{self.axis_name!r}; add it to batch_axis_name (jddp.batch_axis_name gives them)"
+            )
+        return self.expert_axis if self.expert_axis in axes else None
 
     def _report(self, logits, pairs: Pairs):
         """Sows the auxiliary losses (this device's share of their global means) and the

@@ -10,6 +10,12 @@ capacity mode no expert takes more than C pairs of the global batch, so at most 
 go to one device (the smaller of the two bounds). `all_to_all_bytes` is what that moves.
 """
 
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from jddp.models.moe_settings import MoESettings
 
 
@@ -50,3 +56,46 @@ def all_to_all_bytes(
     )
     passes = 6 if remat else 4
     return passes * expert_size * slots * embed_dim * dtype_bytes
+
+
+def exchange(
+    tokens: jax.Array,
+    order: jax.Array,
+    kept: jax.Array,
+    group_kept: jax.Array,
+    settings: MoESettings,
+    axis: str,
+    global_tokens: int,
+    experts: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """Every token-expert pair's output, (tokens x k, embed) with token t's j-th pair at t*k + j
+    and zeros for dropped pairs, from the experts of the devices along `axis` that hold them.
+
+    `order`: the pairs sorted by expert, the `kept` (per expert) ones first; `group_kept`:
+    (axis size, experts) the kept pairs per expert of each device of the axis (jddp/models/moe.py
+    `dispatch`); `experts(rows, group_sizes)`: this device's experts on rows grouped by them."""
+    size, embed = lax.axis_size(axis), tokens.shape[-1]
+    local = settings.num_experts // size
+    slots = dispatch_slots(settings, tokens.shape[0], global_tokens, size)
+    # Sending: the kept pairs, by expert, fill each device's block from its first row.
+    position = jnp.arange(order.size)
+    expert = jnp.searchsorted(jnp.cumsum(kept), position, side="right")
+    target = jnp.minimum(expert, settings.num_experts - 1) // local
+    per_device = kept.reshape(size, local).sum(1)
+    row = target * slots + position - (jnp.cumsum(per_device) - per_device)[target]
+    row = jnp.where(position < kept.sum(), row, size * slots)  # dropped: sent nowhere
+    pair_tokens = tokens[order // settings.experts_per_token]
+    send = jnp.zeros((size * slots, embed), tokens.dtype).at[row].set(pair_tokens, mode="drop")
+    received = lax.all_to_all(send, axis, 0, 0, tiled=True)  # block s: from device s
+    # Receiving: each block's rows by local expert, regrouped expert by expert.
+    mine = lax.dynamic_slice_in_dim(group_kept, lax.axis_index(axis) * local, local, axis=1)
+    block_row = jnp.arange(slots)
+    local_expert = jax.vmap(lambda c: jnp.searchsorted(jnp.cumsum(c), block_row, side="right"))(
+        mine
+    )  # (size, slots): `local` for the unused rows, which sort last
+    by_expert = jnp.argsort(local_expert.reshape(-1), stable=True)
+    outputs = experts(received[by_expert], mine.sum(0))
+    returned = jnp.zeros_like(outputs).at[by_expert].set(outputs)
+    back = lax.all_to_all(returned, axis, 0, 0, tiled=True)  # block s: from device s's experts
+    by_pair = jnp.take(back, row, axis=0, mode="fill", fill_value=0)
+    return jnp.zeros_like(by_pair).at[order].set(by_pair)

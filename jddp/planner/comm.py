@@ -10,19 +10,25 @@ whole array, a reduce-scatter's shard, an all-reduce's buffer, an all-to-all's a
 (metrics, norms) are left out, as `bytes_by_axes` leaves them out.
 
 The context axis (jddp/parallel/context.py) is a batch axis for the gradients (they are averaged
-over it as over data) and adds its attention's collectives (`context_collectives`).
+over it as over data) and adds its attention's collectives (`context_collectives`). The expert
+axis is a batch axis to every parameter but a mixture of experts' experts, which are split over
+it (their gradients are summed over the other batch axes only); its all-to-alls and the
+experts' token counts are `moe_collectives`.
 """
 
 import dataclasses
 import functools
 import math
 
+from jddp.models.moe_dispatch import all_to_all_bytes, dispatch_slots
 from jddp.planner.auto import auto_collectives
 from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collective, merged
 from jddp.planner.layouts import Layout
-from jddp.planner.shards import param_shards
+from jddp.planner.shards import RULE_AXES, param_shards
 from jddp.planner.stages import microbatches, stage_collectives
 from jddp.planner.workload import SEQUENCE_SPLIT_PARAMS, Workload
+
+BATCH_AXES = ("data", "expert", "fsdp")  # the batch axes a MoE layer's counts are summed over
 
 
 def _axes(layout: Layout, *names: str) -> tuple[str, ...]:
@@ -47,10 +53,10 @@ def gradient_collectives(workload: Workload, layout: Layout) -> list[Collective]
 @functools.lru_cache(maxsize=4096)
 def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collective, ...]:
     # Gradients are averaged over context as over data: its ranks hold the same rows.
-    batch = _axes(layout, "data", "fsdp", "context")
+    batch = _axes(layout, "data", "expert", "fsdp", "context")
     if layout.strategy == "ddp":
         batch = _axes(layout, "data")
-    fsdp, data, tensor = layout.fsdp, _axes(layout, "data", "context"), layout.tensor
+    fsdp, replicas, tensor = layout.fsdp, _axes(layout, "data", "expert", "context"), layout.tensor
     # With accumulation XLA hoists zero3's gathers out of the micro-batch loop (loop-invariant)
     # while each micro-batch's reduce-scatter (the gather's transpose) stays in it (HLO).
     accum = workload.grad_accum_steps
@@ -73,15 +79,18 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         add("all-gather", axes, nbytes, count, BACKWARD, what)  # ... and an all-reduce's gather
 
     for p in param_shards(workload, layout):
-        # One tensor rank's part, in the dtype that crosses the wire.
+        # One tensor (and expert) rank's part, in the dtype that crosses the wire.
         wire = workload.comm_bytes or p.itemsize
-        split = tensor if p.split_over("tensor") else 1
+        split = p.split(layout.sizes, RULE_AXES)
         b = p.elements * wire // split
         g = p.elements * (workload.grad_comm_bytes or wire) // split  # reduced gradients
         sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
+        # An expert's gradient holds every token sent to it over expert: not summed over it.
+        summed = tuple(a for a in batch if not p.split_over(a))
+        data = tuple(a for a in replicas if not p.split_over(a))
         # A frozen parameter (LoRA's base) has no gradient to reduce and no update to gather.
         if p.trains and (layout.strategy in ("ddp", "zero1") or not sharded):
-            reduce("all-reduce", batch, g, 1, "gradients")
+            reduce("all-reduce", summed, g, 1, "gradients")
         elif p.trains:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
             count = accum if layout.strategy == "zero3" else 1
             reduce("reduce-scatter", ("fsdp",), g // fsdp, count, "gradients")
@@ -186,6 +195,43 @@ def context_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     ]
 
 
+def moe_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """A mixture of experts' collectives for one step (none without one): per MoE layer and
+    micro-batch, the all-reduce that gives every device the global batch's token count per
+    expert (int32, one row per batch slice: jddp/models/moe.py `every_device`), and over the
+    expert axis the all-to-alls that send token-expert pairs to their experts' devices and the
+    outputs back, forward and backward (jddp/models/moe_dispatch.py `all_to_all_bytes`)."""
+    t = workload.transformer
+    if t is None or t.moe is None:
+        return []
+    micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
+    slices = layout.batch_slices
+    rows = workload.global_batch // (slices * micro_steps)
+    layers = t.layers // layout.stage * micro_steps
+    batch = _axes(layout, "data") if layout.strategy == "ddp" else _axes(layout, *BATCH_AXES)
+    out = []
+    if batch:
+        counts = slices * t.moe.num_experts * 4
+        out.append(Collective("all-reduce", batch, counts, layers, CRITICAL, "expert counts"))
+    if layout.expert > 1:
+        tokens = rows * t.seq_len
+        moved = all_to_all_bytes(
+            t.moe,
+            tokens_per_device=tokens,
+            batch_slices=slices,
+            embed_dim=t.width,
+            expert_size=layout.expert,
+            dtype_bytes=workload.compute_bytes,
+            remat=bool(workload.recompute),
+        )
+        # One op: a block of `dispatch_slots` rows to each device of the axis.
+        slots = dispatch_slots(t.moe, tokens, tokens * slices, layout.expert)
+        block = layout.expert * slots * t.width * workload.compute_bytes
+        ops = moved // block * layers
+        out.append(Collective("all-to-all", ("expert",), block, ops, CRITICAL, "tokens"))
+    return out
+
+
 def step_collectives(
     workload: Workload, layout: Layout, partitioner_reduce_scatter: bool = True
 ) -> list[Collective]:
@@ -200,4 +246,5 @@ def step_collectives(
         + tensor_collectives(workload, layout)
         + stage_collectives(workload, layout)
         + context_collectives(workload, layout)
+        + moe_collectives(workload, layout)
     )

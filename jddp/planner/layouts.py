@@ -123,7 +123,8 @@ def candidates(
             for strategy in STAGES if mesh["fsdp"] > 1 else ("zero3",):
                 for attention in CONTEXT_ATTENTIONS:
                     layouts.append(Layout(strategy, **mesh, context_attention=attention))
-    for expert in (n for n in range(2, devices + 1) if experts % n == 0 and devices % n == 0):
+    sizes = range(2, devices + 1) if experts else ()
+    for expert in (n for n in sizes if experts % n == 0 and devices % n == 0):
         for mesh in factorizations(devices // expert, tensor_limit, stages):
             for strategy in STAGES if mesh["fsdp"] > 1 else ("zero3",):
                 layouts.append(Layout(strategy, **mesh, expert=expert))

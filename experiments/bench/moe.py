@@ -6,10 +6,12 @@ device (fsdp:8) and the same model dense with compute matched (one MLP as wide a
     python -m experiments.bench.moe [--repeats 3] [--steps 2] [--out bench_results]
 
 For each layout: tokens/s (interleaved timed windows, medians; and the paired ratio to the
-dense model), per-device state, and the bytes of the compiled step's all-to-alls over `expert`
+dense model), per-device state, the bytes of the compiled step's all-to-alls over `expert`
 (jddp/observe/hlo.py `bytes_by_axes`) against the formula (jddp/models/moe_dispatch.py
-`all_to_all_bytes`, times the layers). A layout jddp refuses (an expert axis with a tensor axis
-while the MoE block does not split over tensor) is reported with its one-line reason.
+`all_to_all_bytes`, times the layers), and whether the planner's collectives
+(jddp/planner/comm.py) equal the compiled step's on every axis. A layout jddp refuses (an
+expert axis with a tensor axis, while the MoE block does not split over tensor) is reported
+with its one-line reason.
 """
 
 import argparse
@@ -28,6 +30,9 @@ from jddp.models.moe_settings import moe_settings
 from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.parallel.rules import adapt_preset
 from jddp.parallel.strategies import device_mesh_for
+from jddp.planner import collective, comm
+from jddp.planner.layouts import Layout
+from jddp.planner.workload import model_workload
 from jddp.run.objectives import OBJECTIVES
 
 LM = OBJECTIVES["language_model"]
@@ -72,16 +77,27 @@ def make_trainer(mesh: str, moe, devices):
     )
 
 
-def all_to_all_row(trainer, state, placed) -> dict:
-    """The compiled step's all-to-all bytes over `expert` per device, and their ratio to the
-    formula (1.0: equal; None without an expert axis)."""
+def all_to_all_row(trainer, state, placed, batch) -> dict:
+    """The compiled step's all-to-all bytes over `expert` per device, their ratio to the
+    formula (1.0: equal; None without an expert axis), and whether the planner's bytes per
+    axis and kind equal the compiled step's."""
     mesh = trainer.device_mesh
     text = trainer.strategy.lower_train_step(state, placed.arrays).compile().as_text()
     ids = np.vectorize(lambda d: d.id)(mesh.mesh.devices)
     moved = bytes_by_axes(collective_ops(text), ids, mesh.axis_names)
+    workload = model_workload(
+        trainer.task.model,
+        batch["inputs"][:1],
+        GLOBAL_BATCH,
+        optax.adamw(1e-3),
+        rules_for=lambda mesh: adapt_preset(TENSOR_PARALLEL_RULES, mesh),
+    )
+    layout = Layout("zero3", **{a: mesh.size(a) for a in mesh.axis_names})
+    planned = collective.bytes_by_axes(comm.step_collectives(workload, layout))
     compiled = moved.get((("expert",), "all-to-all"), 0)
+    row = {"all_to_all_MiB": compiled / 2**20, "planner_equal": planned == moved}
     if mesh.size("expert") == 1:
-        return {"all_to_all_MiB": compiled / 2**20, "all_to_all_vs_formula": None}
+        return row | {"all_to_all_vs_formula": None}
     formula = LAYERS * all_to_all_bytes(
         moe_settings(MOE),
         tokens_per_device=GLOBAL_BATCH * SEQ // mesh.batch_slices,
@@ -89,7 +105,7 @@ def all_to_all_row(trainer, state, placed) -> dict:
         embed_dim=WIDTH,
         expert_size=mesh.size("expert"),
     )
-    return {"all_to_all_MiB": compiled / 2**20, "all_to_all_vs_formula": compiled / formula}
+    return row | {"all_to_all_vs_formula": compiled / formula}
 
 
 def main():
@@ -106,17 +122,17 @@ def main():
 
     runs, rows, refused = {}, [], {}
     for name, mesh, moe in LAYOUTS:
-        try:
+        try:  # the model refuses a layout when its step is first traced
             trainer = make_trainer(mesh, moe, jax.devices())
             state = trainer.init(seed=0, sample_batch=batch)
+            placed = trainer.place_batch(batch)
+            memory = trainer.memory_report(state, placed)
         except ConfigError as e:  # what this jddp does not run yet
             refused[name] = str(e)
             continue
-        placed = trainer.place_batch(batch)
-        memory = trainer.memory_report(state, placed)
         runs[name] = [trainer, state, placed]
         row = {"layout": name, "state_MiB": memory["state_bytes_per_device"] / 2**20}
-        rows.append(row | all_to_all_row(trainer, state, placed))
+        rows.append(row | all_to_all_row(trainer, state, placed, batch))
 
     windows = common.trainer_windows(runs, args.steps)
     common.warm_up(windows)

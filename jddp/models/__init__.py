@@ -133,7 +133,7 @@ def create_model(
     if context_axis:
         context.check_model(model, context_axis)
     if isinstance(model, Decoder):
-        check_moe_layout(model, tensor_size > 1, context_axis is not None)
+        check_moe_layout(model, context_axis is not None)
     if tensor_size > 1 and isinstance(model, Decoder):
         check_tensor_split(model, tensor_size)
     return model

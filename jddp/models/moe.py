@@ -34,6 +34,7 @@ Mixtral `block_sparse_moe.gate` -> `block_i/mlp/router/kernel`, `experts.e.w1 / 
 `mlp.shared_expert_gate` -> `shared_expert_gate/kernel`.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -42,6 +43,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jddp.core import sown
 from jddp.errors import ConfigError
@@ -156,32 +158,55 @@ def dispatch(
     return Pairs(order, kept, every.sum(0), kept_every.sum(0), global_tokens, group_kept)
 
 
+def expert_mlps(rows, group_sizes, up, down, gate=None, masked: bool = False):
+    """The experts' MLPs (weights stacked by expert: `up`, `gate` (experts, in, width), `down`
+    (experts, width, in)) on `rows` grouped by expert (`group_sizes`); GELU, or SwiGLU with a
+    `gate`."""
+    h = grouped_matmul(rows, up, group_sizes, masked)
+    if gate is not None:
+        h = jax.nn.silu(grouped_matmul(rows, gate, group_sizes, masked)) * h
+    else:
+        h = nn.gelu(h, approximate=True)
+    return grouped_matmul(h, down, group_sizes, masked)
+
+
 class Experts(nn.Module):
     """`num_experts` MLPs of `width`, weights stacked on a leading expert dimension, applied to
-    rows grouped by expert (`group_sizes`; rows past their sum give zeros)."""
+    rows grouped by expert (`group_sizes`; rows past their sum give zeros). With `tensor_axis`
+    in the mesh, each MLP is split over it as Megatron splits one: `up` and `gate` by columns,
+    `down` by rows, the partial outputs summed across the axis."""
 
     num_experts: int
     width: int
     gated: bool
     residual_init_std: float
     masked: bool = False  # `grouped_matmul`'s masked form (under vmap)
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, rows, group_sizes):
         shape = (self.num_experts, rows.shape[-1], self.width)
-
-        def grouped(x, name, init, shape):
-            w = self.param(name, init, shape).astype(x.dtype)
-            return grouped_matmul(x, w, group_sizes, self.masked)
-
-        normal = nn.initializers.normal
-        h = grouped(rows, "up", normal(INIT_STD), shape)
-        if self.gated:
-            h = jax.nn.silu(grouped(rows, "gate", normal(INIT_STD), shape)) * h
-        else:
-            h = nn.gelu(h, approximate=True)
         down_shape = (self.num_experts, self.width, rows.shape[-1])
-        return grouped(h, "down", normal(self.residual_init_std), down_shape)
+        normal = nn.initializers.normal
+        weights = {
+            "up": self.param("up", normal(INIT_STD), shape).astype(rows.dtype),
+            "down": self.param("down", normal(self.residual_init_std), down_shape),
+        }
+        weights["down"] = weights["down"].astype(rows.dtype)
+        if self.gated:
+            weights["gate"] = self.param("gate", normal(INIT_STD), shape).astype(rows.dtype)
+        apply = functools.partial(expert_mlps, masked=self.masked)
+        if self.tensor_axis is None or self.is_initializing():
+            return apply(rows, group_sizes, **weights)
+        axis = self.tensor_axis
+        columns, by_rows = P(None, None, axis), P(None, axis, None)
+        specs = {name: by_rows if name == "down" else columns for name in weights}
+        return jax.shard_map(
+            lambda rows, sizes, w: lax.psum(apply(rows, sizes, **w), axis),
+            in_specs=(P(), P(), specs),
+            out_specs=P(),
+            axis_names={axis},
+        )(rows, group_sizes, weights)
 
 
 class MoE(nn.Module):
@@ -199,6 +224,7 @@ class MoE(nn.Module):
     layers: int
     axis_name: str | tuple[str, ...] | None = None
     expert_axis: str | None = None
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -218,6 +244,7 @@ class MoE(nn.Module):
             self.gated,
             self.residual_init_std,
             masked=bool(one_slice),
+            tensor_axis=self._tensor_axis(),
             name="experts",
         )
         if expert_axis:  # each pair to its expert's device and back
@@ -240,7 +267,9 @@ class MoE(nn.Module):
         y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), outputs)
 
         if s.shared_expert_dim:
-            shared = self.dense(s.shared_expert_dim, name="shared_expert")(tokens)
+            # On the block's input: under sequence parallelism the dense MLP takes it split.
+            shared = self.dense(s.shared_expert_dim, name="shared_expert")(x)
+            shared = shared.reshape(-1, embed)
             if s.shared_expert_gate:
                 gate = self.param(
                     "shared_expert_gate", nn.initializers.normal(INIT_STD), (embed, 1)
@@ -250,6 +279,13 @@ class MoE(nn.Module):
         if not self.is_initializing():
             self._report(logits, pairs)
         return y.reshape(batch, seq_len, embed)
+
+    def _tensor_axis(self) -> str | None:
+        """`tensor_axis` where this call runs on a mesh that splits over it."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.is_initializing() or mesh.shape.get(self.tensor_axis, 1) == 1:
+            return None
+        return self.tensor_axis
 
     def _expert_axis(self, axes: tuple[str, ...]) -> str | None:
         """The expert axis when this program holds a share of the experts (a strategy's

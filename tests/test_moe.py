@@ -193,21 +193,26 @@ EXPERT_8, EXPERT_FSDP = ("zero3", "expert:8"), ("zero3", "expert:4,fsdp:2")
 AUTO = ("auto", "expert:2,fsdp:4")
 # The experts' MLPs split over tensor as Megatron's, with sequence parallelism.
 EXPERT_TENSOR = ("zero3", "data:2,expert:2,tensor:2")
+EXPERT_CONTEXT = ("zero3", "expert:2,context:2,fsdp:2")
 
 
 @pytest.mark.parametrize(
-    "family,moe,layouts",
+    "family,moe,layouts,counted",  # counted: the layout whose all-to-all bytes are checked
     [
-        ("gpt", CAPACITY, (DATA_8, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR)),
-        ("llama", SHARED, (ZERO3, AUTO, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR)),
+        ("gpt", CAPACITY, (DATA_8, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR, EXPERT_CONTEXT), 4),
+        ("llama", SHARED, (AUTO, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR, EXPERT_CONTEXT), 2),
     ],
     ids=["gpt-capacity", "llama-dropless"],
 )
 @pytest.mark.filterwarnings("ignore:parallel.mesh .data.2,expert.2,tensor.2. gives zero3")
-def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts):
+def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts, counted):
     batches = token_batches(steps=2)
     axes = {"batch_axis_name": "batch", "expert_axis": "expert"}
-    tensor = {"tensor_axis": "tensor", "sequence_parallel": True}
+    # Fields of the model's own for the mesh's axes: under sequence parallelism, context.
+    by_axis = {
+        "tensor": {"tensor_axis": "tensor", "sequence_parallel": True},
+        "context": {"context_axis": "context"},
+    }
     reference = tiny_moe(family, moe)  # no batch axes: one device holds the whole batch
     params = reference.init(jax.random.key(0), batches[0]["inputs"][:1])["params"]
 
@@ -226,7 +231,8 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
 
     expected, _, _ = plain_training(loss_fn, params, {}, adamw(), batches)
     for strategy, mesh in layouts:
-        model = tiny_moe(family, moe, **axes, **(tensor if "tensor" in (mesh or "") else {}))
+        fields = [by_axis[axis] for axis in by_axis if axis in (mesh or "")]
+        model = tiny_moe(family, moe, **axes, **{k: v for f in fields for k, v in f.items()})
         trainer = moe_trainer(model, strategy, mesh)
         state = trainer.init(seed=0, sample_batch=batches[0])
         state = trainer.replace_state(state, params=params)
@@ -238,7 +244,7 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
             for name, value in reported.items():
                 assert float(metrics[name]) == pytest.approx(float(value), rel=1e-5), name
         assert_trees_close(trainer.host_state(state).params, expected)
-        if (strategy, mesh) in (EXPERT_FSDP, EXPERT_TENSOR):
+        if (strategy, mesh) == layouts[counted]:
             assert_all_to_all_bytes(trainer, state, batches[0], MoESettings(**moe))
     if moe.get("dispatch") == "capacity":
         assert float(metrics["moe_dropped_fraction"]) > 0
@@ -253,10 +259,11 @@ def assert_all_to_all_bytes(trainer, state, batch, settings: MoESettings):
     ids = np.vectorize(lambda d: d.id)(device_mesh.mesh.devices)
     moved = {key: n for key, n in bytes_by_axes(collective_ops(text), ids, axes).items()}
     rows, seq_len = batch["inputs"].shape
+    shares = device_mesh.batch_slices * device_mesh.size("context")  # of the global tokens
     expected = all_to_all_bytes(
         settings,
-        tokens_per_device=rows * seq_len // device_mesh.batch_slices,
-        batch_slices=device_mesh.batch_slices,
+        tokens_per_device=rows * seq_len // shares,
+        batch_slices=shares,
         embed_dim=32,
         expert_size=device_mesh.size("expert"),
     )
@@ -301,12 +308,6 @@ def test_an_expert_axis_that_cannot_hold_the_experts_is_refused_before_a_step(
         state = trainer.abstract_state(batch)  # the layout: checked without computing
         trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
     assert_one_line(error, *words)
-
-
-def test_a_moe_model_on_a_context_axis_is_refused_when_built():
-    with pytest.raises(ConfigError) as error:
-        models.create_model("llama", 64, context_axis="context", moe={"num_experts": 4})
-    assert_one_line(error, "a context axis", "not", "yet")
 
 
 def test_auxiliary_losses_with_a_weighted_loss_are_refused_when_the_step_is_traced():

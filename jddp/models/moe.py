@@ -49,6 +49,7 @@ from jddp.core import sown
 from jddp.errors import ConfigError
 from jddp.models import moe_dispatch
 from jddp.models.moe_settings import MoESettings
+from jddp.parallel import context
 
 INIT_STD = 0.02  # the decoders' initializer (jddp/models/decoder.py)
 
@@ -125,37 +126,53 @@ class Pairs(NamedTuple):
 
 
 def dispatch(
-    experts: jax.Array, settings: MoESettings, axes: tuple[str, ...], expert_axis=None
+    experts: jax.Array,
+    settings: MoESettings,
+    axes: tuple[str, ...],
+    expert_axis: str | None = None,
+    context_axis: str | None = None,
 ) -> Pairs:
-    """The pairs of each token (row of `experts`, (tokens, k)) and its experts, sorted by
-    expert; in capacity mode without those past their expert's capacity in the global batch's
-    order. `axes`: the batch axes bound here (`bound_axes`); `expert_axis`: the one of them the
-    experts are split over, if any."""
+    """The pairs of each token (`experts`: (rows, sequence, k), each token's experts) and its
+    experts, sorted by expert; in capacity mode without those past their expert's capacity in
+    the global batch's order. `axes`: the batch axes bound here (`bound_axes`); `expert_axis`:
+    the one of them the experts are split over, if any; `context_axis`: the axis this device's
+    rows' sequences are split over, if any (jddp/parallel/context.py)."""
     num_experts = settings.num_experts
+    own = experts.reshape(-1)
+    if context_axis:  # the global order is the whole sequences': each rank sees its rows' whole
+        experts = context.whole_sequence(experts, context_axis)
     pair_expert = experts.reshape(-1)
-    order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
     counts = jnp.bincount(pair_expert, length=num_experts)
     every = every_device(counts, axes) if axes else counts[None]  # (devices, experts)
     index = device_index(axes) if axes else 0
     earlier = jnp.cumsum(every, 0) - every  # each expert's pairs from the devices before each
-    global_tokens = experts.shape[0] * every.shape[0]
-    kept, kept_every = counts, every
+    global_tokens = math.prod(experts.shape[:2]) * every.shape[0]
+    keep, kept_every = None, every
     if settings.dispatch == "capacity":
         capacity = settings.capacity(global_tokens)
         kept_every = jnp.clip(capacity - earlier, 0, every)
-        kept = kept_every[index]
+        order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
         by_expert = pair_expert[order]
         starts = jnp.cumsum(counts) - counts
         rank = earlier[index][by_expert] + jnp.arange(order.size) - starts[by_expert]
-        keep = rank < capacity  # by its global position
-        # The kept pairs first, still by expert: the dropped ones fall past every group.
-        order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
+        keep = jnp.zeros(order.shape, bool).at[order].set(rank < capacity)  # by global place
+    total, total_kept = every.sum(0), kept_every.sum(0)
+    if context_axis:  # this rank's own pairs, and every device's kept ones, context ranks apart
+        if keep is not None:
+            keep = context.split_sequence(keep.reshape(experts.shape), context_axis).reshape(-1)
+        pair_expert, axes = own, (*axes, context_axis)
+        weights = None if keep is None else keep.astype(counts.dtype)
+        kept_here = jnp.bincount(pair_expert, weights, length=num_experts).astype(counts.dtype)
+        kept_every, index = every_device(kept_here, axes), device_index(axes)
+    # By expert, the kept pairs first: the dropped ones fall past every group.
+    key = pair_expert if keep is None else jnp.where(keep, pair_expert, num_experts)
+    order = jnp.argsort(key, stable=True)
     group_kept = None
     if expert_axis:
         stride = math.prod(lax.axis_size(a) for a in axes[axes.index(expert_axis) + 1 :])
         group = jnp.arange(lax.axis_size(expert_axis)) - lax.axis_index(expert_axis)
         group_kept = kept_every[index + group * stride]
-    return Pairs(order, kept, every.sum(0), kept_every.sum(0), global_tokens, group_kept)
+    return Pairs(order, kept_every[index], total, total_kept, global_tokens, group_kept)
 
 
 def expert_mlps(rows, group_sizes, up, down, gate=None, masked: bool = False):
@@ -214,7 +231,8 @@ class MoE(nn.Module):
     `dense(width, name=...)` builds the model's dense MLP (the shared expert); `layers`: how
     many MoE layers the model has (the auxiliary losses are their mean); `axis_name`: the batch
     axes (jddp/models/moe.py's docstring); `expert_axis`: the one of them the experts are split
-    over (jddp/models/moe_dispatch.py), where the mesh has one."""
+    over (jddp/models/moe_dispatch.py), where the mesh has one; `tensor_axis`, `context_axis`:
+    the model's, where its mesh has them."""
 
     settings: MoESettings
     width: int
@@ -225,6 +243,7 @@ class MoE(nn.Module):
     axis_name: str | tuple[str, ...] | None = None
     expert_axis: str | None = None
     tensor_axis: str | None = None
+    context_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -237,14 +256,16 @@ class MoE(nn.Module):
         axes, one_slice = ((), ()) if self.is_initializing() else bound_axes(self.axis_name)
 
         expert_axis = self._expert_axis(axes)
-        pairs = dispatch(experts, s, axes, expert_axis)
+        pairs = dispatch(
+            experts.reshape(batch, seq_len, -1), s, axes, expert_axis, self._split("context")
+        )
         expert_mlps = Experts(
             s.num_experts // (lax.axis_size(expert_axis) if expert_axis else 1),
             self.width,
             self.gated,
             self.residual_init_std,
             masked=bool(one_slice),
-            tensor_axis=self._tensor_axis(),
+            tensor_axis=self._split("tensor"),
             name="experts",
         )
         if expert_axis:  # each pair to its expert's device and back
@@ -280,12 +301,14 @@ class MoE(nn.Module):
             self._report(logits, pairs)
         return y.reshape(batch, seq_len, embed)
 
-    def _tensor_axis(self) -> str | None:
-        """`tensor_axis` where this call runs on a mesh that splits over it."""
+    def _split(self, role: str) -> str | None:
+        """The model's axis of `role` ("tensor", "context") where this call runs on a mesh that
+        splits over it: tensor's left to the compiler, context's by the strategy's program."""
+        name = getattr(self, f"{role}_axis")
         mesh = jax.sharding.get_abstract_mesh()
-        if self.is_initializing() or mesh.shape.get(self.tensor_axis, 1) == 1:
+        if self.is_initializing() or mesh.shape.get(name, 1) == 1:
             return None
-        return self.tensor_axis
+        return name if role == "tensor" or name in mesh.manual_axes else None
 
     def _expert_axis(self, axes: tuple[str, ...]) -> str | None:
         """The expert axis when this program holds a share of the experts (a strategy's

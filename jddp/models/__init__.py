@@ -9,7 +9,7 @@ import flax.linen as nn
 from jddp.errors import ConfigError
 from jddp.models import llama
 from jddp.models.cnn import CNN
-from jddp.models.decoder import Decoder, check_moe_layout, check_tensor_split
+from jddp.models.decoder import Decoder, check_tensor_split
 from jddp.models.gpt import GPT, TENSOR_PARALLEL_RULES
 from jddp.models.llama import Llama
 from jddp.models.mlp import MLP
@@ -132,8 +132,6 @@ def create_model(
     model = cls(**{output_field: outputs}, **model_args)
     if context_axis:
         context.check_model(model, context_axis)
-    if isinstance(model, Decoder):
-        check_moe_layout(model, tensor_size > 1, context_axis is not None)
     if tensor_size > 1 and isinstance(model, Decoder):
         check_tensor_split(model, tensor_size)
     return model

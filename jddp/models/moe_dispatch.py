@@ -45,10 +45,12 @@ def all_to_all_bytes(
     jddp/observe/hlo.py's `bytes_by_axes` counts them: forward, pairs out and outputs back;
     backward, their gradients the other way; with `remat` the forward's two again.
 
-    `tokens_per_device`: the tokens of a device's slice of the batch (rows x sequence length);
-    `batch_slices`: how many slices the global batch is split into (the product of the batch
-    axes, `expert` among them); `expert_size`: the expert axis's size; `dtype_bytes`: the
-    activations' (4 for float32, 2 for bfloat16). 0 without an expert axis."""
+    `tokens_per_device`: the tokens of a device's share of the batch (rows x the sequence
+    length it holds); `batch_slices`: how many shares the global batch's tokens are split into
+    (the product of the batch axes, `expert` among them, times the context axis); `expert_size`:
+    the expert axis's size; `dtype_bytes`: the activations' (4 for float32, 2 for bfloat16). 0
+    without an expert axis. A tensor axis changes nothing: each tensor rank exchanges the
+    same pairs."""
     if expert_size <= 1:
         return 0
     slots = dispatch_slots(

@@ -16,7 +16,7 @@ keep parameters whole over `fsdp` and shard only the optimizer state and gradien
 
 A mixture of experts' stacked expert weights (`experts/{gate,up,down}`, expert first: a path
 matching `EXPERT_WEIGHTS`) are split over the `expert` axis on their first dimension when the
-mesh has one, and their rule lays out the rest of each (one expert's matrix), as a stack's rule
+mesh has one; their rule lays out the rest of each (one expert's matrix), as a stack's rule
 lays out one layer.
 
 Every rule of your own must decide at least one parameter: a regex that matches no path, or only
@@ -95,6 +95,12 @@ def _parse_explicit(spec: str, rule: Rule, mesh: DeviceMesh) -> P:
                 raise ConfigError(
                     f"partition rule {rule!r} names the data axis, which only replicates; "
                     "shard over fsdp or tensor"
+                )
+            if name == "expert":
+                raise ConfigError(
+                    f"partition rule {rule!r} names the expert axis, which splits only a mixture "
+                    "of experts' experts/{gate,up,down}, on their first dimension, without a "
+                    "rule; shard over fsdp or tensor"
                 )
             if name not in mesh.axis_names:
                 raise ConfigError(
@@ -208,9 +214,10 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
         decided[text] = index = first_rule(text, rules)
         if prefix and text.startswith(prefix):
             return P(lead, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
-        if mesh.size("expert") > 1 and EXPERT_WEIGHTS.search(text):
+        if EXPERT_WEIGHTS.search(text):  # the rule's spec is one expert's
             check_experts_divide(text, x.shape[0], mesh)
-            return P("expert", *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
+            split = "expert" if mesh.size("expert") > 1 else None
+            return P(split, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
         return _spec_by(index, text, x.shape, rules, mesh, min_shard_size)
 
     specs = jax.tree_util.tree_map_with_path(spec, params)

@@ -1,9 +1,10 @@
 """The planner's collectives per mesh axis equal the compiled program's, byte for byte: the
 communication model (jddp/planner/comm.py, pipeline.py) against XLA's HLO (jddp/observe/hlo.py).
-Seven
+Eight
 programs cover every axis, ZeRO's gathers and scatters, sequence parallelism, gradients reduced
 in bfloat16, pipelines with the backward in one tick and in two, and a mixture of experts'
-all-to-alls over the expert axis (dropless, and capacity with its smaller blocks);
+all-to-alls over the expert axis (dropless, capacity with its smaller blocks, and with the
+experts split over tensor);
 experiments/bench/planner.py --bytes checks every layout without stages that compiles on 8
 devices (ddp and zero1 included). The same programs check the network model
 (jddp/planner/network.py): the bytes each device sends across hosts of 2 and of 4 devices,
@@ -36,6 +37,8 @@ CASES = [  # (layout, layers, micro-batches, gradients' dtype, moe); every other
     # a mixture of experts: experts split over expert, their gradients not summed over it
     (Layout("zero3", expert=8), 1, 0, F32, DROPLESS),
     (Layout("zero3", expert=4, fsdp=2), 1, 0, F32, CAPACITY),
+    # the experts' MLPs split over tensor: their outputs all-reduced as rows of token-expert pairs
+    (Layout("zero3", expert=2, fsdp=2, tensor=2, sequence_parallel=True), 1, 0, F32, DROPLESS),
 ]
 
 

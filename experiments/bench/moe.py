@@ -1,7 +1,8 @@
 """Mixture of experts on 8 simulated devices: an MoE GPT (8 experts, 2 per token) with its
-experts split over an `expert` axis, beside the same model with its experts whole on every
-device (fsdp:8) and the same model dense with compute matched (one MLP as wide as a token's
-2 experts: the same matmul FLOPs per token, less the router's), all under zero3.
+experts split over an `expert` axis (on `expert:2,fsdp:2,tensor:2` each expert's MLP split over
+tensor too, Megatron-style), beside the same model with its experts whole on every device
+(fsdp:8) and the same model dense with compute matched (one MLP as wide as a token's 2
+experts: the same matmul FLOPs per token, less the router's), all under zero3.
 
     python -m experiments.bench.moe [--repeats 3] [--steps 2] [--out bench_results]
 
@@ -9,9 +10,8 @@ For each layout: tokens/s (interleaved timed windows, medians; and the paired ra
 dense model), per-device state, the bytes of the compiled step's all-to-alls over `expert`
 (jddp/observe/hlo.py `bytes_by_axes`) against the formula (jddp/models/moe_dispatch.py
 `all_to_all_bytes`, times the layers), and whether the planner's collectives
-(jddp/planner/comm.py) equal the compiled step's on every axis. A layout jddp refuses (an
-expert axis with a tensor axis, while the MoE block does not split over tensor) is reported
-with its one-line reason.
+(jddp/planner/comm.py) equal the compiled step's on every axis. A layout this jddp refuses is
+reported with its one-line reason.
 """
 
 import argparse

@@ -80,6 +80,7 @@ def compiled_text(
             heads, layers, tensor_axis=mesh.tensor_axis,
             sequence_parallel=layout.sequence_parallel, scan_layers=bool(mesh.stage_axis),
             moe=moe, batch_axis_name="batch", expert_axis=mesh.expert_axis,
+            context_axis=mesh.context_axis,
         )  # fmt: skip
         names, shape = list(mesh.axis_names), [mesh.size(a) for a in mesh.axis_names]
     trainer = jddp.Trainer(

@@ -31,6 +31,12 @@ from jddp.planner.workload import SEQUENCE_SPLIT_PARAMS, Workload
 BATCH_AXES = ("data", "expert", "fsdp")  # the batch axes a MoE layer's counts are summed over
 
 
+def shares(layout: Layout) -> int:
+    """Into how many shares the global batch's tokens are split: its rows over the batch axes,
+    their sequences over context."""
+    return layout.batch_slices * layout.context
+
+
 def _axes(layout: Layout, *names: str) -> tuple[str, ...]:
     """The axes among `names` that the layout has (size > 1), in mesh order."""
     return tuple(a for a in names if layout.sizes[a] > 1)
@@ -128,8 +134,14 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     # only the next layer reads (seen in the HLO); PyTorch's checkpointing reruns them all.
     recomputed = per_pass - (layers if workload.recompute_drops_output else 0)
     count = 2 * per_pass + workload.recompute * recomputed + 2  # + embedding fwd, head bwd
-    count *= micro_steps
     out = []
+    if t.moe:  # the MLP's reductions (forward, backward): all-reduces of the experts' rows
+        count -= 2 * layers
+        rows_held = t.expert_rows(rows * tokens_held, layout.expert, shares(layout))
+        outputs = rows_held * t.width * workload.compute_bytes
+        mlp = 2 * layers * micro_steps
+        out.append(Collective("all-reduce", tensor, outputs, mlp, CRITICAL, "expert outputs"))
+    count *= micro_steps
     if layout.sequence_parallel:  # a recomputed layer gathers all its inputs again
         gathers = (2 * per_pass + workload.recompute * per_pass + 2) * micro_steps
         out.append(Collective("all-gather", tensor, activation, gathers, CRITICAL, "activations"))
@@ -205,16 +217,22 @@ def moe_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     if t is None or t.moe is None:
         return []
     micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
-    slices = layout.batch_slices
-    rows = workload.global_batch // (slices * micro_steps)
+    slices = shares(layout)
+    rows = workload.global_batch // (layout.batch_slices * micro_steps)
     layers = t.layers // layout.stage * micro_steps
     batch = _axes(layout, "data") if layout.strategy == "ddp" else _axes(layout, *BATCH_AXES)
     out = []
+    experts = t.moe.num_experts
     if batch:
-        counts = slices * t.moe.num_experts * 4
+        counts = layout.batch_slices * experts * 4
         out.append(Collective("all-reduce", batch, counts, layers, CRITICAL, "expert counts"))
+    if layout.context > 1:  # whole sequences' experts (int32), then each rank's kept counts
+        choices = rows * t.seq_len * t.moe.experts_per_token * 4
+        out.append(Collective("all-gather", ("context",), choices, layers, CRITICAL, "choices"))
+        kept = (*batch, "context")
+        out.append(Collective("all-reduce", kept, slices * experts * 4, layers, CRITICAL, "kept"))
     if layout.expert > 1:
-        tokens = rows * t.seq_len
+        tokens = rows * t.seq_len // layout.context
         moved = all_to_all_bytes(
             t.moe,
             tokens_per_device=tokens,

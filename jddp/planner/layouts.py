@@ -107,7 +107,8 @@ def candidates(
     without a stage axis: jddp's ddp and `auto` take no context axis, and context inside
     pipeline stages is not planned), each with the ring and with all_gather attention. With
     `experts` (a mixture of experts' count), the ZeRO stages on the meshes with an expert axis
-    of each size > 1 dividing both it and `devices` come last."""
+    of each size > 1 dividing both it and `devices` come last (with `contexts`, those with a
+    context axis too)."""
     layouts = [Layout("ddp", data=devices)]
     for mesh in factorizations(devices, tensor_limit, stages):
         if mesh["fsdp"] == 1 and mesh["tensor"] == 1 and mesh["stage"] == 1:
@@ -125,7 +126,11 @@ def candidates(
                     layouts.append(Layout(strategy, **mesh, context_attention=attention))
     sizes = range(2, devices + 1) if experts else ()
     for expert in (n for n in sizes if experts % n == 0 and devices % n == 0):
-        for mesh in factorizations(devices // expert, tensor_limit, stages):
+        for mesh in factorizations(devices // expert, tensor_limit, stages, contexts):
+            gathered = CONTEXT_ATTENTIONS if mesh.get("context", 1) > 1 else ("ring",)
             for strategy in STAGES if mesh["fsdp"] > 1 else ("zero3",):
-                layouts.append(Layout(strategy, **mesh, expert=expert))
+                for attention in gathered:
+                    layouts.append(
+                        Layout(strategy, **mesh, expert=expert, context_attention=attention)
+                    )
     return layouts

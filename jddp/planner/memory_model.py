@@ -25,18 +25,17 @@ s / C), and attention (jddp/parallel/context.py) keeps instead of the s x s prob
                 values per layer (2 x b x s x kv width, float32)
 Parameters, gradients and optimizer state are replicated over context: they do not shrink.
 
-A mixture of experts' layer keeps, in place of the dense MLP's 16 s b h (its hidden units at
+A mixture of experts' layer keeps, in place of the dense MLP's 16 s b h / t (its hidden units at
 4h), the rows its experts multiply (k per token; on an expert axis the padded blocks the
 all-to-all delivers: X x `dispatch_slots`, jddp/models/moe_dispatch.py) and their hidden units
-(two per unit, three gated), each pair's output, the shared expert's hidden units and the
-router's float32 logits and probabilities. Its experts are split over the expert axis (and
-under zero3 over fsdp too, as the rules say): each device holds E / X of them.
+(two per unit, three gated; split over tensor), each pair's output, the shared expert's hidden
+units and the router's float32 logits and probabilities. Its experts are split over the expert
+axis (and under zero3 over fsdp too, as the rules say): each device holds E / X of them.
 """
 
 import dataclasses
 import functools
 
-from jddp.models.moe_dispatch import dispatch_slots
 from jddp.planner import auto
 from jddp.planner.layouts import SPLIT_PARAMS, Layout
 from jddp.planner.shards import (
@@ -144,15 +143,14 @@ def moe_layer_bytes(workload: Workload, layout: Layout, tokens: int) -> float:
     moe = t.moe
     if moe is None:
         return 0.0
-    rows = tokens * moe.experts_per_token  # the token-expert pairs
-    if layout.expert > 1:  # the blocks received from every device of the expert axis
-        global_tokens = tokens * layout.batch_slices
-        rows = layout.expert * dispatch_slots(moe, tokens, global_tokens, layout.expert)
+    rows = t.expert_rows(tokens, layout.expert, layout.batch_slices * layout.context)
     units = 3 if t.gated_mlp else 2  # kept per hidden unit: its input(s) to the activation, it
-    elements = rows * (t.width + units * t.expert_width)
-    elements += tokens * (moe.experts_per_token * t.width + units * moe.shared_expert_dim)
+    hidden = units * t.expert_width / layout.tensor  # split over tensor as Megatron splits an MLP
+    elements = rows * (t.width + hidden)
+    shared = units * moe.shared_expert_dim / layout.tensor
+    elements += tokens * (moe.experts_per_token * t.width + shared)
     router = 2 * tokens * moe.num_experts * 4
-    dense = 16 * tokens * t.width / 2
+    dense = 16 * tokens * t.width / 2 / layout.tensor
     return (elements - dense) * workload.compute_bytes + router
 
 

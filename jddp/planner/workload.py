@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 
+from jddp.models.moe_dispatch import dispatch_slots
 from jddp.models.moe_settings import MoESettings
 from jddp.observe.flops import mlp_matmul_params
 from jddp.parallel.pipeline.options import PipelineOptions
@@ -75,6 +76,15 @@ class Transformer:
         if self.moe is None:
             return self.mlp_dim
         return self.moe.experts_per_token * self.expert_width + self.moe.shared_expert_dim
+
+    def expert_rows(self, tokens: int, expert_size: int, shares: int) -> int:
+        """Rows a device's experts multiply per MoE layer for the device's `tokens` tokens:
+        each token's k pairs, or on an expert axis of `expert_size` devices the blocks the
+        all-to-all delivers, padded to their worst case (jddp/models/moe_dispatch.py; `shares`:
+        into how many shares the global batch's tokens are split)."""
+        if expert_size == 1:
+            return tokens * self.moe.experts_per_token
+        return expert_size * dispatch_slots(self.moe, tokens, tokens * shares, expert_size)
 
     def mlp_matmul_params(self) -> int:
         """Parameters one token multiplies in a block's MLP (only the experts it takes)."""
@@ -299,23 +309,15 @@ def decoder_dimensions(model, seq_len: int) -> Transformer:
 
 def refused_axes(model) -> tuple[tuple[str, str], ...]:
     """(axis, the model's own one-line refusal) for each mesh axis a jddp decoder cannot run on
-    (jddp/models/decoder.py `check_moe_layout`: a mixture of experts on tensor, context or
-    stage axes)."""
+    (jddp/models/decoder.py `check_moe_layout`: a mixture of experts with stacked layers, as a
+    stage axis needs them)."""
     from jddp.errors import ConfigError
-    from jddp.models.decoder import check_moe_layout
 
-    checks = {
-        "tensor": lambda: check_moe_layout(model, tensor=True, context=False),
-        "context": lambda: check_moe_layout(model, tensor=False, context=True),
-        "stage": lambda: model.clone(scan_layers=True),  # a pipeline stacks the layers
-    }
-    refused = []
-    for axis, check in checks.items():
-        try:
-            check()
-        except ConfigError as e:
-            refused.append((axis, str(e)))
-    return tuple(refused)
+    try:
+        model.clone(scan_layers=True)  # a pipeline stacks the layers
+    except ConfigError as e:
+        return (("stage", str(e)),)
+    return ()
 
 
 def model_workload(

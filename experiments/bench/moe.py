@@ -68,6 +68,7 @@ def make_trainer(mesh: str, moe, devices):
         model,
         LM.loss_fn,
         optax.adamw(1e-3),
+        metrics=dict(LM.metrics),  # a run's: the loss and accuracy (vocabulary-parallel on tensor)
         input_key="inputs",
         strategy="zero3",
         devices=devices,

@@ -4,7 +4,7 @@ Eight
 programs cover every axis, ZeRO's gathers and scatters, sequence parallelism, gradients reduced
 in bfloat16, pipelines with the backward in one tick and in two, and a mixture of experts'
 all-to-alls over the expert axis (dropless, capacity with its smaller blocks, and with the
-experts split over tensor);
+experts and a shared expert split over tensor);
 experiments/bench/planner.py --bytes checks every layout without stages that compiles on 8
 devices (ddp and zero1 included). The same programs check the network model
 (jddp/planner/network.py): the bytes each device sends across hosts of 2 and of 4 devices,
@@ -25,6 +25,7 @@ F32, BF16 = "float32", "bfloat16"
 DROPLESS = {"num_experts": 8, "experts_per_token": 2}
 # Each expert takes 16 of the 256 x 2 token-expert pairs: blocks of E/X x 16 rows, not tokens x k.
 CAPACITY = DROPLESS | {"dispatch": "capacity", "capacity_factor": 0.25}
+SHARED = DROPLESS | {"shared_expert_dim": 64}
 CASES = [  # (layout, layers, micro-batches, gradients' dtype, moe); every other layout: --bytes
     (Layout("zero2", data=2, fsdp=2, tensor=2, sequence_parallel=True), 1, 0, F32, None),
     (Layout("zero3", data=2, fsdp=2, tensor=2), 1, 0, F32, None),
@@ -37,8 +38,9 @@ CASES = [  # (layout, layers, micro-batches, gradients' dtype, moe); every other
     # a mixture of experts: experts split over expert, their gradients not summed over it
     (Layout("zero3", expert=8), 1, 0, F32, DROPLESS),
     (Layout("zero3", expert=4, fsdp=2), 1, 0, F32, CAPACITY),
-    # the experts' MLPs split over tensor: their outputs all-reduced as rows of token-expert pairs
-    (Layout("zero3", expert=2, fsdp=2, tensor=2, sequence_parallel=True), 1, 0, F32, DROPLESS),
+    # the experts' MLPs split over tensor (their outputs all-reduced as rows of token-expert
+    # pairs), and a gated shared expert (sequence-parallel as the dense MLP)
+    (Layout("zero3", expert=2, fsdp=2, tensor=2, sequence_parallel=True), 1, 0, F32, SHARED),
 ]
 
 

@@ -141,6 +141,7 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
         outputs = rows_held * t.width * workload.compute_bytes
         mlp = 2 * layers * micro_steps
         out.append(Collective("all-reduce", tensor, outputs, mlp, CRITICAL, "expert outputs"))
+        out += shared_expert_collectives(workload, layout, activation, layers * micro_steps)
     count *= micro_steps
     if layout.sequence_parallel:  # a recomputed layer gathers all its inputs again
         gathers = (2 * per_pass + workload.recompute * per_pass + 2) * micro_steps
@@ -163,6 +164,30 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
         out.append(Collective("all-reduce", tensor, tokens, 3 * micro_steps, CRITICAL, "loss"))
         gathered = tokens * layout.tensor
         out.append(Collective("all-gather", tensor, gathered, 2 * micro_steps, CRITICAL, "loss"))
+    return out
+
+
+def shared_expert_collectives(
+    workload: Workload, layout: Layout, activation: float, layers: int
+) -> list[Collective]:
+    """Over tensor, a mixture of experts' shared expert (the model's dense MLP on the block's
+    input) in `layers` layer passes: its two reductions of `activation`; with sequence
+    parallelism three gathers and two reduce-scatters, and its gate's gradient summed (its
+    input is split along the sequence). As seen in the compiled HLO of a gated shared expert."""
+    moe = workload.transformer.moe
+    if not moe.shared_expert_dim:
+        return []
+    tensor = ("tensor",)
+    if not layout.sequence_parallel:
+        return [Collective("all-reduce", tensor, activation, 2 * layers, CRITICAL, "shared")]
+    split = activation / layout.tensor
+    out = [
+        Collective("all-gather", tensor, activation, 3 * layers, CRITICAL, "shared"),
+        Collective("reduce-scatter", tensor, split, 2 * layers, CRITICAL, "shared"),
+    ]
+    for p in param_shards(workload, layout):
+        if p.path.endswith("/shared_expert_gate"):
+            out.append(Collective("all-reduce", tensor, p.nbytes, 1, BACKWARD, "shared gate"))
     return out
 
 

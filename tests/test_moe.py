@@ -1,7 +1,8 @@
 """Mixture of experts: the MoE MLP equals a token-by-token reference written here (both router
 orders, shared experts, capacity drops by the documented rule) and its auxiliary losses their
-formulas; a tiny MoE GPT and Llama train on 8 devices exactly as on one, tokens dropped alike;
-bad settings are one-line errors."""
+formulas; a tiny MoE GPT and Llama train on 8 devices exactly as on one, tokens dropped alike,
+with the experts split over an expert axis too (its all-to-all bytes as
+jddp/models/moe_dispatch.py counts them); bad settings and layouts are one-line errors."""
 
 import functools
 import math
@@ -20,7 +21,10 @@ from jddp.models import GPT, Llama
 from jddp.models.gpt import MLP
 from jddp.models.llama import SwiGLU
 from jddp.models.moe import MoE, grouped_matmul
+from jddp.models.moe_dispatch import all_to_all_bytes
 from jddp.models.moe_settings import MoESettings
+from jddp.observe.hlo import bytes_by_axes, collective_ops
+from jddp.parallel.rules import adapt_preset
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import assert_one_line
 from tests.reference import assert_trees_close, plain_training
@@ -153,7 +157,8 @@ def test_moe_mlp_equals_a_token_by_token_reference_and_its_losses_their_formulas
     assert sown.sown_loss({sown.LOSSES: {"a": {"moe": (1.0,)}, "b": {"moe": (2.0,)}}}) == 3.0
 
 
-MOE = {"num_experts": 4, "experts_per_token": 2, "z_loss_weight": 1e-3}
+MOE = {"num_experts": 8, "experts_per_token": 2, "z_loss_weight": 1e-3}
+SHARED = MOE | {"shared_expert_dim": 16}
 CAPACITY = MOE | {"dispatch": "capacity", "capacity_factor": 0.5}
 
 
@@ -165,6 +170,11 @@ def tiny_moe(family, moe, **fields):
 
 def moe_trainer(model, strategy, mesh=None):
     options = {"mesh": mesh, "min_shard_size": 1} if mesh else {}
+    if mesh and "tensor" in mesh:  # the model's Megatron layout, experts' MLPs included
+        device_mesh = jddp.device_mesh_for(strategy, mesh, jax.devices()[:8])
+        family = "gpt" if isinstance(model, GPT) else "llama"
+        preset = models.tensor_rules(family, model, device_mesh.size("tensor"))
+        options |= {"mesh": device_mesh, "rules": adapt_preset(preset, device_mesh)}
     return jddp.Trainer(
         model,
         LM.loss_fn,
@@ -176,17 +186,33 @@ def moe_trainer(model, strategy, mesh=None):
     )
 
 
-DATA_8, ZERO3, AUTO = ("ddp", None), ("zero3", "data:2,fsdp:4"), ("auto", "data:2,fsdp:4")
+DATA_8, ZERO3 = ("ddp", None), ("zero3", "data:2,fsdp:4")
+# Expert parallelism: the experts split over `expert`, tokens sent to them by all-to-all
+# (under `auto`, the compiler's collectives).
+EXPERT_8, EXPERT_FSDP = ("zero3", "expert:8"), ("zero3", "expert:4,fsdp:2")
+AUTO = ("auto", "expert:2,fsdp:4")
+# The experts' MLPs split over tensor as Megatron's, with sequence parallelism.
+EXPERT_TENSOR = ("zero3", "data:2,expert:2,tensor:2")
+EXPERT_CONTEXT = ("zero3", "expert:2,context:2,fsdp:2")
 
 
 @pytest.mark.parametrize(
-    "family,moe,layouts",
-    [("gpt", CAPACITY, (DATA_8, ZERO3)), ("llama", MOE, (ZERO3, AUTO))],
+    "family,moe,layouts,counted",  # counted: the layout whose all-to-all bytes are checked
+    [
+        ("gpt", CAPACITY, (DATA_8, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR, EXPERT_CONTEXT), 4),
+        ("llama", SHARED, (AUTO, EXPERT_8, EXPERT_FSDP, EXPERT_TENSOR, EXPERT_CONTEXT), 2),
+    ],
     ids=["gpt-capacity", "llama-dropless"],
 )
-def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts):
+@pytest.mark.filterwarnings("ignore:parallel.mesh .data.2,expert.2,tensor.2. gives zero3")
+def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts, counted):
     batches = token_batches(steps=2)
-    model = tiny_moe(family, moe, batch_axis_name="batch")
+    axes = {"batch_axis_name": "batch", "expert_axis": "expert"}
+    # Fields of the model's own for the mesh's axes: under sequence parallelism, context.
+    by_axis = {
+        "tensor": {"tensor_axis": "tensor", "sequence_parallel": True},
+        "context": {"context_axis": "context"},
+    }
     reference = tiny_moe(family, moe)  # no batch axes: one device holds the whole batch
     params = reference.init(jax.random.key(0), batches[0]["inputs"][:1])["params"]
 
@@ -205,6 +231,8 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
 
     expected, _, _ = plain_training(loss_fn, params, {}, adamw(), batches)
     for strategy, mesh in layouts:
+        fields = [by_axis[axis] for axis in by_axis if axis in (mesh or "")]
+        model = tiny_moe(family, moe, **axes, **{k: v for f in fields for k, v in f.items()})
         trainer = moe_trainer(model, strategy, mesh)
         state = trainer.init(seed=0, sample_batch=batches[0])
         state = trainer.replace_state(state, params=params)
@@ -216,8 +244,31 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
             for name, value in reported.items():
                 assert float(metrics[name]) == pytest.approx(float(value), rel=1e-5), name
         assert_trees_close(trainer.host_state(state).params, expected)
+        if (strategy, mesh) == layouts[counted]:
+            assert_all_to_all_bytes(trainer, state, batches[0], MoESettings(**moe))
     if moe.get("dispatch") == "capacity":
         assert float(metrics["moe_dropped_fraction"]) > 0
+
+
+def assert_all_to_all_bytes(trainer, state, batch, settings: MoESettings):
+    """The compiled step's all-to-alls move over `expert` what `all_to_all_bytes` says."""
+    device_mesh = trainer.strategy.device_mesh
+    placed = trainer.place_batch(batch).arrays
+    text = trainer.strategy.lower_train_step(state, placed).compile().as_text()
+    axes = device_mesh.axis_names
+    ids = np.vectorize(lambda d: d.id)(device_mesh.mesh.devices)
+    moved = {key: n for key, n in bytes_by_axes(collective_ops(text), ids, axes).items()}
+    rows, seq_len = batch["inputs"].shape
+    shares = device_mesh.batch_slices * device_mesh.size("context")  # of the global tokens
+    expected = all_to_all_bytes(
+        settings,
+        tokens_per_device=rows * seq_len // shares,
+        batch_slices=shares,
+        embed_dim=32,
+        expert_size=device_mesh.size("expert"),
+    )
+    assert moved[(("expert",), "all-to-all")] == expected  # one MoE layer
+    assert {kind for _, kind in moved} >= {"all-to-all"}
 
 
 @pytest.mark.parametrize(
@@ -239,12 +290,24 @@ def test_bad_moe_settings_are_one_line_config_errors(moe, fields, words):
     assert_one_line(error, "model_args.moe" if not fields else "", *words)
 
 
-def test_a_moe_model_on_a_tensor_axis_is_refused_when_built():
+@pytest.mark.parametrize(
+    "moe,expert_axis,mesh,words",
+    [
+        ({"num_experts": 6}, "expert", "expert:4,fsdp:2", ["6 experts", "expert:4", "multiple"]),
+        (None, "expert", "expert:8", ["expert:8", "no mixture of experts", "model_args.moe"]),
+        (MOE, None, "expert:8", ["expert_axis is not set", "expert_axis='expert'"]),
+    ],
+    ids=["indivisible", "dense-model", "axis-not-given"],
+)
+def test_an_expert_axis_that_cannot_hold_the_experts_is_refused_before_a_step(
+    moe, expert_axis, mesh, words
+):
+    batch = token_batches(steps=1)[0]
+    trainer = moe_trainer(tiny_moe("gpt", moe, expert_axis=expert_axis), "zero3", mesh)
     with pytest.raises(ConfigError) as error:
-        models.create_model(
-            "llama", 64, tensor_axis="tensor", tensor_size=2, num_heads=2, moe={"num_experts": 4}
-        )
-    assert_one_line(error, "a tensor axis", "not", "yet")
+        state = trainer.abstract_state(batch)  # the layout: checked without computing
+        trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
+    assert_one_line(error, *words)
 
 
 def test_auxiliary_losses_with_a_weighted_loss_are_refused_when_the_step_is_traced():

@@ -32,12 +32,13 @@ def tiny_workload(
     microbatches: int = 0,
     grad_comm_dtype="float32",
     lora=None,
+    moe=None,
 ):
     """The planner's view of the tiny GPT as `compiled_text` trains it (Megatron's rules on
     every mesh, every tensor sharded however small; with `lora`, its adapters on a frozen
-    base)."""
+    base; with `moe` (`model_args.moe`), a mixture of experts in every block)."""
     return model_workload(
-        tiny_model(heads, layers),
+        tiny_model(heads, layers, moe=moe),
         np.zeros((1, SEQ), np.int32),
         BATCH,
         adamw(),
@@ -56,15 +57,18 @@ def compiled_text(
     microbatches: int = 0,
     grad_comm_dtype="float32",
     lora=None,
+    moe=None,
 ) -> tuple[str, list[str], np.ndarray]:
     """(the compiled train step's HLO text, the mesh's axis names, its device ids shaped like
     the mesh) of the tiny GPT under `layout` on the first devices; a stage axis pipelines
     `layers` layers over `microbatches` micro-batches (0: as many as stages); gradients
-    reduced in `grad_comm_dtype`; with `lora` (a `jddp.LoRA`), adapters on a frozen base."""
+    reduced in `grad_comm_dtype`; with `lora` (a `jddp.LoRA`), adapters on a frozen base; with
+    `moe`, a mixture of experts, split over the mesh's expert axis if it has one."""
     devices = jax.devices()[: layout.devices]
     lm = OBJECTIVES["language_model"]
     if layout.strategy == "ddp":
-        kwargs, model = {"devices": devices}, tiny_model(heads, layers)
+        model = tiny_model(heads, layers, moe=moe, batch_axis_name="batch")
+        kwargs = {"devices": devices}
         names, shape = ["data"], [layout.devices]
     else:
         mesh = device_mesh_for(layout.strategy, layout.mesh_spec, devices)
@@ -75,6 +79,8 @@ def compiled_text(
         model = tiny_model(
             heads, layers, tensor_axis=mesh.tensor_axis,
             sequence_parallel=layout.sequence_parallel, scan_layers=bool(mesh.stage_axis),
+            moe=moe, batch_axis_name="batch", expert_axis=mesh.expert_axis,
+            context_axis=mesh.context_axis,
         )  # fmt: skip
         names, shape = list(mesh.axis_names), [mesh.size(a) for a in mesh.axis_names]
     trainer = jddp.Trainer(

@@ -9,7 +9,7 @@ import flax.linen as nn
 from jddp.errors import ConfigError
 from jddp.models import llama
 from jddp.models.cnn import CNN
-from jddp.models.decoder import Decoder, check_moe_layout, check_tensor_split
+from jddp.models.decoder import Decoder, check_tensor_split
 from jddp.models.gpt import GPT, TENSOR_PARALLEL_RULES
 from jddp.models.llama import Llama
 from jddp.models.mlp import MLP
@@ -50,6 +50,7 @@ _MESH_FIELDS = {
     "sequence_parallel",
     "context_axis",
     "context_attention",
+    "expert_axis",
 }
 
 
@@ -64,6 +65,7 @@ def create_model(
     sequence_parallel: bool = False,
     context_axis: str | None = None,
     context_attention: str = "ring",
+    expert_axis: str | None = None,
     pipelined: bool = False,
     seed: int = 0,
     **model_args,
@@ -73,7 +75,8 @@ def create_model(
     `model_args` may ask for more outputs than the dataset has (a vocabulary padded to a multiple
     of 64, say), never fewer. The mesh gives the rest: `batch_axis_name` to models with
     BatchNorm (ResNet), `tensor_axis` (of size `tensor_size`), `sequence_parallel`,
-    `context_axis` and `context_attention` (ring | all_gather) to GPT and Llama; `pipelined` (a
+    `context_axis`, `context_attention` (ring | all_gather) and `expert_axis` to GPT and
+    Llama; `pipelined` (a
     mesh with a stage axis) stacks their layers (`scan_layers`). An
     own model ("package.module:Name") gets the same fields where it declares them, its outputs as
     `num_outputs`, and an NNX one `rngs=nnx.Rngs(seed)`.
@@ -86,6 +89,7 @@ def create_model(
         "sequence_parallel": sequence_parallel,
         "context_axis": context_axis,
         "context_attention": context_attention,
+        "expert_axis": expert_axis,
     }
     if is_import_path(name):
         model = create_user_model(
@@ -128,8 +132,6 @@ def create_model(
     model = cls(**{output_field: outputs}, **model_args)
     if context_axis:
         context.check_model(model, context_axis)
-    if isinstance(model, Decoder):
-        check_moe_layout(model, tensor_size > 1, context_axis is not None)
     if tensor_size > 1 and isinstance(model, Decoder):
         check_tensor_split(model, tensor_size)
     return model

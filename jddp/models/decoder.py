@@ -228,13 +228,14 @@ class Decoder(nn.Module):
     # A mixture of experts in every block's MLP: `model_args.moe` (jddp/models/moe_settings.py).
     moe: Any = None
     batch_axis_name: str | tuple[str, ...] | None = None  # set by jddp from the mesh
+    expert_axis: str | None = None  # the mesh's expert axis (set by jddp), with `moe`
 
     head_bias = True  # an untied head's bias (GPT's; Llama's head has none)
     gated_mlp = False  # SwiGLU's three MLP matrices instead of two
 
     def __post_init__(self):
         object.__setattr__(self, "moe", moe_settings(self.moe))  # hashable, checked
-        check_moe_layout(self, tensor=False, context=False)
+        check_moe_layout(self)
         super().__post_init__()
 
     @property
@@ -273,6 +274,9 @@ class Decoder(nn.Module):
             dense,
             self.num_layers,
             self.batch_axis_name,
+            self.expert_axis,
+            self.tensor_axis,
+            self.context_axis,
         )
 
     @property
@@ -312,7 +316,6 @@ class Decoder(nn.Module):
         )
         tensor_axis = self._tensor_axis_in_mesh()
         tensor_size = jax.sharding.get_abstract_mesh().shape[tensor_axis] if tensor_axis else 1
-        check_moe_layout(self, bool(tensor_axis), bool(context))
         sequence_axis = self._sequence_axis(tensor_axis, seq_len)
         if sequence_axis:  # the residual stream is split along the sequence from here on
             x = sequence_parallel.embed_tokens(tokens, embed.embedding, sequence_axis)
@@ -425,24 +428,14 @@ def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
         )
 
 
-def check_moe_layout(model: Decoder, tensor: bool, context: bool) -> None:
-    """A ConfigError if `model` has a mixture of experts and stacked layers, or runs on a mesh
-    with a `tensor` or `context` axis: none runs with one yet."""
-    if model.moe is None:
-        return
-    given = [
-        what
-        for what, on in (
-            ("stacked layers (scan_layers, or a stage axis)", model.scan_layers),
-            ("a tensor axis", tensor),
-            ("a context axis", context),
-        )
-        if on
-    ]
-    if given:
+def check_moe_layout(model: Decoder) -> None:
+    """A ConfigError if `model` has a mixture of experts and stacked layers (`scan_layers`, a
+    stage axis): they do not run together yet."""
+    if model.moe is not None and model.scan_layers:
         raise ConfigError(
-            f"a mixture of experts (model_args.moe) does not run with {given[0]} yet; use a "
-            "mesh of data and fsdp axes only, unstacked layers, or a dense model"
+            "a mixture of experts (model_args.moe) does not run with stacked layers "
+            "(scan_layers, or a stage axis) yet; use unstacked layers and a mesh without a "
+            "stage axis, or a dense model"
         )
 
 

@@ -40,9 +40,11 @@ TENSOR_PARALLEL_RULES = (
     (r"attn/qkv/kernel$", "fsdp,tensor"),  # column split: whole heads per rank
     (r"attn/qkv/bias$", "tensor"),
     (r"attn/out/kernel$", "tensor,fsdp"),  # row split
-    (r"mlp/fc/kernel$", "fsdp,tensor"),
-    (r"mlp/fc/bias$", "tensor"),
-    (r"mlp/proj/kernel$", "tensor,fsdp"),
+    (r"mlp/(shared_expert/)?fc/kernel$", "fsdp,tensor"),
+    (r"mlp/(shared_expert/)?fc/bias$", "tensor"),
+    (r"mlp/(shared_expert/)?proj/kernel$", "tensor,fsdp"),
+    (r"mlp/experts/up$", "fsdp,tensor"),  # each expert's matrix (parallel/rules.py)
+    (r"mlp/experts/down$", "tensor,fsdp"),
     (r"head/kernel$", "fsdp,tensor"),  # vocabulary-parallel logits
     (r"head/bias$", "tensor"),
 )

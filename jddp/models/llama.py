@@ -36,9 +36,11 @@ def tensor_parallel_rules(num_kv_heads: int, tensor: int) -> tuple[tuple[str, st
         (r"attn/[kv]/kernel$", "fsdp,tensor" if kv_split else "fsdp"),
         (r"attn/[kv]/bias$", "tensor" if kv_split else "replicate"),
         (r"attn/out/kernel$", "tensor,fsdp"),  # row split
-        (r"mlp/(gate|up)/kernel$", "fsdp,tensor"),
-        (r"mlp/(gate|up)/bias$", "tensor"),
-        (r"mlp/proj/kernel$", "tensor,fsdp"),
+        (r"mlp/(shared_expert/)?(gate|up)/kernel$", "fsdp,tensor"),
+        (r"mlp/(shared_expert/)?(gate|up)/bias$", "tensor"),
+        (r"mlp/(shared_expert/)?proj/kernel$", "tensor,fsdp"),
+        (r"mlp/experts/(gate|up)$", "fsdp,tensor"),  # each expert's matrix (parallel/rules.py)
+        (r"mlp/experts/down$", "tensor,fsdp"),
         (r"head/kernel$", "fsdp,tensor"),  # vocabulary-parallel logits
     )
 

@@ -34,6 +34,7 @@ Mixtral `block_sparse_moe.gate` -> `block_i/mlp/router/kernel`, `experts.e.w1 / 
 `mlp.shared_expert_gate` -> `shared_expert_gate/kernel`.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -42,9 +43,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jddp.core import sown
+from jddp.errors import ConfigError
+from jddp.models import moe_dispatch
 from jddp.models.moe_settings import MoESettings
+from jddp.parallel import context
 
 INIT_STD = 0.02  # the decoders' initializer (jddp/models/decoder.py)
 
@@ -89,22 +94,22 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, masked: b
     return jnp.einsum("er,ri,eio->ro", member.astype(x.dtype), x, w)
 
 
-def global_counts(counts: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, int]:
-    """(the sum of every device's `counts` over the batch `axes`, the sum of those of the
-    devices before this one in the global batch's order, how many devices). Integer counts
-    only: nothing here is differentiated."""
-    if not axes:
-        return counts, jnp.zeros_like(counts), 1
-    sizes = [lax.axis_size(name) for name in axes]
+def device_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's place in the global batch's order of the devices over the batch `axes`
+    (row blocks in the axes' order)."""
     index = 0
-    for name, size in zip(axes, sizes, strict=True):  # row blocks in the axes' order
-        index = index * size + lax.axis_index(name)
-    devices = math.prod(sizes)
+    for name in axes:
+        index = index * lax.axis_size(name) + lax.axis_index(name)
+    return index
+
+
+def every_device(counts: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Every device's `counts` over the batch `axes`, (devices, ...) in the global batch's
+    order. Integer counts only: nothing here is differentiated."""
+    devices = math.prod(lax.axis_size(name) for name in axes)
     # An all-gather as a psum of one-hot rows, over any number of axes at once.
-    rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[index].set(counts)
-    every = lax.psum(rows, axes)
-    before = jnp.where((jnp.arange(devices) < index)[:, None], every, 0).sum(0)
-    return every.sum(0), before, devices
+    rows = jnp.zeros((devices, *counts.shape), counts.dtype).at[device_index(axes)].set(counts)
+    return lax.psum(rows, axes)
 
 
 class Pairs(NamedTuple):
@@ -115,64 +120,119 @@ class Pairs(NamedTuple):
     total: jax.Array  # the global batch's pairs per expert, kept or not
     total_kept: jax.Array  # the global batch's kept pairs per expert
     global_tokens: int
+    # Under expert parallelism, (expert axis size, experts): the kept pairs per expert of each
+    # device of this one's expert group (the devices it exchanges pairs with), in axis order.
+    group_kept: jax.Array | None = None
 
 
-def dispatch(experts: jax.Array, settings: MoESettings, axes: tuple[str, ...]) -> Pairs:
-    """The pairs of each token (row of `experts`, (tokens, k)) and its experts, sorted by
-    expert; in capacity mode without those past their expert's capacity in the global batch's
-    order. `axes`: the batch axes bound here (`bound_axes`)."""
+def dispatch(
+    experts: jax.Array,
+    settings: MoESettings,
+    axes: tuple[str, ...],
+    expert_axis: str | None = None,
+    context_axis: str | None = None,
+) -> Pairs:
+    """The pairs of each token (`experts`: (rows, sequence, k), each token's experts) and its
+    experts, sorted by expert; in capacity mode without those past their expert's capacity in
+    the global batch's order. `axes`: the batch axes bound here (`bound_axes`); `expert_axis`:
+    the one of them the experts are split over, if any; `context_axis`: the axis this device's
+    rows' sequences are split over, if any (jddp/parallel/context.py)."""
     num_experts = settings.num_experts
+    own = experts.reshape(-1)
+    if context_axis:  # the global order is the whole sequences': each rank sees its rows' whole
+        experts = context.whole_sequence(experts, context_axis)
     pair_expert = experts.reshape(-1)
-    order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
     counts = jnp.bincount(pair_expert, length=num_experts)
-    total, before, devices = global_counts(counts, axes)
-    global_tokens = experts.shape[0] * devices
-    if settings.dispatch == "dropless":
-        return Pairs(order, counts, total, total, global_tokens)
-    by_expert = pair_expert[order]
-    starts = jnp.cumsum(counts) - counts
-    rank = before[by_expert] + jnp.arange(order.size) - starts[by_expert]  # global position
-    keep = rank < settings.capacity(global_tokens)
-    # The kept pairs first, still by expert: the dropped ones fall past every group.
-    order = order[jnp.argsort(jnp.where(keep, by_expert, num_experts), stable=True)]
-    kept = jnp.bincount(by_expert, weights=keep.astype(counts.dtype), length=num_experts)
-    total_kept = lax.psum(kept, axes) if axes else kept
-    return Pairs(order, kept, total, total_kept, global_tokens)
+    every = every_device(counts, axes) if axes else counts[None]  # (devices, experts)
+    index = device_index(axes) if axes else 0
+    earlier = jnp.cumsum(every, 0) - every  # each expert's pairs from the devices before each
+    global_tokens = math.prod(experts.shape[:2]) * every.shape[0]
+    keep, kept_every = None, every
+    if settings.dispatch == "capacity":
+        capacity = settings.capacity(global_tokens)
+        kept_every = jnp.clip(capacity - earlier, 0, every)
+        order = jnp.argsort(pair_expert, stable=True)  # by expert, each in token order
+        by_expert = pair_expert[order]
+        starts = jnp.cumsum(counts) - counts
+        rank = earlier[index][by_expert] + jnp.arange(order.size) - starts[by_expert]
+        keep = jnp.zeros(order.shape, bool).at[order].set(rank < capacity)  # by global place
+    total, total_kept = every.sum(0), kept_every.sum(0)
+    if context_axis:  # this rank's own pairs, and every device's kept ones, context ranks apart
+        if keep is not None:
+            keep = context.split_sequence(keep.reshape(experts.shape), context_axis).reshape(-1)
+        pair_expert, axes = own, (*axes, context_axis)
+        weights = None if keep is None else keep.astype(counts.dtype)
+        kept_here = jnp.bincount(pair_expert, weights, length=num_experts).astype(counts.dtype)
+        kept_every, index = every_device(kept_here, axes), device_index(axes)
+    # By expert, the kept pairs first: the dropped ones fall past every group.
+    key = pair_expert if keep is None else jnp.where(keep, pair_expert, num_experts)
+    order = jnp.argsort(key, stable=True)
+    group_kept = None
+    if expert_axis:
+        stride = math.prod(lax.axis_size(a) for a in axes[axes.index(expert_axis) + 1 :])
+        group = jnp.arange(lax.axis_size(expert_axis)) - lax.axis_index(expert_axis)
+        group_kept = kept_every[index + group * stride]
+    return Pairs(order, kept_every[index], total, total_kept, global_tokens, group_kept)
+
+
+def expert_mlps(rows, group_sizes, up, down, gate=None, masked: bool = False):
+    """The experts' MLPs (weights stacked by expert: `up`, `gate` (experts, in, width), `down`
+    (experts, width, in)) on `rows` grouped by expert (`group_sizes`); GELU, or SwiGLU with a
+    `gate`."""
+    h = grouped_matmul(rows, up, group_sizes, masked)
+    if gate is not None:
+        h = jax.nn.silu(grouped_matmul(rows, gate, group_sizes, masked)) * h
+    else:
+        h = nn.gelu(h, approximate=True)
+    return grouped_matmul(h, down, group_sizes, masked)
 
 
 class Experts(nn.Module):
     """`num_experts` MLPs of `width`, weights stacked on a leading expert dimension, applied to
-    rows grouped by expert (`group_sizes`; rows past their sum give zeros)."""
+    rows grouped by expert (`group_sizes`; rows past their sum give zeros). With `tensor_axis`
+    in the mesh, each MLP is split over it as Megatron splits one: `up` and `gate` by columns,
+    `down` by rows, the partial outputs summed across the axis."""
 
     num_experts: int
     width: int
     gated: bool
     residual_init_std: float
     masked: bool = False  # `grouped_matmul`'s masked form (under vmap)
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, rows, group_sizes):
         shape = (self.num_experts, rows.shape[-1], self.width)
-
-        def grouped(x, name, init, shape):
-            w = self.param(name, init, shape).astype(x.dtype)
-            return grouped_matmul(x, w, group_sizes, self.masked)
-
-        normal = nn.initializers.normal
-        h = grouped(rows, "up", normal(INIT_STD), shape)
-        if self.gated:
-            h = jax.nn.silu(grouped(rows, "gate", normal(INIT_STD), shape)) * h
-        else:
-            h = nn.gelu(h, approximate=True)
         down_shape = (self.num_experts, self.width, rows.shape[-1])
-        return grouped(h, "down", normal(self.residual_init_std), down_shape)
+        normal = nn.initializers.normal
+        weights = {
+            "up": self.param("up", normal(INIT_STD), shape).astype(rows.dtype),
+            "down": self.param("down", normal(self.residual_init_std), down_shape),
+        }
+        weights["down"] = weights["down"].astype(rows.dtype)
+        if self.gated:
+            weights["gate"] = self.param("gate", normal(INIT_STD), shape).astype(rows.dtype)
+        apply = functools.partial(expert_mlps, masked=self.masked)
+        if self.tensor_axis is None or self.is_initializing():
+            return apply(rows, group_sizes, **weights)
+        axis = self.tensor_axis
+        columns, by_rows = P(None, None, axis), P(None, axis, None)
+        specs = {name: by_rows if name == "down" else columns for name in weights}
+        return jax.shard_map(
+            lambda rows, sizes, w: lax.psum(apply(rows, sizes, **w), axis),
+            in_specs=(P(), P(), specs),
+            out_specs=P(),
+            axis_names={axis},
+        )(rows, group_sizes, weights)
 
 
 class MoE(nn.Module):
     """The mixture-of-experts MLP of one block: (batch, seq, embed) -> (batch, seq, embed).
     `dense(width, name=...)` builds the model's dense MLP (the shared expert); `layers`: how
     many MoE layers the model has (the auxiliary losses are their mean); `axis_name`: the batch
-    axes (jddp/models/moe.py's docstring)."""
+    axes (jddp/models/moe.py's docstring); `expert_axis`: the one of them the experts are split
+    over (jddp/models/moe_dispatch.py), where the mesh has one; `tensor_axis`, `context_axis`:
+    the model's, where its mesh has them."""
 
     settings: MoESettings
     width: int
@@ -181,6 +241,9 @@ class MoE(nn.Module):
     dense: Callable[..., nn.Module]
     layers: int
     axis_name: str | tuple[str, ...] | None = None
+    expert_axis: str | None = None
+    tensor_axis: str | None = None
+    context_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -192,23 +255,42 @@ class MoE(nn.Module):
         weights, experts = route(logits, s)
         axes, one_slice = ((), ()) if self.is_initializing() else bound_axes(self.axis_name)
 
-        pairs = dispatch(experts, s, axes)
+        expert_axis = self._expert_axis(axes)
+        pairs = dispatch(
+            experts.reshape(batch, seq_len, -1), s, axes, expert_axis, self._split("context")
+        )
         expert_mlps = Experts(
-            s.num_experts,
+            s.num_experts // (lax.axis_size(expert_axis) if expert_axis else 1),
             self.width,
             self.gated,
             self.residual_init_std,
             masked=bool(one_slice),
+            tensor_axis=self._split("tensor"),
             name="experts",
         )
-        outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
-        # Back in token order (a dropped pair's row is zeros), summed with the router's weights.
-        outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        if expert_axis:  # each pair to its expert's device and back
+            outputs = moe_dispatch.exchange(
+                tokens,
+                pairs.order,
+                pairs.kept,
+                pairs.group_kept,
+                s,
+                expert_axis,
+                pairs.global_tokens,
+                expert_mlps,
+            )
+        else:
+            outputs = expert_mlps(tokens[pairs.order // s.experts_per_token], pairs.kept)
+            # Back in pair order (a dropped pair's row is zeros).
+            outputs = jnp.zeros_like(outputs).at[pairs.order].set(outputs)
+        # Each token's outputs summed with the router's weights.
         outputs = outputs.reshape(-1, s.experts_per_token, embed)
         y = jnp.einsum("tk,tkd->td", weights.astype(x.dtype), outputs)
 
         if s.shared_expert_dim:
-            shared = self.dense(s.shared_expert_dim, name="shared_expert")(tokens)
+            # On the block's input: under sequence parallelism the dense MLP takes it split.
+            shared = self.dense(s.shared_expert_dim, name="shared_expert")(x)
+            shared = shared.reshape(-1, embed)
             if s.shared_expert_gate:
                 gate = self.param(
                     "shared_expert_gate", nn.initializers.normal(INIT_STD), (embed, 1)
@@ -218,6 +300,34 @@ class MoE(nn.Module):
         if not self.is_initializing():
             self._report(logits, pairs)
         return y.reshape(batch, seq_len, embed)
+
+    def _split(self, role: str) -> str | None:
+        """The model's axis of `role` ("tensor", "context") where this call runs on a mesh that
+        splits over it: tensor's left to the compiler, context's by the strategy's program."""
+        name = getattr(self, f"{role}_axis")
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.is_initializing() or mesh.shape.get(name, 1) == 1:
+            return None
+        return name if role == "tensor" or name in mesh.manual_axes else None
+
+    def _expert_axis(self, axes: tuple[str, ...]) -> str | None:
+        """The expert axis when this program holds a share of the experts (a strategy's
+        per-device step on a mesh with one); under `auto` (a slice of one) or outside a
+        strategy it holds them all."""
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = () if self.is_initializing() else mesh.manual_axes
+        split = [a for a in manual if mesh.shape[a] > 1]
+        if self.expert_axis is None and "expert" in split:
+            raise ConfigError(
+                "the mesh splits the experts over an expert axis but the model's expert_axis "
+                "is not set; build it with expert_axis='expert' (jddp's config path does)"
+            )
+        if self.expert_axis in split and self.expert_axis not in axes:
+            raise ConfigError(
+                f"the model's expert axis {self.expert_axis!r} is not among its batch axes "
+                f"{self.axis_name!r}; add it to batch_axis_name (jddp.batch_axis_name gives them)"
+            )
+        return self.expert_axis if self.expert_axis in axes else None
 
     def _report(self, logits, pairs: Pairs):
         """Sows the auxiliary losses (this device's share of their global means) and the

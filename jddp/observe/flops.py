@@ -8,7 +8,9 @@ recomputation (remat) is not counted either, so MFU does not reward it.
 - GPT and Llama: 6 x (matmul parameters) x tokens + 12 x layers x (heads x head size) x seq_len x
   tokens, where the matmul parameters are the blocks' kernels and the output projection (tied or
   not), and the attention term counts Q.K^T and attention x V over the whole (unmasked) T x T
-  square.
+  square. A mixture of experts counts the parameters a token multiplies: the router, its k
+  experts of E, the shared expert (MaxText's convention; dropped tokens and
+  the padding of dispatch buffers are not counted).
 - Conv nets and MLPs: every `nn.Conv` and `nn.Dense` layer, 2 x outputs x kernel fan-in.
 - Any other module (your own Linen module, an NNX module): the FLOPs XLA counts in the compiled
   forward pass (all ops, element-wise too), times 3.
@@ -24,6 +26,7 @@ from jddp.core.modules import as_functional
 from jddp.models.cnn import CNN
 from jddp.models.decoder import Decoder
 from jddp.models.mlp import MLP
+from jddp.models.moe_settings import MoESettings
 from jddp.models.resnet import ResNet
 
 LAYERWISE_MODELS = (MLP, CNN, ResNet)
@@ -37,12 +40,27 @@ class StepFlops:
     method: str  # "analytic (...)" or "xla"
 
 
+def mlp_matmul_params(width: int, hidden: int, gated: bool, moe: MoESettings | None) -> int:
+    """Parameters one token multiplies in a block's MLP: a dense MLP's two (gated: three)
+    matrices of `hidden` units; a mixture of experts' router, the `experts_per_token` experts
+    it takes (each `expert_dim` wide, 0: `hidden`), not the others, and its shared expert
+    with its gate."""
+    matrices = 3 if gated else 2
+    if moe is None:
+        return matrices * width * hidden
+    experts = moe.experts_per_token * matrices * width * (moe.expert_dim or hidden)
+    shared = matrices * width * moe.shared_expert_dim
+    gate = width if moe.shared_expert_dim and moe.shared_expert_gate else 0
+    return width * moe.num_experts + experts + shared + gate
+
+
 def decoder_matmul_params(model: Decoder) -> int:
     """Parameters that multiply activations: per block the attention projections (queries,
-    keys and values, output) and the MLP's matrices; the head."""
+    keys and values, output) and the MLP's matrices (a mixture of experts': those a token
+    takes); the head."""
     width, attention = model.embed_dim, model.num_heads * model.head_size
     kv = 2 * model.kv_heads * model.head_size
-    mlp = (3 if model.gated_mlp else 2) * width * model.hidden_dim
+    mlp = mlp_matmul_params(width, model.hidden_dim, model.gated_mlp, model.moe)
     per_block = width * (attention + kv) + attention * width + mlp
     return model.num_layers * per_block + width * model.vocab_size
 

@@ -44,6 +44,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jddp.core import row_keys
@@ -99,6 +100,19 @@ def split_sequence(x: jax.Array, axis: str = AXIS) -> jax.Array:
     front = lax.dynamic_slice_in_dim(x, rank * chunk, chunk, SEQUENCE)
     back = lax.dynamic_slice_in_dim(x, (2 * size - 1 - rank) * chunk, chunk, SEQUENCE)
     return jnp.concatenate([front, back], axis=SEQUENCE)
+
+
+def whole_sequence(x: jax.Array, axis: str = AXIS) -> jax.Array:
+    """`split_sequence`'s inverse: the whole sequences (rows, L, ...) from every rank's two
+    chunks (`x`: this rank's, (rows, 2L / 2C, ...)), by one all-gather."""
+    size = lax.axis_size(axis)
+    chunk = x.shape[SEQUENCE] // 2
+    gathered = lax.all_gather(x, axis, axis=SEQUENCE, tiled=True)  # rank by rank
+    steps = np.arange(chunk)
+    held = np.concatenate(  # the true positions of each rank's front and back chunks
+        [(rank * chunk + steps, (2 * size - 1 - rank) * chunk + steps) for rank in range(size)]
+    ).ravel()
+    return jnp.take(gathered, np.argsort(held), axis=SEQUENCE)
 
 
 def split_batch(batch, length: int, axis: str = AXIS):

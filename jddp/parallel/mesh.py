@@ -12,6 +12,10 @@ multiply to the device count. The role names are the interface:
     context every sequence is split along its length over it (context parallelism,
             jddp/parallel/context.py); parameters and optimizer state are not: replicas, as
             over data, gradients averaged
+    expert  expert parallelism: a batch axis for everything but a mixture of experts'
+            experts, whose stacked weights are split over it (each device holds
+            num_experts / size of them); tokens reach their experts by all-to-all
+            (jddp/models/moe_dispatch.py)
 
 ddp's mesh is not written: it is one `batch` axis over every device (`ddp_mesh`), the axis its
 pmap maps over. The mesh is built once per run, before the model, from the strategy's name and
@@ -29,8 +33,8 @@ from jax.sharding import Mesh
 
 from jddp.errors import ConfigError
 
-ROLES = ("data", "fsdp", "tensor", "stage", "context")
-BATCH_ROLES = ("data", "fsdp")  # axes the batch is split over
+ROLES = ("data", "fsdp", "tensor", "stage", "context", "expert")
+BATCH_ROLES = ("data", "fsdp", "expert")  # axes the batch is split over
 # ddp's one axis: its pmap axis name, and the name a synchronized BatchNorm reduces over (Flax's
 # convention). Not a role users write: ddp's mesh is always this one axis.
 DDP_AXIS = "batch"
@@ -55,7 +59,8 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str
             raise ConfigError(
                 f"parallel.mesh {spec!r} names an unknown axis {name!r}; the axes are roles: "
                 "data (replicas), fsdp (ZeRO sharding), tensor (tensor parallelism), stage "
-                "(pipeline), context (sequences split along their length)"
+                "(pipeline), context (sequences split along their length), expert (a mixture "
+                "of experts' experts split over it)"
             )
     if len(set(names)) != len(names):
         raise ConfigError(f"parallel.mesh {spec!r} names an axis twice")
@@ -88,8 +93,9 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> list[tuple[str
 class DeviceMesh:
     """A `jax.sharding.Mesh` and what its axes are for; what a strategy and a model share.
 
-    `batch_axes`: the axes the batch is split over (data, fsdp; ddp's `batch`), in mesh order;
-    `fsdp_axis`, `tensor_axis`, `stage_axis`, `context_axis`: the axis of that role, or None.
+    `batch_axes`: the axes the batch is split over (data, fsdp, expert; ddp's `batch`), in mesh
+    order; `fsdp_axis`, `tensor_axis`, `stage_axis`, `context_axis`, `expert_axis`: the axis of
+    that role, or None.
     Axes of size 1 are kept: a mesh written `data:1,fsdp:1,tensor:1` runs the general path on
     one device."""
 
@@ -121,6 +127,10 @@ class DeviceMesh:
     @property
     def context_axis(self) -> str | None:
         return "context" if "context" in self.mesh.shape else None
+
+    @property
+    def expert_axis(self) -> str | None:
+        return "expert" if "expert" in self.mesh.shape else None
 
     @property
     def batch_slices(self) -> int:

@@ -14,6 +14,11 @@ A rule is `(regex, spec)`: the regex is searched in the parameter's path
 A parameter's spec is its whole layout; the strategy decides which part applies where (ZeRO-1/2
 keep parameters whole over `fsdp` and shard only the optimizer state and gradients there).
 
+A mixture of experts' stacked expert weights (`experts/{gate,up,down}`, expert first: a path
+matching `EXPERT_WEIGHTS`) are split over the `expert` axis on their first dimension when the
+mesh has one; their rule lays out the rest of each (one expert's matrix), as a stack's rule
+lays out one layer.
+
 Every rule of your own must decide at least one parameter: a regex that matches no path, or only
 paths an earlier rule already took, is a ConfigError naming it (a typo would otherwise leave the
 weight to the default layout without a word). A model's preset (`adapt_preset`) may match nothing:
@@ -38,6 +43,8 @@ DEFAULT_RULES: tuple[Rule, ...] = ((".*", "fsdp"),)
 # collective per step to save a few KiB. The one default of `parallel.min_shard_size`, the
 # Trainer's `min_shard_size` and the planner's `Workload.min_shard_size`.
 DEFAULT_MIN_SHARD_SIZE = 2**12
+# A mixture of experts' weights stacked by expert (jddp/models/moe.py's names).
+EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate|up|down)$")
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -88,6 +95,12 @@ def _parse_explicit(spec: str, rule: Rule, mesh: DeviceMesh) -> P:
                 raise ConfigError(
                     f"partition rule {rule!r} names the data axis, which only replicates; "
                     "shard over fsdp or tensor"
+                )
+            if name == "expert":
+                raise ConfigError(
+                    f"partition rule {rule!r} names the expert axis, which splits only a mixture "
+                    "of experts' experts/{gate,up,down}, on their first dimension, without a "
+                    "rule; shard over fsdp or tensor"
                 )
             if name not in mesh.axis_names:
                 raise ConfigError(
@@ -201,11 +214,27 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
         decided[text] = index = first_rule(text, rules)
         if prefix and text.startswith(prefix):
             return P(lead, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
+        if EXPERT_WEIGHTS.search(text):  # the rule's spec is one expert's
+            check_experts_divide(text, x.shape[0], mesh)
+            split = "expert" if mesh.size("expert") > 1 else None
+            return P(split, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
         return _spec_by(index, text, x.shape, rules, mesh, min_shard_size)
 
     specs = jax.tree_util.tree_map_with_path(spec, params)
     check_rules_used(rules, decided)
     return specs
+
+
+def check_experts_divide(path: str, experts: int, mesh: DeviceMesh) -> None:
+    """A ConfigError unless the `experts` of parameter `path` split evenly over the expert axis."""
+    size = mesh.size("expert")
+    if experts % size:
+        raise ConfigError(
+            f"parameter {path!r} holds {experts} experts, which do not split evenly over the "
+            f"expert axis of parallel.mesh {mesh.describe()!r} (expert:{size}); make "
+            f"model_args.moe.num_experts a multiple of {size}, or the expert axis a divisor of "
+            f"{experts}"
+        )
 
 
 def check_rules_used(rules: Sequence[Rule], decided: dict[str, int]) -> None:

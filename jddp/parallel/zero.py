@@ -20,7 +20,10 @@ clipping sees the whole gradient and each device updates only what it holds.
 Over `data` gradients (or their shards) are all-reduced; over `tensor` each parameter is split
 as its rule says, under every stage. Over `context` the state is replicated as over `data`: the
 per-device program is manual over it too, each context rank takes its two chunks of every
-sequence (jddp/parallel/context.py), and gradients and metrics are averaged over it.
+sequence (jddp/parallel/context.py), and gradients and metrics are averaged over it. `expert` is
+a batch axis to every parameter but a mixture of experts' experts, which are split over it
+(jddp/parallel/rules.py): their gradients are summed over the other batch axes only, and no ZeRO
+collective runs over it (the model's all-to-alls do: jddp/models/moe_dispatch.py).
 
 `fsdp` is another name for `zero3`; `hybrid` is zero3 whose default mesh shards within a host and
 replicates across hosts (`data:<hosts>,fsdp:<devices per host>`, whatever the processes per host;
@@ -97,10 +100,11 @@ def unsharded_warning(name: str, mesh: DeviceMesh, hosts: int) -> str | None:
 def check_mesh_for(name: str, mesh: DeviceMesh) -> None:
     """A ConfigError for a mesh on which `name` would shard nothing (a `data` axis alone only
     replicates: that is ddp's layout)."""
-    if not (mesh.fsdp_axis or mesh.tensor_axis or mesh.stage_axis or mesh.context_axis):
+    roles = (mesh.fsdp_axis, mesh.tensor_axis, mesh.stage_axis, mesh.context_axis)
+    if not any(roles) and not mesh.expert_axis:
         raise ConfigError(
-            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor, stage or context axis, so "
-            f"{name} would shard nothing (data only replicates); write 'fsdp:-1', or "
+            f"parallel.mesh {mesh.describe()!r} has no fsdp, tensor, stage, context or expert "
+            f"axis, so {name} would shard nothing (data only replicates); write 'fsdp:-1', or "
             "e.g. 'data:2,fsdp:-1' for replicas of sharded groups"
         )
 
@@ -126,6 +130,9 @@ class ZeroStrategy:
         self.device_mesh = mesh
         self.mesh = mesh.mesh
         self.batch_axes = mesh.batch_axes
+        # The batch axes ZeRO shards the state over: all but `expert`, which splits only the
+        # experts, by the partition rules, and over which nothing is gathered or scattered.
+        self.shard_axes = tuple(a for a in self.batch_axes if a != "expert")
         self.shard_params, self.shard_grads = STAGES[STAGE_OF[name]]
         self.rules = validate_rules(rules, mesh)
         # The collectives' implementation, for these devices' platform, chosen once.
@@ -170,7 +177,8 @@ class ZeroStrategy:
             stack.path if stack else (),
         )
         self._check_tensor_axis_used(full)
-        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage")), full)
+        self._check_expert_axis_used(full)
+        whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage", "expert")), full)
         # Gradients and optimizer state cover the trainable parameters alone (LoRA's adapters).
         trainable = self.task.trainable
         self._specs = TrainState(
@@ -194,8 +202,8 @@ class ZeroStrategy:
         part = lambda tree, axes: jax.tree.map(lambda s: restrict(s, axes), tree)  # noqa: E731
         self._manual_params = part(self._specs.params, self.manual_axes)
         self._manual_grads = part(self._grad_specs, self.manual_axes)
-        self._fsdp_params = part(self._specs.params, self.batch_axes)
-        self._fsdp_grads = part(self._grad_specs, self.batch_axes)
+        self._fsdp_params = part(self._specs.params, self.shard_axes)
+        self._whole_params = part(self._specs.params, self._gathered_for_eval)
         self._tensor_specs = jax.tree.map(lambda s: restrict(s, ("tensor",)), full)
         self._grad_tensor_specs = trainable(self._tensor_specs)
         # An interleaved pipeline holds its stack in its stages' order (core/layer_stacks.py): each
@@ -239,6 +247,21 @@ class ZeroStrategy:
                 "'tensor,fsdp') (the built-in GPT has them as a preset)"
             )
 
+    @property
+    def _gathered_for_eval(self) -> tuple[str, ...]:
+        """The manual axes eval gathers parameters over: all but `expert` (the model's
+        all-to-alls reach the experts where they are)."""
+        return tuple(a for a in self.manual_axes if a != "expert")
+
+    def _check_expert_axis_used(self, specs) -> None:
+        experts = self.device_mesh.size("expert")
+        if experts > 1 and not any("expert" in spec_axes(s) for s in jax.tree.leaves(specs)):
+            raise ConfigError(
+                f"parallel.mesh has expert:{experts} but the model has no mixture of experts "
+                "(no experts/{gate,up,down} weights to split over it); set model_args.moe "
+                "(e.g. {'num_experts': 8}), or use a data or fsdp axis instead of expert"
+            )
+
     def state_shardings(self) -> TrainState:
         return self._state_shardings
 
@@ -269,7 +292,7 @@ class ZeroStrategy:
         """Parameters whole over fsdp (and with `over_stages`, every stage's layers)."""
         # Training gathers with the gradient communication's reduce-scatter as its derivative.
         on_shards = self._on_tensor_shards(gather if over_stages else self.grad_comm.gather)
-        specs = self._manual_params if over_stages else self._fsdp_params
+        specs = self._whole_params if over_stages else self._fsdp_params
         return jax.tree.map(on_shards, params, specs, self._tensor_specs)
 
     def _on_tensor_shards(self, collective):
@@ -298,13 +321,15 @@ class ZeroStrategy:
         def reduce(grad, spec):
             # zero3 got the reduce-scatter from AD of the gather (the pipeline gathers first)
             if not self.shard_params or self.pipeline:
-                grad = self.grad_comm.scatter_sum(grad, spec)
+                grad = self.grad_comm.scatter_sum(grad, restrict(spec, self.shard_axes))
+            # An expert's gradient already holds every token its devices sent it: summed over
+            # the other batch axes only.
             rest = tuple(a for a in self.mean_axes if a not in spec_axes(spec))
             summed = self.grad_comm.psum(grad, rest) if rest else grad
             return summed / self._contributions
 
         on_shards = self._on_tensor_shards(reduce)
-        return jax.tree.map(on_shards, grads, self._fsdp_grads, self._grad_tensor_specs)
+        return jax.tree.map(on_shards, grads, self._manual_grads, self._grad_tensor_specs)
 
     @property
     def _contributions(self) -> int:

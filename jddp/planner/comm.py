@@ -10,19 +10,31 @@ whole array, a reduce-scatter's shard, an all-reduce's buffer, an all-to-all's a
 (metrics, norms) are left out, as `bytes_by_axes` leaves them out.
 
 The context axis (jddp/parallel/context.py) is a batch axis for the gradients (they are averaged
-over it as over data) and adds its attention's collectives (`context_collectives`).
+over it as over data) and adds its attention's collectives (`context_collectives`). The expert
+axis is a batch axis to every parameter but a mixture of experts' experts, which are split over
+it (their gradients are summed over the other batch axes only); its all-to-alls and the
+experts' token counts are `moe_collectives`.
 """
 
 import dataclasses
 import functools
 import math
 
+from jddp.models.moe_dispatch import all_to_all_bytes, dispatch_slots
 from jddp.planner.auto import auto_collectives
 from jddp.planner.collective import BACKWARD, CRITICAL, FORWARD, UPDATE, Collective, merged
 from jddp.planner.layouts import Layout
-from jddp.planner.shards import param_shards
+from jddp.planner.shards import RULE_AXES, param_shards
 from jddp.planner.stages import microbatches, stage_collectives
 from jddp.planner.workload import SEQUENCE_SPLIT_PARAMS, Workload
+
+BATCH_AXES = ("data", "expert", "fsdp")  # the batch axes a MoE layer's counts are summed over
+
+
+def shares(layout: Layout) -> int:
+    """Into how many shares the global batch's tokens are split: its rows over the batch axes,
+    their sequences over context."""
+    return layout.batch_slices * layout.context
 
 
 def _axes(layout: Layout, *names: str) -> tuple[str, ...]:
@@ -47,10 +59,10 @@ def gradient_collectives(workload: Workload, layout: Layout) -> list[Collective]
 @functools.lru_cache(maxsize=4096)
 def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collective, ...]:
     # Gradients are averaged over context as over data: its ranks hold the same rows.
-    batch = _axes(layout, "data", "fsdp", "context")
+    batch = _axes(layout, "data", "expert", "fsdp", "context")
     if layout.strategy == "ddp":
         batch = _axes(layout, "data")
-    fsdp, data, tensor = layout.fsdp, _axes(layout, "data", "context"), layout.tensor
+    fsdp, replicas, tensor = layout.fsdp, _axes(layout, "data", "expert", "context"), layout.tensor
     # With accumulation XLA hoists zero3's gathers out of the micro-batch loop (loop-invariant)
     # while each micro-batch's reduce-scatter (the gather's transpose) stays in it (HLO).
     accum = workload.grad_accum_steps
@@ -73,15 +85,18 @@ def _gradient_collectives(workload: Workload, layout: Layout) -> tuple[Collectiv
         add("all-gather", axes, nbytes, count, BACKWARD, what)  # ... and an all-reduce's gather
 
     for p in param_shards(workload, layout):
-        # One tensor rank's part, in the dtype that crosses the wire.
+        # One tensor (and expert) rank's part, in the dtype that crosses the wire.
         wire = workload.comm_bytes or p.itemsize
-        split = tensor if p.split_over("tensor") else 1
+        split = p.split(layout.sizes, RULE_AXES)
         b = p.elements * wire // split
         g = p.elements * (workload.grad_comm_bytes or wire) // split  # reduced gradients
         sharded = layout.strategy != "ddp" and layout.fsdp > 1 and p.split_over("fsdp")
+        # An expert's gradient holds every token sent to it over expert: not summed over it.
+        summed = tuple(a for a in batch if not p.split_over(a))
+        data = tuple(a for a in replicas if not p.split_over(a))
         # A frozen parameter (LoRA's base) has no gradient to reduce and no update to gather.
         if p.trains and (layout.strategy in ("ddp", "zero1") or not sharded):
-            reduce("all-reduce", batch, g, 1, "gradients")
+            reduce("all-reduce", summed, g, 1, "gradients")
         elif p.trains:  # zero2, zero3: reduce-scatter over fsdp, then the shards over data
             count = accum if layout.strategy == "zero3" else 1
             reduce("reduce-scatter", ("fsdp",), g // fsdp, count, "gradients")
@@ -119,8 +134,15 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     # only the next layer reads (seen in the HLO); PyTorch's checkpointing reruns them all.
     recomputed = per_pass - (layers if workload.recompute_drops_output else 0)
     count = 2 * per_pass + workload.recompute * recomputed + 2  # + embedding fwd, head bwd
-    count *= micro_steps
     out = []
+    if t.moe:  # the MLP's reductions (forward, backward): all-reduces of the experts' rows
+        count -= 2 * layers
+        rows_held = t.expert_rows(rows * tokens_held, layout.expert, shares(layout))
+        outputs = rows_held * t.width * workload.compute_bytes
+        mlp = 2 * layers * micro_steps
+        out.append(Collective("all-reduce", tensor, outputs, mlp, CRITICAL, "expert outputs"))
+        out += shared_expert_collectives(workload, layout, activation, layers * micro_steps)
+    count *= micro_steps
     if layout.sequence_parallel:  # a recomputed layer gathers all its inputs again
         gathers = (2 * per_pass + workload.recompute * per_pass + 2) * micro_steps
         out.append(Collective("all-gather", tensor, activation, gathers, CRITICAL, "activations"))
@@ -142,6 +164,30 @@ def tensor_collectives(workload: Workload, layout: Layout) -> list[Collective]:
         out.append(Collective("all-reduce", tensor, tokens, 3 * micro_steps, CRITICAL, "loss"))
         gathered = tokens * layout.tensor
         out.append(Collective("all-gather", tensor, gathered, 2 * micro_steps, CRITICAL, "loss"))
+    return out
+
+
+def shared_expert_collectives(
+    workload: Workload, layout: Layout, activation: float, layers: int
+) -> list[Collective]:
+    """Over tensor, a mixture of experts' shared expert (the model's dense MLP on the block's
+    input) in `layers` layer passes: its two reductions of `activation`; with sequence
+    parallelism three gathers and two reduce-scatters, and its gate's gradient summed (its
+    input is split along the sequence). As seen in the compiled HLO of a gated shared expert."""
+    moe = workload.transformer.moe
+    if not moe.shared_expert_dim:
+        return []
+    tensor = ("tensor",)
+    if not layout.sequence_parallel:
+        return [Collective("all-reduce", tensor, activation, 2 * layers, CRITICAL, "shared")]
+    split = activation / layout.tensor
+    out = [
+        Collective("all-gather", tensor, activation, 3 * layers, CRITICAL, "shared"),
+        Collective("reduce-scatter", tensor, split, 2 * layers, CRITICAL, "shared"),
+    ]
+    for p in param_shards(workload, layout):
+        if p.path.endswith("/shared_expert_gate"):
+            out.append(Collective("all-reduce", tensor, p.nbytes, 1, BACKWARD, "shared gate"))
     return out
 
 
@@ -186,6 +232,49 @@ def context_collectives(workload: Workload, layout: Layout) -> list[Collective]:
     ]
 
 
+def moe_collectives(workload: Workload, layout: Layout) -> list[Collective]:
+    """A mixture of experts' collectives for one step (none without one): per MoE layer and
+    micro-batch, the all-reduce that gives every device the global batch's token count per
+    expert (int32, one row per batch slice: jddp/models/moe.py `every_device`), and over the
+    expert axis the all-to-alls that send token-expert pairs to their experts' devices and the
+    outputs back, forward and backward (jddp/models/moe_dispatch.py `all_to_all_bytes`)."""
+    t = workload.transformer
+    if t is None or t.moe is None:
+        return []
+    micro_steps = workload.grad_accum_steps * microbatches(workload, layout)
+    slices = shares(layout)
+    rows = workload.global_batch // (layout.batch_slices * micro_steps)
+    layers = t.layers // layout.stage * micro_steps
+    batch = _axes(layout, "data") if layout.strategy == "ddp" else _axes(layout, *BATCH_AXES)
+    out = []
+    experts = t.moe.num_experts
+    if batch:
+        counts = layout.batch_slices * experts * 4
+        out.append(Collective("all-reduce", batch, counts, layers, CRITICAL, "expert counts"))
+    if layout.context > 1:  # whole sequences' experts (int32), then each rank's kept counts
+        choices = rows * t.seq_len * t.moe.experts_per_token * 4
+        out.append(Collective("all-gather", ("context",), choices, layers, CRITICAL, "choices"))
+        kept = (*batch, "context")
+        out.append(Collective("all-reduce", kept, slices * experts * 4, layers, CRITICAL, "kept"))
+    if layout.expert > 1:
+        tokens = rows * t.seq_len // layout.context
+        moved = all_to_all_bytes(
+            t.moe,
+            tokens_per_device=tokens,
+            batch_slices=slices,
+            embed_dim=t.width,
+            expert_size=layout.expert,
+            dtype_bytes=workload.compute_bytes,
+            remat=bool(workload.recompute),
+        )
+        # One op: a block of `dispatch_slots` rows to each device of the axis.
+        slots = dispatch_slots(t.moe, tokens, tokens * slices, layout.expert)
+        block = layout.expert * slots * t.width * workload.compute_bytes
+        ops = moved // block * layers
+        out.append(Collective("all-to-all", ("expert",), block, ops, CRITICAL, "tokens"))
+    return out
+
+
 def step_collectives(
     workload: Workload, layout: Layout, partitioner_reduce_scatter: bool = True
 ) -> list[Collective]:
@@ -200,4 +289,5 @@ def step_collectives(
         + tensor_collectives(workload, layout)
         + stage_collectives(workload, layout)
         + context_collectives(workload, layout)
+        + moe_collectives(workload, layout)
     )

@@ -24,6 +24,13 @@ s / C), and attention (jddp/parallel/context.py) keeps instead of the s x s prob
     all_gather  the s/C x s scores (5 a s / h with s keys) and the whole sequence's keys and
                 values per layer (2 x b x s x kv width, float32)
 Parameters, gradients and optimizer state are replicated over context: they do not shrink.
+
+A mixture of experts' layer keeps, in place of the dense MLP's 16 s b h / t (its hidden units at
+4h), the rows its experts multiply (k per token; on an expert axis the padded blocks the
+all-to-all delivers: X x `dispatch_slots`, jddp/models/moe_dispatch.py) and their hidden units
+(two per unit, three gated; split over tensor), each pair's output, the shared expert's hidden
+units and the router's float32 logits and probabilities. Its experts are split over the expert
+axis (and under zero3 over fsdp too, as the rules say): each device holds E / X of them.
 """
 
 import dataclasses
@@ -31,7 +38,13 @@ import functools
 
 from jddp.planner import auto
 from jddp.planner.layouts import SPLIT_PARAMS, Layout
-from jddp.planner.shards import all_shards, on_first_stage, optimizer_table, param_shards
+from jddp.planner.shards import (
+    RULE_AXES,
+    all_shards,
+    on_first_stage,
+    optimizer_table,
+    param_shards,
+)
 from jddp.planner.stages import microbatches
 from jddp.planner.workload import Workload
 
@@ -51,7 +64,13 @@ def state_bytes(workload: Workload, layout: Layout) -> StateBytes:
     """Parameters, averaged gradients and optimizer state held by one device of the first
     (most loaded) pipeline stage, as jddp/planner/shards.py lays each out (frozen parameters,
     LoRA's base, have neither gradient nor optimizer state)."""
-    key = Layout(layout.strategy, fsdp=layout.fsdp, tensor=layout.tensor, stage=layout.stage)
+    key = Layout(
+        layout.strategy,
+        fsdp=layout.fsdp,
+        tensor=layout.tensor,
+        stage=layout.stage,
+        expert=layout.expert,
+    )
     return _state_bytes(workload, key)
 
 
@@ -62,7 +81,7 @@ def _state_bytes(workload: Workload, layout: Layout) -> StateBytes:
     params = grads = 0
     for p in shards:
         if on_first_stage(p, workload, layout.stage):
-            whole_over_fsdp = p.nbytes // p.split(sizes, ("tensor",))
+            whole_over_fsdp = p.nbytes // p.split(sizes, RULE_AXES)
             split_params = layout.strategy in SPLIT_PARAMS
             params += p.nbytes // p.split(sizes) if split_params else whole_over_fsdp
             if not p.trains:  # frozen (LoRA's base): no gradient
@@ -97,6 +116,7 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
         keys = tokens
     scores = 0 if t.fused_attention else t.heads * keys / t.width  # a s / h
     per_layer = _per_layer(sbh, 10, 24, 5 * scores, layout) * workload.compute_bytes / 2
+    per_layer += moe_layer_bytes(workload, layout, tokens * rows)
     gathered_kv, ring_message = context_kv_bytes(workload, layout, rows)
     per_layer += gathered_kv
     layers = t.layers // layout.stage
@@ -114,6 +134,24 @@ def activation_bytes(workload: Workload, layout: Layout) -> int | None:
         kept = layers * per_layer * in_flight
     logits = 2 * rows * tokens * t.vocab / tensor * 4
     return int(kept + ring_message + logits)
+
+
+def moe_layer_bytes(workload: Workload, layout: Layout, tokens: int) -> float:
+    """What a mixture of experts' layer keeps for the backward on a device holding `tokens`
+    tokens, less the dense MLP's hidden units the per-layer formula counts (0 without one)."""
+    t = workload.transformer
+    moe = t.moe
+    if moe is None:
+        return 0.0
+    rows = t.expert_rows(tokens, layout.expert, layout.batch_slices * layout.context)
+    units = 3 if t.gated_mlp else 2  # kept per hidden unit: its input(s) to the activation, it
+    hidden = units * t.expert_width / layout.tensor  # split over tensor as Megatron splits an MLP
+    elements = rows * (t.width + hidden)
+    shared = units * moe.shared_expert_dim / layout.tensor
+    elements += tokens * (moe.experts_per_token * t.width + shared)
+    router = 2 * tokens * moe.num_experts * 4
+    dense = 16 * tokens * t.width / 2 / layout.tensor
+    return (elements - dense) * workload.compute_bytes + router
 
 
 def _per_layer(sbh: float, replicated: float, split: float, scores: float, layout) -> float:
@@ -142,9 +180,9 @@ def context_kv_bytes(workload: Workload, layout: Layout, rows: int) -> tuple[flo
 
 
 def gathered_bytes(workload: Workload, layout: Layout) -> int:
-    """zero3's gathered parameters (one tensor rank's part): jddp gathers the whole model at
-    the start of the step and keeps it for the backward pass; a run that gathers layer by
-    layer (`workload.gathers_whole_model=False`) holds two layers' worth. Under `auto` the
+    """zero3's gathered parameters (one tensor rank's part, its own experts): jddp gathers the
+    whole model at the start of the step and keeps it for the backward pass; a run that gathers
+    layer by layer (`workload.gathers_whole_model=False`) holds two layers' worth. Under `auto` the
     parameters XLA gathers (jddp/planner/auto.py), assumed held as long."""
     if layout.strategy not in SPLIT_PARAMS or layout.fsdp == 1:
         return 0
@@ -152,7 +190,7 @@ def gathered_bytes(workload: Workload, layout: Layout) -> int:
     if layout.strategy == "auto":
         picked = {c.path for c in auto.choices(workload, layout) if c.choice == auto.GATHER}
         shards = [p for p in shards if p.path in picked]
-    gathered = sum(p.nbytes // p.split(sizes, ("tensor",)) for p in shards)
+    gathered = sum(p.nbytes // p.split(sizes, RULE_AXES) for p in shards)
     if workload.gathers_whole_model or workload.transformer is None:
         return gathered
     return gathered * 2 // max(1, workload.transformer.layers // layout.stage)

@@ -20,6 +20,9 @@ def why_not(workload: Workload, layout: Layout) -> str | None:
     parts = layout.batch_slices * workload.grad_accum_steps
     if workload.global_batch % parts:
         return f"global batch {workload.global_batch} does not split into {parts}"
+    for axis, refusal in workload.refused_axes:
+        if layout.sizes[axis] > 1:
+            return refusal
     if reason := check_stages(workload, layout):
         return reason
     if layout.tensor > 1:
@@ -62,10 +65,13 @@ def layouts_for(
 ):
     """(layouts that can run, {layout name: why not} for those that cannot); tensor-parallel
     meshes with and without sequence parallelism (`auto` without: not measured); with
-    `contexts`, a transformer's meshes with a context axis too (ring and all_gather)."""
+    `contexts`, a transformer's meshes with a context axis too (ring and all_gather); for a
+    mixture of experts, meshes with an expert axis too."""
     valid, rejected = [], {}
-    contexts = contexts and workload.transformer is not None
-    for layout in candidates(devices, devices_per_host, stages, contexts):
+    t = workload.transformer
+    contexts = contexts and t is not None
+    experts = t.moe.num_experts if t is not None and t.moe else 0
+    for layout in candidates(devices, devices_per_host, stages, contexts, experts):
         variants = [layout]
         if layout.tensor > 1 and layout.strategy != "auto":
             variants.append(dataclasses.replace(layout, sequence_parallel=True))
@@ -94,7 +100,8 @@ def plan_row(
     return {
         "strategy": layout.strategy,
         "mesh": {a: layout.sizes[a] for a in ("data", "fsdp", "tensor", "stage")}
-        | ({"context": layout.context} if layout.context > 1 else {}),
+        | ({"context": layout.context} if layout.context > 1 else {})
+        | ({"expert": layout.expert} if layout.expert > 1 else {}),
         "sequence_parallel": layout.sequence_parallel,
         "context_attention": layout.context_attention if layout.context > 1 else None,
         "pipeline_microbatches": microbatches(workload, layout) if layout.stage > 1 else 0,

@@ -5,9 +5,11 @@ ZeRO stage's choice among them, as jddp/parallel/zero.py makes it:
     zero1   parameters and gradients whole over fsdp, optimizer state split as the rules say
     zero2   gradients split too
     zero3   parameters split too
-    (every stage splits over tensor what the rules split over tensor; ddp splits nothing)
+    (every stage splits over tensor what the rules split over tensor, and a mixture of experts'
+    experts over expert; ddp splits nothing)
 
-Computed once per workload and (fsdp, tensor) size: the planner asks for thousands of layouts.
+Computed once per workload and (fsdp, tensor, expert) size: the planner asks for thousands of
+layouts.
 """
 
 import dataclasses
@@ -24,18 +26,21 @@ from jddp.parallel.rules import (
     check_rules_used,
     first_rule,
     mirror_specs,
+    param_specs,
     spec_axes,
-    spec_for,
     validate_rules,
 )
 from jddp.planner.layouts import AXES, Layout
 from jddp.planner.workload import Workload, block_index
 
+# The axes every ZeRO stage splits a parameter over as its spec says (fsdp depends on the stage).
+RULE_AXES = ("tensor", "expert")
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamShard:
     """One parameter of the device's pipeline stage: its path, its size, and its whole layout
-    (`spec`, over fsdp and tensor)."""
+    (`spec`, over fsdp, tensor and expert)."""
 
     path: str
     elements: int
@@ -53,7 +58,7 @@ class ParamShard:
     def split_over(self, axis: str) -> bool:
         return axis in self.axes
 
-    def split(self, sizes: dict[str, int], axes=("fsdp", "tensor")) -> int:
+    def split(self, sizes: dict[str, int], axes=("fsdp", "tensor", "expert")) -> int:
         """Into how many parts a mesh of `sizes` splits it over `axes` (those its spec names)."""
         return math.prod(sizes[a] for a in self.axes if a in axes)
 
@@ -128,26 +133,27 @@ def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
 
 
 @functools.lru_cache(maxsize=512)
-def _specs(workload: Workload, fsdp: int, tensor: int) -> tuple[P, ...]:
-    """Each parameter's spec by the rules (jddp.parallel.rules.spec_for, as param_specs)."""
-    mesh = abstract_mesh(Layout("zero3", fsdp=fsdp, tensor=tensor))
+def _specs(workload: Workload, fsdp: int, tensor: int, expert: int) -> tuple[P, ...]:
+    """Each parameter's spec by the rules, as the strategies get them
+    (jddp.parallel.rules.param_specs: experts split over expert too)."""
+    mesh = abstract_mesh(Layout("zero3", fsdp=fsdp, tensor=tensor, expert=expert))
     rules = workload.rules_for(mesh)
-    return tuple(
-        spec_for(path, shape, rules, mesh, workload.min_shard_size)
-        for path, shape, _ in _param_table(workload)
-    )
+    specs = param_specs(workload.params, rules, mesh, workload.min_shard_size)
+    return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
 
 
 def all_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:
     """Every parameter with its whole layout (all replicated under ddp); a ConfigError if the
     rules do not fit the mesh."""
-    return _all_shards(workload, layout.strategy == "ddp", layout.fsdp, layout.tensor)
+    return _all_shards(
+        workload, layout.strategy == "ddp", layout.fsdp, layout.tensor, layout.expert
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int):
+def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int, expert: int):
     table = _param_table(workload)
-    specs = (P(),) * len(table) if ddp else _specs(workload, fsdp, tensor)
+    specs = (P(),) * len(table) if ddp else _specs(workload, fsdp, tensor, expert)
     frozen = workload.frozen_params
     return tuple(
         ParamShard(
@@ -167,11 +173,11 @@ def _all_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int):
 def param_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:
     """The parameters of the device's (first) pipeline stage, with their whole layouts."""
     return _stage_shards(
-        workload, layout.strategy == "ddp", layout.fsdp, layout.tensor, layout.stage
+        workload, layout.strategy == "ddp", layout.fsdp, layout.tensor, layout.expert, layout.stage
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int, stage: int):
-    shards = _all_shards(workload, ddp, fsdp, tensor)
+def _stage_shards(workload: Workload, ddp: bool, fsdp: int, tensor: int, expert: int, stage: int):
+    shards = _all_shards(workload, ddp, fsdp, tensor, expert)
     return tuple(s for s in shards if on_first_stage(s, workload, stage))

@@ -16,6 +16,9 @@ import jax
 import numpy as np
 import optax
 
+from jddp.models.moe_dispatch import dispatch_slots
+from jddp.models.moe_settings import MoESettings
+from jddp.observe.flops import mlp_matmul_params
 from jddp.parallel.pipeline.options import PipelineOptions
 from jddp.parallel.rules import DEFAULT_MIN_SHARD_SIZE
 
@@ -46,6 +49,7 @@ class Transformer:
     fused_attention: bool = False  # flash attention: no attention probabilities kept
     dropout: bool = False  # dropout on each branch's output (before the residual add)
     attention_dropout: bool = False  # dropout on the attention probabilities
+    moe: MoESettings | None = None  # a mixture of experts in every block's MLP
 
     @property
     def head_dim(self) -> int:
@@ -59,9 +63,36 @@ class Transformer:
     def qkv_columns(self) -> int:
         return self.attention_width + 2 * (self.kv_heads or self.heads) * self.head_dim
 
+    @property
+    def expert_width(self) -> int:
+        """Units of one MLP a token passes through: an expert's (the dense MLP's without
+        experts)."""
+        return (self.moe and self.moe.expert_dim) or self.mlp_dim
+
+    @property
+    def mlp_units(self) -> int:
+        """MLP units one token passes through: its experts' and the shared expert's, or the
+        dense MLP's."""
+        if self.moe is None:
+            return self.mlp_dim
+        return self.moe.experts_per_token * self.expert_width + self.moe.shared_expert_dim
+
+    def expert_rows(self, tokens: int, expert_size: int, shares: int) -> int:
+        """Rows a device's experts multiply per MoE layer for the device's `tokens` tokens:
+        each token's k pairs, or on an expert axis of `expert_size` devices the blocks the
+        all-to-all delivers, padded to their worst case (jddp/models/moe_dispatch.py; `shares`:
+        into how many shares the global batch's tokens are split)."""
+        if expert_size == 1:
+            return tokens * self.moe.experts_per_token
+        return expert_size * dispatch_slots(self.moe, tokens, tokens * shares, expert_size)
+
+    def mlp_matmul_params(self) -> int:
+        """Parameters one token multiplies in a block's MLP (only the experts it takes)."""
+        return mlp_matmul_params(self.width, self.mlp_dim, self.gated_mlp, self.moe)
+
     def layer_matmul_params(self) -> int:
-        mlp = (3 if self.gated_mlp else 2) * self.width * self.mlp_dim
-        return self.width * self.qkv_columns + self.attention_width * self.width + mlp
+        attention = self.width * self.qkv_columns + self.attention_width * self.width
+        return attention + self.mlp_matmul_params()
 
     def matmul_dims(self, tensor: int = 1) -> tuple[tuple[float, int], ...]:
         """(multiply-adds per token, smallest dimension) of each matmul one device runs with
@@ -69,11 +100,11 @@ class Transformer:
         columns, the head by vocabulary); a product's token dimension is never its smallest,
         and its backward products have the same three dimensions."""
         h, per_head = self.width, self.attention_width // tensor
-        mlp = (3 if self.gated_mlp else 2) * h * self.mlp_dim / tensor
+        mlp = self.mlp_matmul_params() / tensor
         layer = (
             (h * self.qkv_columns / tensor, min(h, self.qkv_columns // tensor)),
             (per_head * h, min(h, per_head)),
-            (mlp, min(h, self.mlp_dim // tensor)),
+            (mlp, min(h, self.expert_width // tensor)),
             (2 * per_head * self.seq_len, min(self.head_dim, self.seq_len)),  # QK^T and PV
         )
         head = (h * self.vocab / tensor, min(h, self.vocab // tensor))
@@ -99,7 +130,7 @@ class Transformer:
             whole = 2 * h + 4 * h + (4 * h if self.dropout else 0)
         else:  # two norms, two residual adds
             whole = 2 * 2 * h + 2 * 3 * h + (2 * 2 * h if self.dropout else 0)
-        split = (3 if self.gated_mlp else 2) * self.mlp_dim
+        split = (3 if self.gated_mlp else 2) * self.mlp_units
         if not self.fused_attention:
             split += 2 * self.heads * self.seq_len * (2 if self.attention_dropout else 1)
         return whole / (tensor if sequence_parallel else 1) + split / tensor
@@ -190,6 +221,8 @@ class Workload:
     regather_in_backward: bool = False  # zero3 gathers parameters again for the recompute
     recompute_drops_output: bool = True  # XLA skips a recomputed layer's last reduction
     gathers_whole_model: bool = True  # jddp's zero3 gathers every parameter at once
+    # (mesh axis, why the model cannot run on it): a mixture of experts' refusals today
+    refused_axes: tuple[tuple[str, str], ...] = ()
 
     def on(self, layout) -> "Workload":
         """This workload as `layout` runs it: on a stage axis `pipeline_remat=full` recomputes
@@ -270,7 +303,21 @@ def decoder_dimensions(model, seq_len: int) -> Transformer:
         head_size=model.head_size,
         fused_attention=model.attention_impl == "cudnn",
         dropout=model.dropout_rate > 0,
+        moe=model.moe,
     )
+
+
+def refused_axes(model) -> tuple[tuple[str, str], ...]:
+    """(axis, the model's own one-line refusal) for each mesh axis a jddp decoder cannot run on
+    (jddp/models/decoder.py `check_moe_layout`: a mixture of experts with stacked layers, as a
+    stage axis needs them)."""
+    from jddp.errors import ConfigError
+
+    try:
+        model.clone(scan_layers=True)  # a pipeline stacks the layers
+    except ConfigError as e:
+        return (("stage", str(e)),)
+    return ()
 
 
 def model_workload(
@@ -314,7 +361,11 @@ def model_workload(
     transformer = None
     if isinstance(model, Decoder):
         transformer = decoder_dimensions(model, shape.shape[1])
-        fields = {"vocab_parallel_loss": True, "recompute": float(model.remat)} | fields
+        fields = {
+            "vocab_parallel_loss": True,
+            "recompute": float(model.remat),
+            "refused_axes": refused_axes(model),
+        } | fields
     global_input = jax.ShapeDtypeStruct((global_batch, *shape.shape[1:]), shape.dtype)
     step_flops = flops.train_step_flops(model, global_input)
     return Workload(

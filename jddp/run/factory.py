@@ -75,6 +75,7 @@ def create_model(config, dataset: data.DatasetSpec, device_mesh: DeviceMesh):
         sequence_parallel=config.parallel.sequence_parallel,
         context_axis=device_mesh.context_axis,
         context_attention=config.parallel.context_attention,
+        expert_axis=device_mesh.expert_axis,
         pipelined=bool(device_mesh.stage_axis),
         seed=config.seed,  # an own NNX model initializes its parameters from it
         **config.model_args,

@@ -24,7 +24,7 @@ from jddp.models.moe import MoE, grouped_matmul
 from jddp.models.moe_dispatch import all_to_all_bytes
 from jddp.models.moe_settings import MoESettings
 from jddp.observe.hlo import bytes_by_axes, collective_ops
-from jddp.parallel.rules import adapt_preset
+from jddp.parallel.rules import adapt_preset, validate_rules
 from jddp.run.objectives import OBJECTIVES
 from tests.helpers import assert_one_line
 from tests.reference import assert_trees_close, plain_training
@@ -309,6 +309,13 @@ def test_an_expert_axis_that_cannot_hold_the_experts_is_refused_before_a_step(
         state = trainer.abstract_state(batch)  # the layout: checked without computing
         trainer.strategy.lower_train_step(state, trainer.strategy.abstract_batch(batch))
     assert_one_line(error, *words)
+
+
+def test_a_partition_rule_naming_the_expert_axis_is_refused():
+    mesh = jddp.device_mesh_for("zero3", "expert:4,fsdp:2", jax.devices()[:8])
+    with pytest.raises(ConfigError) as error:
+        validate_rules((("head/kernel", "expert"),), mesh)
+    assert_one_line(error, "names the expert axis", "shard over fsdp or tensor")
 
 
 def test_auxiliary_losses_with_a_weighted_loss_are_refused_when_the_step_is_traced():

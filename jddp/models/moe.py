@@ -5,14 +5,15 @@ them, and their outputs are summed with the router's weights.
 Every number that depends on more than one token is the global batch's, on any layout: the
 experts' load, the load-balancing loss's token fractions and, in capacity mode, which tokens
 are dropped. A device's counts come from the others over the batch axes (`axis_name`, bound
-as BatchNorm's is: jddp/core/slices.py, jddp/core/modules.py); where no batch axis is bound,
-the program holds the whole batch and the counts are its own.
+as BatchNorm's is: jddp/core/slices.py, jddp/core/modules.py) and a context axis; where no
+batch axis is bound, the program holds the whole batch and the counts are its own.
 
 - Router: `router/kernel` (embed, experts), logits in float32.
-- Experts, stacked on a leading expert dimension (which an `expert` mesh axis will split):
+- Experts, stacked on a leading expert dimension, which an `expert` mesh axis splits (the
+  pairs then go to their experts' devices and back by all-to-all: jddp/models/moe_dispatch.py):
   `experts/up` (experts, embed, width), `experts/down` (experts, width, embed), and for gated
   (SwiGLU) models `experts/gate` (experts, embed, width); no biases. GPT's experts apply
-  GELU (tanh), Llama's SwiGLU.
+  GELU (tanh), Llama's SwiGLU; on a tensor axis each is split as Megatron splits an MLP.
 - Dropless dispatch: the token-expert pairs sorted by expert, then three (two) grouped matmuls
   (`jax.lax.ragged_dot`), then each token's outputs summed with its weights. Capacity
   dispatch: the same, less the pairs past their expert's capacity in global token order (row

@@ -125,7 +125,17 @@ def first_rule(path: str, rules: Sequence[Rule]) -> int:
 
 def spec_for(path: str, shape, rules: Sequence[Rule], mesh: DeviceMesh, min_size: int) -> P:
     """The PartitionSpec of one parameter, checked against its shape."""
-    return _spec_by(first_rule(path, rules), path, shape, rules, mesh, min_size)
+    return _layout(first_rule(path, rules), path, shape, rules, mesh, min_size)
+
+
+def _layout(index: int, path: str, shape, rules, mesh: DeviceMesh, min_size: int) -> P:
+    """The PartitionSpec rule `index` gives one parameter; a mixture of experts' stacked
+    weights get it for one expert, after their split over `expert`."""
+    if not EXPERT_WEIGHTS.search(path):
+        return _spec_by(index, path, shape, rules, mesh, min_size)
+    check_experts_divide(path, shape[0], mesh)
+    split = "expert" if mesh.size("expert") > 1 else None
+    return P(split, *_spec_by(index, path, shape[1:], rules, mesh, min_size))
 
 
 def _spec_by(index: int, path: str, shape, rules, mesh: DeviceMesh, min_size: int) -> P:
@@ -214,11 +224,7 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
         decided[text] = index = first_rule(text, rules)
         if prefix and text.startswith(prefix):
             return P(lead, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
-        if EXPERT_WEIGHTS.search(text):  # the rule's spec is one expert's
-            check_experts_divide(text, x.shape[0], mesh)
-            split = "expert" if mesh.size("expert") > 1 else None
-            return P(split, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
-        return _spec_by(index, text, x.shape, rules, mesh, min_shard_size)
+        return _layout(index, text, x.shape, rules, mesh, min_shard_size)
 
     specs = jax.tree_util.tree_map_with_path(spec, params)
     check_rules_used(rules, decided)

@@ -176,8 +176,7 @@ class ZeroStrategy:
             self.min_shard_size,
             stack.path if stack else (),
         )
-        self._check_tensor_axis_used(full)
-        self._check_expert_axis_used(full)
+        self._check_axes_used(full)
         whole_over_fsdp = jax.tree.map(lambda s: restrict(s, ("tensor", "stage", "expert")), full)
         # Gradients and optimizer state cover the trainable parameters alone (LoRA's adapters).
         trainable = self.task.trainable
@@ -237,30 +236,27 @@ class ZeroStrategy:
         self._eval_steps = {}  # by the state's layer order
         self._abstract_state = abstract_state
 
-    def _check_tensor_axis_used(self, specs) -> None:
-        tensor = self.device_mesh.size("tensor")
-        if tensor > 1 and not any("tensor" in spec_axes(s) for s in jax.tree.leaves(specs)):
-            raise ConfigError(
-                f"parallel.mesh has tensor:{tensor} but no partition rule splits a parameter "
-                "over tensor, so every tensor rank would hold and compute everything; add rules "
-                "such as ('attn/qkv/kernel', 'fsdp,tensor'), ('attn/out/kernel', "
-                "'tensor,fsdp') (the built-in GPT has them as a preset)"
-            )
+    def _check_axes_used(self, specs) -> None:
+        """A ConfigError for a tensor or expert axis that no parameter is split over."""
+        unused = {
+            "tensor": "no partition rule splits a parameter over tensor, so every tensor rank "
+            "would hold and compute everything; add rules such as ('attn/qkv/kernel', "
+            "'fsdp,tensor'), ('attn/out/kernel', 'tensor,fsdp') (the built-in GPT has them as a "
+            "preset)",
+            "expert": "the model has no mixture of experts (no experts/{gate,up,down} weights "
+            "to split over it); set model_args.moe (e.g. {'num_experts': 8}), or use a data or "
+            "fsdp axis instead of expert",
+        }
+        for role, why in unused.items():
+            size = self.device_mesh.size(role)
+            if size > 1 and not any(role in spec_axes(s) for s in jax.tree.leaves(specs)):
+                raise ConfigError(f"parallel.mesh has {role}:{size} but {why}")
 
     @property
     def _gathered_for_eval(self) -> tuple[str, ...]:
         """The manual axes eval gathers parameters over: all but `expert` (the model's
         all-to-alls reach the experts where they are)."""
         return tuple(a for a in self.manual_axes if a != "expert")
-
-    def _check_expert_axis_used(self, specs) -> None:
-        experts = self.device_mesh.size("expert")
-        if experts > 1 and not any("expert" in spec_axes(s) for s in jax.tree.leaves(specs)):
-            raise ConfigError(
-                f"parallel.mesh has expert:{experts} but the model has no mixture of experts "
-                "(no experts/{gate,up,down} weights to split over it); set model_args.moe "
-                "(e.g. {'num_experts': 8}), or use a data or fsdp axis instead of expert"
-            )
 
     def state_shardings(self) -> TrainState:
         return self._state_shardings

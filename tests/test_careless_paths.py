@@ -24,13 +24,13 @@ from jddp.checkpoints.store import Checkpoints
 from jddp.errors import ConfigError, ShapeError, WorkdirError
 from jddp.parallel.rules import adapt_preset
 from jddp.run.experiment import train_and_evaluate
+from tests.commands_in_one_process import run_commands
 from tests.helpers import (
     REPO,
     SMALL_FLAGS,
     assert_error_exit,
     assert_one_line,
     checkout_env,
-    run_cli,
     small_config,
     small_net_trainer,
     snapshot,
@@ -166,12 +166,17 @@ def test_a_model_argument_at_its_default_is_no_change_and_others_show_the_defaul
     # The MLP's own default, written out: the same run, already finished.
     train_and_evaluate(small_config(model_args={"hidden_sizes": (256, 256)}), str(workdir))
     assert snapshot(workdir) == before
-    narrower = [*SMALL_FLAGS, "--config.model_args.hidden_sizes=(64,)"]
-    refused = run_cli(f"--workdir={workdir}", *narrower)
+    train = ["experiments.train", f"--workdir={workdir}", *SMALL_FLAGS]
+    narrower = [*train, "--config.model_args.hidden_sizes=(64,)"]
+    refused, allowed, off = run_commands(  # each refused: one process runs the three
+        [
+            narrower,
+            [*narrower, "--config.allow_config_change=true"],
+            [*train, "--config.checkpoint_every=0"],
+        ]
+    )
     assert_error_exit(refused, "model_args.hidden_sizes: [256, 256] -> [64]", "another config")
-    allowed = run_cli(f"--workdir={workdir}", *narrower, "--config.allow_config_change=true")
     assert_error_exit(allowed, "'params/head/kernel'", "left as they are", "--workdir")
-    off = run_cli(f"--workdir={workdir}", *SMALL_FLAGS, "--config.checkpoint_every=0")
     assert_error_exit(off, "holds checkpoints (steps 5, 10", "--config.checkpoint_every above 0")
     assert snapshot(workdir) == before
 

@@ -14,6 +14,7 @@ from jddp import data
 from jddp.checkpoints.weights import load_params
 from jddp.errors import TrainingHalted
 from jddp.run.experiment import train_and_evaluate
+from tests.commands_in_one_process import run_commands
 from tests.helpers import (
     BeforeRerun,
     assert_error_exit,
@@ -231,11 +232,24 @@ FAST = ["--config.num_train_steps=10", "--config.checkpoint_every=5", "--config.
 
 
 def test_init_from_nothing_or_another_model_is_refused_in_one_line(tmp_path):
-    result = run_cli(f"--workdir={tmp_path / 'a'}", f"--config.init_from={tmp_path / 'nothing'}")
+    cnn = tmp_path / "cnn"
+    result, made = run_commands(  # one process; the last command starts its own
+        [
+            [
+                "experiments.train",
+                f"--workdir={tmp_path / 'a'}",
+                f"--config.init_from={tmp_path / 'nothing'}",
+            ],
+            [
+                "experiments.train",
+                f"--workdir={cnn}",
+                "--config=experiments/configs/digits_cnn.py",
+                *FAST,
+            ],
+        ]
+    )
     assert_error_exit(result, "init_from", "does not exist")
     assert not (tmp_path / "a").exists()
-    cnn = tmp_path / "cnn"
-    made = run_cli(f"--workdir={cnn}", "--config=experiments/configs/digits_cnn.py", *FAST)
     assert made.returncode == 0, made.stderr
     before = sorted(os.listdir(cnn / "checkpoints"))
     result = run_cli(f"--workdir={tmp_path / 'b'}", f"--config.init_from={cnn}", *FAST)
@@ -247,13 +261,14 @@ def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
     workdir = tmp_path / "run"
     assert run_cli(f"--workdir={workdir}", *FAST).returncode == 0
     before = snapshot(workdir)
-    result = run_cli(f"--workdir={workdir}", "--config=experiments/configs/digits_cnn.py", *FAST)
-    assert_error_exit(result, "another config", "model: 'mlp' -> 'cnn'", "allow_config_change")
-    overridden = run_cli(
+    cnn = [
+        "experiments.train",
         f"--workdir={workdir}",
         "--config=experiments/configs/digits_cnn.py",
-        "--config.allow_config_change=true",
-        *FAST,
+    ]
+    result, overridden = run_commands(  # both refused: one process runs the two
+        [[*cnn, *FAST], [*cnn, "--config.allow_config_change=true", *FAST]]
     )
+    assert_error_exit(result, "another config", "model: 'mlp' -> 'cnn'", "allow_config_change")
     assert_error_exit(overridden, "'params/", "another model")  # it cannot fit, says why
     assert snapshot(workdir) == before

@@ -1,10 +1,13 @@
 """User mistakes on the command line: one line on stderr naming problem and fix, exit code 2,
 and nothing created. `{tmp}` in a flag is a folder holding `no_get_config.py` (a config file
 without `get_config`) and `corpus.txt` (a small text). Checks of values the CLI merely passes on
-to the library are tested in-process (tests/test_bad_input.py)."""
+to the library are tested in-process (tests/test_bad_input.py). The mistakes' commands run in
+one process, one after another (tests/commands_in_one_process.py); the workdir tests start their
+own, as a user's command does."""
 
 import pytest
 
+from tests.commands_in_one_process import run_commands
 from tests.helpers import assert_error_exit, run_cli
 
 # (flags, words the one-line message must contain)
@@ -93,17 +96,28 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("flags,words", MISTAKES, ids=[m[0][0] for m in MISTAKES])
-def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, words):
-    workdir = tmp_path / "run"
-    (tmp_path / "no_get_config.py").write_text("def config():\n    return None\n")
-    (tmp_path / "needs_env.py").write_text(
+@pytest.fixture(scope="module")
+def mistakes_run(tmp_path_factory):
+    """Each mistake's command run with its own workdir (`run-INDEX`, under the folder `{tmp}`
+    names), all in one process: their results, by index, and that folder."""
+    tmp = tmp_path_factory.mktemp("mistakes")
+    (tmp / "no_get_config.py").write_text("def config():\n    return None\n")
+    (tmp / "needs_env.py").write_text(
         "import os\n\ndef get_config():\n    return os.environ['JDDP_TEST_UNSET_ROOT']\n"
     )
-    (tmp_path / "corpus.txt").write_text("to be or not to be\n" * 40)
-    result = run_cli(f"--workdir={workdir}", *(flag.format(tmp=tmp_path) for flag in flags))
-    assert_error_exit(result, *words)
-    assert not workdir.exists()  # nothing created for a run that never started
+    (tmp / "corpus.txt").write_text("to be or not to be\n" * 40)
+    commands = [
+        ["experiments.train", f"--workdir={tmp / f'run-{i}'}", *(f.format(tmp=tmp) for f in flags)]
+        for i, (flags, _) in enumerate(MISTAKES)
+    ]
+    return run_commands(commands), tmp
+
+
+@pytest.mark.parametrize("index", range(len(MISTAKES)), ids=[m[0][0] for m in MISTAKES])
+def test_bad_flag_is_one_line_and_exit_2(mistakes_run, index):
+    results, tmp = mistakes_run
+    assert_error_exit(results[index], *MISTAKES[index][1])
+    assert not (tmp / f"run-{index}").exists()  # nothing created for a run that never started
 
 
 def test_workdir_that_is_a_file_is_refused_and_untouched(tmp_path):

@@ -6,7 +6,8 @@ temporary one; every ```bash / ```console block runs its jddp commands (`jddp-tr
 `python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`, `jddp-export`) from the
 repository root, with `--workdir` (and the other paths in RUN_DIR_FLAGS, and `jddp-export`'s
 directories) moved under that temporary directory; a command that touches no file of its page
-(a plan) runs once per test run, however many pages show it. A shell block that cannot run here
+(a plan) runs once per test run, however many pages show it. Consecutive commands of one
+program run in one process (`PageCommands`). A shell block that cannot run here
 says why on the line before it: `<!-- not-run: REASON -->`.
 
 A tutorial shows files of a user's project: a block preceded by `<!-- file: PATH -->` is written
@@ -27,6 +28,7 @@ import textwrap
 
 import pytest
 
+from tests.commands_in_one_process import run_commands
 from tests.helpers import REPO, checkout_env
 
 README = os.path.join(REPO, "README.md")
@@ -161,32 +163,78 @@ def under(tmp_path, value: str, word: str) -> str:
     return prefix + os.path.join(tmp_path, path)
 
 
-def run_shell_block(code: str, tmp_path, where: str, cwd=REPO) -> None:
-    for command in shell_commands(code):
-        words = shlex.split(command)
-        env = {}
-        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-            name, value = words.pop(0).split("=", 1)
-            env[name] = value
-        argv = jddp_argv(words, tmp_path)
-        assert argv, (
-            f"{where}: {command!r} is not a jddp command the tests can run; mark the block with "
-            "<!-- not-run: REASON --> on the line before it"
-        )
-        if "XLA_FLAGS" in env:  # keep the tests' simulated devices unless the page sets its own
-            env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
-        marker = ran_already(argv, env, cwd, tmp_path)
-        if marker and os.path.exists(marker):
-            continue
-        result = subprocess.run(
-            argv, cwd=cwd, env=checkout_env(**env), capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, (
-            f"{where}: {command}\nexit {result.returncode}\n{result.stderr[-3000:]}"
-        )
-        if marker:
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            open(marker, "w").close()
+class PageCommands:
+    """A page's jddp commands, run in the page's order. Consecutive ones of one program, working
+    directory and environment share one process (tests/commands_in_one_process.py): the page
+    claims what each command does, not that it starts a process. A plan shares only with plans
+    (it sets JAX's devices before a backend starts); `jddp-launch` shares with nothing (starting
+    processes is its job). `flush` runs what is pending; it is called before anything reads what
+    the commands wrote."""
+
+    def __init__(self, tmp_path, cwd=REPO):
+        self.tmp_path, self.cwd = tmp_path, cwd
+        self.pending = []  # (the page's words for it, its ran-already marker, argv, env)
+
+    def add_block(self, code: str, where: str) -> None:
+        for command in shell_commands(code):
+            words = shlex.split(command)
+            env = {}
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                name, value = words.pop(0).split("=", 1)
+                env[name] = value
+            argv = jddp_argv(words, self.tmp_path)
+            assert argv, (
+                f"{where}: {command!r} is not a jddp command the tests can run; mark the block "
+                "with <!-- not-run: REASON --> on the line before it"
+            )
+            if "XLA_FLAGS" in env:  # keep the tests' simulated devices unless the page sets its own
+                env["XLA_FLAGS"] = joined_flags(os.environ.get("XLA_FLAGS", ""), env["XLA_FLAGS"])
+                if env["XLA_FLAGS"] == os.environ.get("XLA_FLAGS"):
+                    del env["XLA_FLAGS"]
+            marker = ran_already(argv, env, self.cwd, self.tmp_path)
+            if marker and os.path.exists(marker):
+                continue
+            if self.pending and not shares_a_process(self.pending[-1][2:], (argv, env)):
+                self.flush()
+            self.pending.append((f"{where}: {command}", marker, argv, env))
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        _, _, argv, env = pending[0]
+        if len(pending) == 1:
+            results = [
+                subprocess.run(
+                    argv,
+                    cwd=self.cwd,
+                    env=checkout_env(**env),
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )  # fmt: skip
+            ]
+        else:
+            results = run_commands([p[2][2:] for p in pending], self.cwd, env, timeout=600)
+        for (said, marker, _, _), result in zip(pending, results, strict=True):
+            assert result.returncode == 0, (
+                f"{said}\nexit {result.returncode}\n{result.stderr[-3000:]}"
+            )
+            if marker:
+                os.makedirs(os.path.dirname(marker), exist_ok=True)
+                open(marker, "w").close()
+
+
+def shares_a_process(one: tuple[list, dict], other: tuple[list, dict]) -> bool:
+    """Whether two commands (argv, env) may run in one process, one after the other."""
+    (argv, env), (other_argv, other_env) = one, other
+    program = argv[2]
+    return env == other_env and program == other_argv[2] and program != "jddp.runtime.launch"
+
+
+def joined_flags(ours: str, page: str) -> str:
+    """`XLA_FLAGS` with the page's flags after ours, each flag once."""
+    return " ".join(dict.fromkeys(f"{ours} {page}".split()))
 
 
 def ran_already(argv: list[str], env: dict, cwd, tmp_path) -> str | None:
@@ -228,6 +276,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
         shell_cwd = tmp_path if PAGE_CWD in f.read() else REPO
     namespace = {"__name__": "docs_example"}
     ran = set()
+    commands = PageCommands(tmp_path, shell_cwd)
     for block in blocks(page):
         where = f"{page_id(page)}:{block['line']}"
         language = block["language"]
@@ -236,15 +285,20 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
             continue
         if block["file"]:
             path = tmp_path / block["file"]
+            if path.exists():  # a pending command may read the file's earlier text
+                commands.flush()
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(block["code"] + "\n")
         elif language == "python":
+            commands.flush()
             exec(compile(block["code"], where, "exec"), namespace)  # our own documentation
         elif language in SHELL:
-            run_shell_block(block["code"], tmp_path, where, shell_cwd)
+            commands.add_block(block["code"], where)
         if block["marker"] in CHECKS:
+            commands.flush()
             CHECKS[block["marker"]](namespace)
             ran.add(block["marker"])
+    commands.flush()
     expected = {"README.md": {"library-example"}, "docs/pipeline.md": {"pipeline-example"}}
     assert ran == expected.get(page_id(page), set())
 

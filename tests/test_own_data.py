@@ -20,13 +20,13 @@ from jddp.models.mlp import MLP
 from jddp.run import factory, optim
 from jddp.run.config import default_config
 from jddp.run.experiment import train_and_evaluate
+from tests.commands_in_one_process import run_commands
 from tests.helpers import (
     BeforeRerun,
     assert_accuracy_over,
     assert_error_exit,
     assert_one_line,
     metrics_lines,
-    run_cli,
 )
 from tests.own_data_files import global_batch_rows, global_batches, write_files, write_hf
 from tests.reference import plain_training
@@ -211,14 +211,13 @@ def test_the_cli_trains_own_data_from_another_directory(files, reference, tmp_pa
         shutil.copy(files / f"{split}.npz", tmp_path / "data")
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "own.py").write_text(CLI_CONFIG)
-    run = ("--config=configs/own.py", "--config.dataset=npz:data/train.npz", "--workdir=run")
-    result = run_cli(*run, cwd=tmp_path)  # relative paths start at the cwd
+    run = ["experiments.train", "--config=configs/own.py", "--config.dataset=npz:data/train.npz"]
+    result, missing = run_commands(  # one process; relative paths start at its cwd
+        [[*run, "--workdir=run"], [*run, "--config.data.eval_path=data/tset.npz", "--workdir=bad"]],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert_matches_reference(records(tmp_path / "run"), reference)
-
-    missing = run_cli(
-        *run[:2], "--config.data.eval_path=data/tset.npz", "--workdir=bad", cwd=tmp_path
-    )
     assert_error_exit(missing, "npz:data/tset.npz does not exist")
     assert not (tmp_path / "bad").exists()  # checked before anything is written
 

@@ -21,6 +21,7 @@ from jddp.planner.search import layouts_for
 from jddp.planner.workload import from_config
 from jddp.run import optim
 from jddp.run.factory import build_trainer
+from tests.commands_in_one_process import run_commands
 from tests.helpers import REPO, assert_error_exit
 
 # digits_mlp: 64-256-256-10. Kernels of at least 4096 elements (64x256, 256x256) shard over the
@@ -152,22 +153,29 @@ def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
 
 def test_numbers_in_the_forms_the_help_shows():
     """`--peak_flops=989e12` (the flag's own example) was refused as "not an amount; write e.g.
-    ... 450e9": the parser upper-cased the text and then looked for a lower-case exponent."""
-    result = run_plan(
-        "--devices=8", "--device=h100", "--peak_flops=989e12", "--bw_inter=0.05E3GB",
-        "--latency_intra=3E-6", "--device_memory=80GiB", "--json", "--top=1",
-        "--step_spread=0.1", "--devices_per_host=4",
+    ... 450e9": the parser upper-cased the text and then looked for a lower-case exponent. The
+    four commands run in one process (the tests beside this one start their own)."""
+    plan = ["jddp.plan", f"--config={GPT_124M}", "--compile=no", "--devices=8"]
+    mistakes = [
+        ("--peak_flops", "1.2.3", "is not an amount"),
+        ("--latency_inter", "-1us", "is not a duration"),
+        ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
+    ]
+    result, *refused = run_commands(
+        [
+            plan + [
+                "--device=h100", "--peak_flops=989e12", "--bw_inter=0.05E3GB",
+                "--latency_intra=3E-6", "--device_memory=80GiB", "--json", "--top=1",
+                "--step_spread=0.1", "--devices_per_host=4",
+            ],
+            *(plan + [f"{flag}={value}"] for flag, value, _ in mistakes),
+        ]
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert len(rows) == 1
     assert rows[0]["sync_s"] > 0  # 2 hosts of 4, waiting for the slower
-    for flag, value, words in [
-        ("--peak_flops", "1.2.3", "is not an amount"),
-        ("--latency_inter", "-1us", "is not a duration"),
-        ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
-    ]:
-        result = run_plan("--devices=8", f"{flag}={value}")
+    for (flag, _, words), result in zip(mistakes, refused, strict=True):
         line = assert_error_exit(result, words)
         assert line.startswith(f"error: {flag}="), line
 

@@ -26,8 +26,8 @@ from jddp.parallel.rules import (
     check_rules_used,
     first_rule,
     mirror_specs,
-    param_specs,
     spec_axes,
+    spec_for,
     validate_rules,
 )
 from jddp.planner.layouts import AXES, Layout
@@ -134,12 +134,15 @@ def optimizer_table(workload: Workload) -> tuple[tuple[int | None, int], ...]:
 
 @functools.lru_cache(maxsize=512)
 def _specs(workload: Workload, fsdp: int, tensor: int, expert: int) -> tuple[P, ...]:
-    """Each parameter's spec by the rules, as the strategies get them
-    (jddp.parallel.rules.param_specs: experts split over expert too)."""
+    """Each parameter's spec by the rules, as the strategies get them (jddp.parallel.rules.spec_for,
+    as param_specs: experts split over expert too), from the cached table of paths and shapes
+    rather than the parameter tree (mapping a large model's tree costs the planner a third)."""
     mesh = abstract_mesh(Layout("zero3", fsdp=fsdp, tensor=tensor, expert=expert))
     rules = workload.rules_for(mesh)
-    specs = param_specs(workload.params, rules, mesh, workload.min_shard_size)
-    return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+    return tuple(
+        spec_for(path, shape, rules, mesh, workload.min_shard_size)
+        for path, shape, _ in _param_table(workload)
+    )
 
 
 def all_shards(workload: Workload, layout: Layout) -> tuple[ParamShard, ...]:

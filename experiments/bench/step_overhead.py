@@ -11,8 +11,9 @@ most 4 steps in flight, the metrics read at the end. A window is `--steps` steps
 steps between its records at `--steps` and twice that, in one `fit` call. Each round runs every
 window once, the order reversed every other round; a ratio is the median over rounds of the
 hand-written loop's time over the other's in the same round (1.00: jddp costs nothing), and the
-cost is the median of the per-step differences. `jit, again` is a second hand-written loop: its
-ratio is what the machine's noise alone gives.
+cost is the median of the per-step differences; both in wall time and in the process's CPU time
+(all its threads), which other jobs taking the cores inflate far less. `jit, again` is a second
+hand-written loop: its ratio is what the machine's noise alone gives.
 
 The same loops on a model too small to keep the device busy (MLP 784-8-8-10, batch 8, ten
 times the steps) time what the host spends dispatching a step: their cost is jddp's host work

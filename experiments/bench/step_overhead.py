@@ -1,26 +1,27 @@
-"""What jddp adds to a training step on one device: `Trainer.step` and `jddp.fit`'s loop against a
-hand-written `jax.jit` Flax + optax step over the same model, batch and optimizer.
+"""What jddp adds to a training step on one device: `Trainer.step` and `jddp.fit`'s loop against
+a hand-written `jax.jit` Flax + optax loop over the same model, batches and optimizer.
 
-    python -m experiments.bench.step_overhead [--repeats 11] [--steps 20] [--fit-steps 100]
-        [--out bench_results]
+    python -m experiments.bench.step_overhead [--repeats 11] [--steps 100] [--out bench_results]
 
-MLP 784-1024-1024-10, Adam(1e-3), global batch 256, float32, the first device. Each jddp window
-runs right between two windows of its hand-written reference (`common.between_references`);
-the ratio is the median over rounds of reference time / jddp time (1.00: jddp costs nothing).
+MLP 784-1024-1024-10, Adam(1e-3), batch 256, float32, the first device, with jddp's default
+metrics (loss and gradient norm; the hand-written step returns both). Every loop gets its batches
+as a user's loop does: host (numpy) batches from an iterator, placed on the device each step (the
+hand-written loop with `jax.device_put`, `Trainer.step` itself, `fit` through its prefetch), at
+most 4 steps in flight, the metrics read at the end. A window is `--steps` steps; fit's are the
+steps between its records at `--steps` and twice that, in one `fit` call. Each round runs every
+window once, the order reversed every other round; a ratio is the median over rounds of the
+hand-written loop's time over the other's in the same round (1.00: jddp costs nothing), and the
+cost is the median of the per-step differences; both in wall time and in the process's CPU time
+(all its threads), which other jobs taking the cores inflate far less. `jit, again` is a second
+hand-written loop: its ratio is what the machine's noise alone gives.
 
-- `Trainer.step`: `--steps` steps on one device-resident batch, at most 4 in flight; with jddp's
-  default metrics (loss and `grad_norm`) against the jit step that also computes the gradient's
-  global norm (the same work) and the plain one (the loss alone), and with the loss alone
-  (`log_grad_norm=False`) against the plain one.
-- `jddp.fit`: its loop over host batches (placed each step, checkpoints off, one record per
-  window), timed from the record at step `--fit-steps` to the one at twice that, against a loop
-  that `jax.device_put`s each host batch and runs the jit step with the same metrics.
-- host work: the same steps on a model too small to keep the device busy (MLP 784-8-8-10,
-  batch 8), so a step's time is what the host spends dispatching it; the difference is jddp's
-  host work per step, in microseconds.
+The same loops on a model too small to keep the device busy (MLP 784-8-8-10, batch 8, ten
+times the steps) time what the host spends dispatching a step: their cost is jddp's host work
+per step.
 """
 
 import argparse
+import collections
 import itertools
 import os
 import statistics
@@ -37,11 +38,12 @@ from jddp.models import MLP
 from jddp.trainer import MAX_STEPS_IN_FLIGHT, InFlightBound
 
 INPUTS, CLASSES = 784, 10
-SIZES = {"full": (1024, 256), "host": (8, 8)}  # (hidden width, global batch)
+SIZES = {"full": (1024, 256), "host": (8, 8)}  # (hidden width, batch)
+DISTINCT_BATCHES = 4  # the host iterator cycles over these
 
 
-def host_batch(rows: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
+def host_batch(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     return {
         "image": rng.normal(size=(rows, INPUTS)).astype(np.float32),
         "label": rng.integers(0, CLASSES, size=rows).astype(np.int32),
@@ -85,143 +87,140 @@ def plain_step(width: int, batch, grad_norm: bool = False):
     return jax.jit(train_step, donate_argnums=0), (params, tx.init(params))
 
 
-def window(step, state, batch, steps: int):
-    """A timed window of `steps` calls of `step(state, batch) -> (state, metrics)` carrying the
-    state on; it returns seconds per step."""
-    carried = [state]
-
-    def run():
-        def loss_of(state, batch):
-            state, metrics = step(state, batch)
-            return state, metrics["loss"]
-
-        carried[0], seconds = common.timed_steps(loss_of, carried[0], batch, steps)
-        return seconds / steps
-
-    return run
+def clocks() -> np.ndarray:
+    """(wall, CPU) seconds: CPU time of every thread of this process, which other processes
+    taking the cores do not inflate as they do the wall time."""
+    return np.array([time.perf_counter(), time.process_time()])
 
 
-def step_windows(width: int, batch, steps: int) -> tuple[dict, dict, dict]:
-    """(jddp windows, reference windows, {jddp window: its references}): `Trainer.step` with
-    its default metrics against the jit step computing the same (loss and gradient norm) and
-    the plain one (loss only), and with the loss alone against the plain one."""
-    variants, references = {}, {}
-    for name, log_grad_norm in (("default metrics", True), ("loss only", False)):
-        trainer, state = jddp_trainer(width, batch, log_grad_norm)
-        variants[name] = window(trainer.step, state, trainer.place_batch(batch), steps)
-    placed = jax.device_put(batch, jax.devices()[0])
-    for name, grad_norm in (("jit + grad norm", True), ("jit", False)):
-        references[name] = window(*plain_step(width, batch, grad_norm), placed, steps)
-    compared = {"default metrics": ("jit + grad norm", "jit"), "loss only": ("jit",)}
-    return variants, references, compared
+def windows(width: int, rows: int, steps: int, cpu: dict[str, list]) -> dict:
+    """{name: a timed window returning wall seconds per step, and appending CPU seconds per
+    step to `cpu[name]`}: the hand-written loop (twice), a `Trainer.step` loop and `fit`, each
+    carrying its own state on from window to window and drawing host batches from an iterator
+    like the others'."""
+    batches = [host_batch(rows, seed) for seed in range(DISTINCT_BATCHES)]
+    device = jax.devices()[0]
 
+    def per_step(name, start, end) -> float:
+        wall, cpu_seconds = (end - start) / steps
+        cpu[name].append(cpu_seconds)
+        return wall
 
-def fit_windows(batch, steps: int) -> tuple[dict, dict, dict]:
-    """(jddp window, reference window, pairing): seconds per step of `jddp.fit` from its record
-    at step `steps` to the one at 2 x `steps`, against a plain loop placing each host batch and
-    running the jit step with the same metrics."""
-    width = SIZES["full"][0]
-    trainer, state = jddp_trainer(width, batch)
-    carried = [state]
+    def timed_loop(name, step, state, place, in_flight_limit):
+        """A window of `steps` `step(state, place(batch))` calls, at most `in_flight_limit`
+        outstanding (None: `step` bounds them)."""
+        carried = [state]
+
+        def run():
+            state, in_flight = carried[0], InFlightBound(in_flight_limit)
+            start = clocks()
+            for batch in itertools.islice(itertools.cycle(batches), steps):
+                state, metrics = step(state, place(batch))
+                in_flight.add(metrics["loss"])
+            jax.device_get(metrics)  # what fit's record reads
+            carried[0] = jax.block_until_ready(state)
+            return per_step(name, start, clocks())
+
+        return run
+
+    def put(batch):
+        return jax.device_put(batch, device)
+
+    def jit_loop(name):
+        step, state = plain_step(width, batches[0], grad_norm=True)
+        return timed_loop(name, step, state, put, MAX_STEPS_IN_FLIGHT)
+
+    trainer, state = jddp_trainer(width, batches[0])
+    fit_trainer, fit_state = jddp_trainer(width, batches[0])
+    carried = [fit_state]
 
     def fit_window():
         marks = []
         with tempfile.TemporaryDirectory() as workdir:
             carried[0] = jddp.fit(
-                trainer,
-                itertools.repeat(batch),
+                fit_trainer,
+                itertools.cycle(batches),
                 workdir=workdir,
                 num_steps=2 * steps,
-                sample_batch=batch,
+                sample_batch=batches[0],
                 state=carried[0],
                 log_every=steps,
                 checkpoint_every=0,
-                hooks=[lambda step, state, record: marks.append(time.perf_counter())],
+                hooks=[lambda step, state, record: marks.append(clocks())],
             )
-        return (marks[1] - marks[0]) / steps
+        return per_step("fit", *marks)
 
-    step, plain_state = plain_step(width, batch, grad_norm=True)
-    plain = [plain_state]
-    device = jax.devices()[0]
-
-    def loop_window():
-        state, in_flight = plain[0], InFlightBound(MAX_STEPS_IN_FLIGHT)
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step(state, jax.device_put(batch, device))
-            in_flight.add(metrics["loss"])
-        jax.device_get(metrics)  # what fit's record reads
-        plain[0] = jax.block_until_ready(state)
-        return (time.perf_counter() - start) / steps
-
-    return {"fit": fit_window}, {"jit loop": loop_window}, {"fit": ("jit loop",)}
+    return {
+        "jit": jit_loop("jit"),
+        # `Trainer.step` places host batches itself, and bounds its steps in flight.
+        "Trainer.step": timed_loop("Trainer.step", trainer.step, state, lambda b: b, None),
+        "fit": fit_window,
+        "jit, again": jit_loop("jit, again"),
+    }
 
 
-def paired(timings: dict, name: str, reference: str) -> list[float]:
-    """Each round's reference time (the mean of its windows either side) over `name`'s."""
-    beside = timings[name]["beside"][reference]
-    return [r / t for r, t in zip(beside, timings[name]["all_sec"], strict=True)]
+def compared(jit: list[float], loop: list[float]) -> dict:
+    """Round by round (seconds per step): the median, least and greatest of jit / loop, and the
+    median of loop - jit in microseconds."""
+    ratios = [j / o for j, o in zip(jit, loop, strict=True)]
+    costs = [(o - j) * 1e6 for j, o in zip(jit, loop, strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "cost_us": statistics.median(costs),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--steps", type=int, default=20, help="steps per Trainer.step window")
-    parser.add_argument(
-        "--fit-steps", type=int, default=100, help="timed steps per fit window (it runs twice that)"
-    )
+    parser.add_argument("--steps", type=int, default=100, help="steps per window (full model)")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
     common.check_output_folder(args.out)
 
-    full, host = host_batch(SIZES["full"][1]), host_batch(SIZES["host"][1])
-    variants, references, compared = {}, {}, {}
-    parts = (
-        ("Trainer.step", step_windows(SIZES["full"][0], full, args.steps)),
-        ("jddp.fit", fit_windows(full, args.fit_steps)),
-        ("host work", step_windows(SIZES["host"][0], host, 10 * args.steps)),
-    )
-    for part, (part_variants, part_references, part_compared) in parts:
-        variants |= {f"{part}: {k}": w for k, w in part_variants.items()}
-        references |= {f"{part}: {k}": w for k, w in part_references.items()}
-        compared |= {
-            f"{part}: {k}": tuple(f"{part}: {r}" for r in refs) for k, refs in part_compared.items()
-        }
-    common.warm_up({**variants, **references})
-    timings = common.between_references(
-        variants, references, lambda name: compared[name], args.repeats
-    )
+    all_windows, cpu = {}, {size: collections.defaultdict(list) for size in SIZES}
+    for size, (width, rows) in SIZES.items():
+        steps = args.steps * (10 if size == "host" else 1)
+        for name, window in windows(width, rows, steps, cpu[size]).items():
+            all_windows[(size, name)] = window
+    common.warm_up(all_windows)
+    for size in SIZES:
+        cpu[size].clear()  # from here, entry i of every list is round i's
+    timings = common.interleaved_medians(all_windows, args.repeats)
 
-    rows, extra = [], {}
-    for name, refs in compared.items():
-        for reference in refs:
-            ratios = paired(timings, name, reference)
-            jddp_sec = timings[name]["median_sec"]
-            reference_sec = timings[reference]["median_sec"]
+    rows = []
+    for size in SIZES:
+        jit = timings[(size, "jit")]
+        for name in ("Trainer.step", "fit", "jit, again"):
+            wall = compared(jit["all_sec"], timings[(size, name)]["all_sec"])
+            cpu_time = compared(cpu[size]["jit"], cpu[size][name])
             rows.append(
                 {
-                    "jddp": name,
-                    "against": reference.split(": ")[1],
-                    "jddp_us_per_step": jddp_sec * 1e6,
-                    "reference_us_per_step": reference_sec * 1e6,
-                    "ratio_reference_over_jddp": statistics.median(ratios),
-                    "ratio_min": min(ratios),
-                    "ratio_max": max(ratios),
+                    "model": size,
+                    "loop": name,
+                    "us_per_step": timings[(size, name)]["median_sec"] * 1e6,
+                    "jit_us_per_step": jit["median_sec"] * 1e6,
+                    "ratio_jit_over_loop": wall["ratio"],
+                    "ratio_min": wall["min"],
+                    "ratio_max": wall["max"],
+                    "cost_us_per_step": wall["cost_us"],
+                    "cpu_ratio": cpu_time["ratio"],
+                    "cpu_cost_us_per_step": cpu_time["cost_us"],
                 }
             )
-            if name.startswith("host work"):
-                key = f"host_us_per_step ({name.split(': ')[1]} vs {reference.split(': ')[1]})"
-                extra[key] = (jddp_sec - reference_sec) * 1e6
     common.report(
         "step_overhead",
         rows,
         {
-            **extra,
-            "model": f"MLP {INPUTS}-1024-1024-{CLASSES}, Adam, batch {SIZES['full'][1]}",
+            "models": {
+                size: f"MLP {INPUTS}-{w}-{w}-{CLASSES}, Adam, batch {r}"
+                for size, (w, r) in SIZES.items()
+            },
             "device": str(jax.devices()[0]),
             "repeats": args.repeats,
-            "steps_per_window": args.steps,
-            "fit_steps_per_window": args.fit_steps,
+            "steps_per_window": {"full": args.steps, "host": 10 * args.steps},
             "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],
         },
         args.out,

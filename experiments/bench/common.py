@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from jddp.observe import device_peak
 from jddp.runtime import host_memory
@@ -164,6 +165,12 @@ def dense_train_flops(layer_sizes: list[int], batch: int) -> dict[str, int]:
     weights = sum(i * o for i, o in pairs)
     first_input_grad = 2 * batch * pairs[0][0] * pairs[0][1]
     return {"model": 6 * weights * batch, "executed": 6 * weights * batch - first_input_grad}
+
+
+def token_batch(vocab: int, rows: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A language-model batch of random tokens: `inputs` and the next tokens as `targets`."""
+    tokens = np.random.default_rng(seed).integers(0, vocab, (rows, seq_len + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def check_output_folder(path: str) -> None:

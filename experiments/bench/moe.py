@@ -117,9 +117,7 @@ def main():
     args = parser.parse_args()
     common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (GLOBAL_BATCH, SEQ + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    batch = common.token_batch(VOCAB, GLOBAL_BATCH, SEQ)
 
     runs, rows, refused = {}, [], {}
     for name, mesh, moe in LAYOUTS:

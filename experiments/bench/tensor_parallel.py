@@ -23,7 +23,6 @@ mesh path with every axis of size 1 on one device against ddp on one device (its
 import argparse
 
 import jax
-import numpy as np
 import optax
 
 import jddp
@@ -98,9 +97,7 @@ def main():
     args = parser.parse_args()
     common.check_output_folder(args.out)
     jax.config.update("jax_num_cpu_devices", DEVICES)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (GLOBAL_BATCH, SEQ + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    batch = common.token_batch(VOCAB, GLOBAL_BATCH, SEQ)
 
     runs, rows = {}, []
     for name, strategy, mesh, sp in LAYOUTS:

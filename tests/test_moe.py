@@ -26,7 +26,7 @@ from jddp.models.moe_settings import MoESettings
 from jddp.observe.hlo import bytes_by_axes, collective_ops
 from jddp.parallel.rules import adapt_preset, validate_rules
 from jddp.run.objectives import OBJECTIVES
-from tests.helpers import assert_one_line
+from tests.helpers import assert_one_line, save_and_restore
 from tests.reference import assert_trees_close, plain_training
 from tests.tiny_gpt import adamw, token_batches
 
@@ -206,7 +206,12 @@ EXPERT_CONTEXT = ("zero3", "expert:2,context:2,fsdp:2")
     ids=["gpt-capacity", "llama-dropless"],
 )
 @pytest.mark.filterwarnings("ignore:parallel.mesh .data.2,expert.2,tensor.2. gives zero3")
-def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, layouts, counted):
+def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(
+    family, moe, layouts, counted, tmp_path
+):
+    """Each layout trains the one-device run's losses, statistics and parameters; a checkpoint
+    saved after the first step on expert:4,fsdp:2 restores onto expert:8 (another expert-axis
+    size) bit for bit and its second step ends where one device's does."""
     batches = token_batches(steps=2)
     axes = {"batch_axis_name": "batch", "expert_axis": "expert"}
     # Fields of the model's own for the mesh's axes: under sequence parallelism, context.
@@ -231,15 +236,21 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
         return ce + extra, model_state
 
     expected, _, _ = plain_training(loss_fn, params, {}, adamw(), batches)
+    trainers = {}
     for strategy, mesh in layouts:
         fields = [by_axis[axis] for axis in by_axis if axis in (mesh or "")]
         model = tiny_moe(family, moe, **axes, **{k: v for f in fields for k, v in f.items()})
         trainer = moe_trainer(model, strategy, mesh)
         state = trainer.init(seed=0, sample_batch=batches[0])
         state = trainer.replace_state(state, params=params)
-        for batch in batches:
+        trainers[strategy, mesh] = trainer
+        for step, batch in enumerate(batches):
             ce, _, reported = forward(trainer.host_state(state).params, batch)
             state, metrics = trainer.step(state, batch)
+            if step == 0 and (strategy, mesh) == EXPERT_FSDP:
+                reader = trainers[EXPERT_8]
+                resumed = resume_on_another_expert_axis(trainer, state, reader, batches, tmp_path)
+                assert_trees_close(reader.host_state(resumed).params, expected)
             assert float(metrics["loss"]) == pytest.approx(float(ce), rel=1e-5)
             assert set(reported) <= set(metrics)
             for name, value in reported.items():
@@ -249,6 +260,15 @@ def test_a_moe_decoder_on_8_devices_trains_what_one_device_trains(family, moe, l
             assert_all_to_all_bytes(trainer, state, batches[0], MoESettings(**moe))
     if moe.get("dispatch") == "capacity":
         assert float(metrics["moe_dropped_fraction"]) > 0
+
+
+def resume_on_another_expert_axis(writer, state, reader, batches, tmp_path):
+    """`state` (after the first of `batches`) saved by `writer` and restored by `reader`, on
+    another expert-axis size, is the same state; returns it after `reader`'s second step."""
+    saved = writer.host_state(state)
+    _, restored, _ = save_and_restore(writer, state, reader, batches[0], str(tmp_path), step=1)
+    jax.tree.map(np.testing.assert_array_equal, reader.host_state(restored), saved)
+    return reader.step(restored, batches[1])[0]
 
 
 def assert_all_to_all_bytes(trainer, state, batch, settings: MoESettings):

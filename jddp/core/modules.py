@@ -14,6 +14,7 @@ a batch); a `__call__` that takes `train` gets it, one that takes `deterministic
 `nn.BatchNorm(axis_name="batch")` synchronizes over a mesh's `data` and `fsdp` axes unchanged.
 """
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Mapping
@@ -136,10 +137,15 @@ class LinenModule:
     def apply_sown(self, params, model_state, args, kwargs, *, train: bool, rng=None):
         """`apply`'s (outputs, model_state), and in training what the module sowed into
         jddp/core/sown.py's collections ({} in evaluation)."""
+        with self.binding_axes():
+            return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
+
+    def binding_axes(self):
+        """The context in which layers whose `axis_name` is an alias reduce over its axes (the
+        pipeline engine applies the model's layers one by one within it)."""
         if self._aliases:
-            with nn.intercept_methods(self._bind_axis_names):
-                return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
-        return self._apply(params, model_state, args, kwargs, train=train, rng=rng)
+            return nn.intercept_methods(self._bind_axis_names)
+        return contextlib.nullcontext()
 
     def _apply(self, params, model_state, args, kwargs, *, train: bool, rng):
         variables = {"params": params, **model_state}

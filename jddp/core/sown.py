@@ -8,7 +8,8 @@ with eval), into `METRICS` a number to log. Each device sows its own, and the st
 them over devices and micro-batches as it averages the loss: a layer sows what makes that
 average right (its devices' share of a global mean, or a value already global). Several
 layers' values of one name make one number: the minimum for names ending in `_min`, the
-maximum for `_max`, else the mean. Nothing is sown during initialization or evaluation.
+maximum for `_max`, else the mean (`combine`). Nothing is sown during initialization or
+evaluation. Stacked layers (a `Pipelined` stack) sow one value per layer along a leading axis.
 """
 
 import jax
@@ -22,7 +23,8 @@ COLLECTIONS = (LOSSES, METRICS)
 
 def sown_loss(collections) -> jax.Array | None:
     """The sum of every value sown into `LOSSES` (None: nothing was)."""
-    values = jax.tree.leaves(collections.get(LOSSES, {}))
+    # Stacked layers (`Pipelined`) sow one value per layer, along a leading axis.
+    values = [jnp.sum(v) for v in jax.tree.leaves(collections.get(LOSSES, {}))]
     return sum(values[1:], values[0]) if values else None
 
 
@@ -33,11 +35,11 @@ def sown_metrics(collections) -> dict[str, jax.Array]:
         by_name.setdefault(path[-1], []).extend(jax.tree.leaves(values))
     merged = {}
     for name, values in by_name.items():
-        stacked = jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
-        if name.endswith("_min"):
-            merged[name] = stacked.min()
-        elif name.endswith("_max"):
-            merged[name] = stacked.max()
-        else:
-            merged[name] = stacked.mean()
+        stacked = jnp.concatenate([jnp.asarray(v, jnp.float32).reshape(-1) for v in values])
+        merged[name] = getattr(stacked, combine(name))()  # its min, max or mean
     return merged
+
+
+def combine(name: str) -> str:
+    """How several layers' values of metric `name` make one: "min", "max" or "mean"."""
+    return name[-3:] if name.endswith(("_min", "_max")) else "mean"

@@ -218,6 +218,12 @@ class Task:
         without `lora`)."""
         return self.lora.adapting(train) if self.lora else contextlib.nullcontext()
 
+    def binding_axes(self):
+        """The context in which the model's layers reduce over the strategy's axes for the axis
+        names they were given (`axis_aliases`): the pipeline engine applies its layers itself."""
+        bind = getattr(self._module, "binding_axes", None)
+        return bind() if bind else contextlib.nullcontext()
+
     def frozen(self, params):
         """`params` as the model sees them: with LoRA, the base without gradient."""
         return self.lora.freeze(params) if self.lora else params

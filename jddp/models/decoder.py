@@ -235,7 +235,6 @@ class Decoder(nn.Module):
 
     def __post_init__(self):
         object.__setattr__(self, "moe", moe_settings(self.moe))  # hashable, checked
-        check_moe_layout(self)
         super().__post_init__()
 
     @property
@@ -425,17 +424,6 @@ def check_common(model: Decoder, positions: tuple[str, ...]) -> None:
     if model.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"{cls} attention_impl={model.attention_impl!r}; choose None, 'xla' or 'cudnn'"
-        )
-
-
-def check_moe_layout(model: Decoder) -> None:
-    """A ConfigError if `model` has a mixture of experts and stacked layers (`scan_layers`, a
-    stage axis): they do not run together yet."""
-    if model.moe is not None and model.scan_layers:
-        raise ConfigError(
-            "a mixture of experts (model_args.moe) does not run with stacked layers "
-            "(scan_layers, or a stage axis) yet; use unstacked layers and a mesh without a "
-            "stage axis, or a dense model"
         )
 
 

@@ -214,7 +214,8 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
     ConfigError for a rule of the user's own that decides no parameter (see the module doc).
 
     Parameters under `stack_path` (a `Pipelined` stack: leading axis = layer) get their rule's
-    spec for one layer, after a leading `stage` (consecutive layers per stage) or None."""
+    spec for one layer (a mixture of experts' experts split over `expert` too), after a leading
+    `stage` (consecutive layers per stage) or None."""
     prefix = "/".join(stack_path) + "/" if stack_path else None
     lead = "stage" if "stage" in mesh.axis_names else None
     decided = {}  # path -> index of the rule that decides it
@@ -223,7 +224,7 @@ def param_specs(params, rules, mesh: DeviceMesh, min_shard_size: int, stack_path
         text = path_str(path)
         decided[text] = index = first_rule(text, rules)
         if prefix and text.startswith(prefix):
-            return P(lead, *_spec_by(index, text, x.shape[1:], rules, mesh, min_shard_size))
+            return P(lead, *_layout(index, text, x.shape[1:], rules, mesh, min_shard_size))
         return _layout(index, text, x.shape, rules, mesh, min_shard_size)
 
     specs = jax.tree_util.tree_map_with_path(spec, params)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp.core import row_keys
+from jddp.core import row_keys, sown
 from jddp.core.layer_stacks import join_stack, split_stack
 from jddp.core.task import Task, cast_floats
 from jddp.errors import ShapeError
@@ -115,4 +115,17 @@ class Pipeline:
         buffers, _ = lax.scan(stage.tick, stage.start(), jnp.arange(self.schedule.ticks))
         # The replicated parts' gradients and the `Totals` live on the first and last stage.
         grad_rest, totals = lax.psum((buffers.grad_rest, buffers.metrics), self.axis)
-        return (buffers.grads, grad_rest), totals
+        reported = self._sown_metrics(buffers.sown)
+        return (buffers.grads, grad_rest), totals.replace(sums={**reported, **totals.sums})
+
+    def _sown_metrics(self, per_stage) -> dict:
+        """What the layers sowed as metrics, each micro-batch's combined over the stages' layers
+        as `sown.combine` says, averaged over the micro-batches: the number `Task` reports for
+        an accumulation step of the same micro-batch (jddp/core/sown.py)."""
+        reduce = {"min": lax.pmin, "max": lax.pmax, "mean": lax.psum}
+        reported = {}
+        for name, values in per_stage.items():
+            how = sown.combine(name)
+            values = reduce[how](values, self.axis)
+            reported[name] = values.mean() / (self.stack.num_layers if how == "mean" else 1)
+        return reported

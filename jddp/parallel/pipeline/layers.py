@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jddp.core import sown
 from jddp.core.layer_stacks import Stack, stack_initialized
 from jddp.errors import ConfigError
 
@@ -87,7 +88,8 @@ class Pipelined(nn.Module):
             body = lambda block, carry, key: (block(carry, *args, key), None)  # noqa: E731
         scan = nn.scan(
             body,
-            variable_axes={"params": 0},
+            # What the layers sow (jddp/core/sown.py) stacked by layer, as their parameters.
+            variable_axes={"params": 0, **dict.fromkeys(sown.COLLECTIONS, 0)},
             split_rngs={"params": True, "dropout": True},
             length=self.num_layers,
         )

@@ -4,6 +4,7 @@ own code (jddp/parallel/pipeline/layers.py stops the stack or feeds it its outpu
 
 import jax
 
+from jddp.core import sown
 from jddp.core.task import Task
 from jddp.parallel.pipeline import layers
 
@@ -38,14 +39,19 @@ class ModelParts:
         return totals.sums["loss"], totals
 
     def layer(self, layer_params, x, rng, call: layers.StackCall, index):
-        """Layer `index` of the stack (`layer_params` already in the compute dtype) on `x`,
-        with the arguments of the micro-batch's `call` (`capture`: per-row ones, such as packed
-        documents' ids, are the micro-batch's): it gets `fold_in(call.layer_key, index)` as its
-        last argument when the model gave its stack a key (see `Pipelined`)."""
+        """(output, what it sowed) of layer `index` of the stack (`layer_params` already in the
+        compute dtype) on `x`, with the arguments of the micro-batch's `call` (`capture`:
+        per-row ones, such as packed documents' ids, are the micro-batch's): it gets
+        `fold_in(call.layer_key, index)` as its last argument when the model gave its stack a
+        key (see `Pipelined`). What it sowed: (the sum of its sown losses or None, its sown
+        metrics), jddp/core/sown.py."""
         args, layer_key = call.args, call.layer_key
         if layer_key is not None:
             args = (*args, jax.random.fold_in(layer_key, index))
         key = jax.random.fold_in(rng, index)
-        with self.task.adapting(train=True):
+        with self.task.adapting(train=True), self.task.binding_axes():
             params = {"params": self.task.frozen(layer_params)}
-            return call.block.apply(params, x, *args, rngs={"dropout": key})
+            y, reports = call.block.apply(
+                params, x, *args, rngs={"dropout": key}, mutable=list(sown.COLLECTIONS)
+            )
+        return y, (sown.sown_loss(reports), sown.sown_metrics(reports))

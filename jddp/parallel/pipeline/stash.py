@@ -31,17 +31,18 @@ class LayerTape:
         self.layout = None
 
     def forward(self, fn, own, x):
-        """(fn(own, x), the residuals to stash): `own` is the layer's parameters."""
+        """(y, the residuals to stash, aux) of `fn(own, x) = (y, aux)`: `own` is the layer's
+        parameters; the pullback is y's (aux, such as the metrics a layer sowed, has none)."""
         if self.policy is not None:
             fn = jax.checkpoint(fn, policy=self.policy)
-        y, pullback = jax.vjp(fn, own, x)
+        y, pullback, aux = jax.vjp(fn, own, x, has_aux=True)
         ids = {id(p): n for n, p in enumerate(jax.tree.leaves(own))}
         leaves, tree = jax.tree.flatten(pullback)
         which = [ids.get(id(leaf)) for leaf in leaves]
         if self.layout is None:
             self.layout = (which, tree)
         assert self.layout[0] == which, "the pullback's parameters changed between traces"
-        return y, [leaf for leaf, n in zip(leaves, which, strict=True) if n is None]
+        return y, [leaf for leaf, n in zip(leaves, which, strict=True) if n is None], aux
 
     def pullback(self, residuals, own):
         """The layer's pullback from its stashed `residuals` and its parameters `own`."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp.core import row_keys
+from jddp.core import row_keys, sown
 from jddp.core.weighted import Totals
 from jddp.parallel.pipeline import sends
 from jddp.parallel.pipeline.parts import ModelParts
@@ -40,8 +40,21 @@ class Buffers(NamedTuple):
     inbox_b: jax.Array  # cotangents from the next stage (and the last stage's own), (slot, ...)
     inbox_f: jax.Array  # activations from the previous stage, (slot, ...)
     metrics: Totals  # loss and metrics, each micro-batch's / M summed (weighted.py)
+    # What the stage's layers sowed as metrics (jddp/core/sown.py), per micro-batch (M,): the
+    # min, max or sum over its layers, as `sown.combine` says.
+    sown: dict
     middle: jax.Array  # cotangents between the backward's two halves, (slot, ...)
     stash: list  # the stash's buffers (stash.py)
+
+
+# What a micro-batch's sown metrics start from, before its first layer.
+SOWN_START = {"min": jnp.inf, "max": -jnp.inf, "mean": 0.0}
+
+
+def _combined(name: str, so_far, value):
+    """`so_far` and one more layer's `value` of sown metric `name` made one (the mean's sum)."""
+    how = sown.combine(name)
+    return {"min": jnp.minimum, "max": jnp.maximum, "mean": jnp.add}[how](so_far, value)
 
 
 def _add(a, b):
@@ -93,6 +106,14 @@ class StageTicks:
             ),
         )
         self.stash = Stash(self.tape, residual_shapes, schedule.stash_slots, self.chunk_layers)
+        # What a layer sows: a loss (its output is then (y, loss)), metrics.
+        output, _, self.sown_shapes = jax.eval_shape(
+            lambda x: self.layer_forward(
+                self.tape, x, parts.capture(rest, self.take(0), self.key(0)), 0, 0, 0
+            ),
+            self.x_shape,
+        )
+        self.sows_loss = isinstance(output, tuple)
         # Which names are weighted: the structure of a micro-batch's `Totals`.
         self.totals_shapes = jax.eval_shape(
             lambda x: parts.after(rest, x, self.take(0), self.key(0))[1], self.x_shape
@@ -120,6 +141,10 @@ class StageTicks:
             grads=zeros(self.trainable(self.params)),
             grad_rest=zeros(self.trainable(self.rest)),
             metrics=zeros(self.totals_shapes),
+            sown={
+                name: jnp.full(sched.microbatches, SOWN_START[sown.combine(name)], jnp.float32)
+                for name in self.sown_shapes
+            },
         )
 
     # ------------------------------------------------------------------------- one tick
@@ -130,11 +155,11 @@ class StageTicks:
             self.tables[name][t, self.stage]
             for name in ("op", "read", "stash", "microbatch", "chunk")
         )
-        (stash, grad_rest, metrics), send_f, own = lax.cond(
+        (stash, grad_rest, metrics, sown_metrics), send_f, own = lax.cond(
             op == FORWARD,
             self.forward,
             self.no_forward,
-            (buffers.stash, buffers.grad_rest, buffers.metrics),
+            (buffers.stash, buffers.grad_rest, buffers.metrics, buffers.sown),
             buffers.inbox_f[read],
             slot,
             m,
@@ -170,7 +195,9 @@ class StageTicks:
             )
             send_b = jnp.where(op == BACKWARD_LOW, send_b_low, send_b)
         received = sends.exchange(send_f, send_b, op >= 0, self.axis, self.pairs)
-        buffers = buffers._replace(stash=stash, grads=grads, grad_rest=grad_rest, metrics=metrics)
+        buffers = buffers._replace(
+            stash=stash, grads=grads, grad_rest=grad_rest, metrics=metrics, sown=sown_metrics
+        )
         return self.receive(buffers, t, op, received, own, middle), None
 
     def receive(self, buffers: Buffers, t, op, received, own, middle) -> Buffers:
@@ -189,12 +216,17 @@ class StageTicks:
 
     # --------------------------------------------------------------------------- forward
     def layer_forward(self, tape, x, call, m, r, i):
-        """(output, residuals to stash) of layer `i` of chunk `r` on `x` for micro-batch `m`
-        (whose stack `call` gives the layers' arguments), through `tape`."""
+        """(output, residuals to stash, the metrics it sowed) of layer `i` of chunk `r` on `x`
+        for micro-batch `m` (whose stack `call` gives the layers' arguments), through `tape`;
+        the output is (y, its sown loss) where the layer sows one."""
         own = _at(self.params, r, i)
         # The layer's index in the whole stack: chunk r of stage s is the model's group r S + s.
         index = (r * self.schedule.stages + self.stage) * self.chunk_layers + i
-        fn = lambda p, x: self.parts.layer(p, x, self.key(m), call, index)  # noqa: E731
+
+        def fn(p, x):
+            y, (loss, metrics) = self.parts.layer(p, x, self.key(m), call, index)
+            return (y if loss is None else (y, loss)), metrics
+
         return tape.forward(fn, own, x)
 
     def forward(self, kept, x_in, slot, m, r):
@@ -202,7 +234,7 @@ class StageTicks:
         the model's first group): residuals into the stash at `slot`; after the model's last
         group, head and loss too. Returns ((stash, grad_rest, metrics), the send forward, the
         own output cotangent)."""
-        stash, grad_rest, metrics = kept
+        stash, grad_rest, metrics, sown_metrics = kept
         batch, sched = self.take(m), self.schedule
         first = (self.stage == 0) & (r == 0)
         last = (self.stage == sched.stages - 1) & (r == sched.repeats - 1)
@@ -210,15 +242,21 @@ class StageTicks:
         call = self.parts.capture(self.rest, batch, self.key(m))
 
         def layer(carry, i):
-            x, stash = carry
-            y, residuals = self.layer_forward(self.tape, x, call, m, r, i)
-            return (y, self.stash.write(stash, residuals, slot, i)), None
+            x, stash, sown_m = carry
+            y, residuals, reported = self.layer_forward(self.tape, x, call, m, r, i)
+            y = y[0] if self.sows_loss else y  # the loss's cotangent is the backward's
+            sown_m = {name: _combined(name, sown_m[name], reported[name]) for name in sown_m}
+            return (y, self.stash.write(stash, residuals, slot, i), sown_m), None
 
-        (x, stash), _ = lax.scan(layer, (x, stash), jnp.arange(self.chunk_layers))
+        this_micro = {name: values[m] for name, values in sown_metrics.items()}
+        (x, stash, this_micro), _ = lax.scan(
+            layer, (x, stash, this_micro), jnp.arange(self.chunk_layers)
+        )
+        sown_metrics = {name: v.at[m].set(this_micro[name]) for name, v in sown_metrics.items()}
         grad_rest, metrics, own = lax.cond(
             last, functools.partial(self.head, x, batch, m), self.no_head, grad_rest, metrics
         )
-        return (stash, grad_rest, metrics), jnp.where(last, self.idle_send, x), own
+        return (stash, grad_rest, metrics, sown_metrics), jnp.where(last, self.idle_send, x), own
 
     def head(self, x, batch, m, grad_rest, metrics):
         """Head and loss of micro-batch `m` on the stack's output `x`: (grad_rest, metrics)
@@ -247,10 +285,13 @@ class StageTicks:
         the last, its gradients added in place. Returns (grads, grad_rest, the cotangent for
         the middle, the send back)."""
 
+        # A sown loss is added to each micro-batch's loss, which the pipeline averages.
+        d_loss = jnp.asarray(1.0 / self.schedule.microbatches, jnp.float32)
+
         def layer(carry, i):
             d_y, grads = carry
             pullback = self.tape.pullback(self.stash.read(stash, slot, i), _at(self.params, r, i))
-            d_own, d_x = pullback(d_y)
+            d_own, d_x = pullback((d_y, d_loss) if self.sows_loss else d_y)
             d_own = self.trainable(d_own)
             # A scatter-add: XLA fuses the read, add and write (a slice and a `put` would copy
             # the layer's gradients out first).

@@ -308,9 +308,8 @@ def decoder_dimensions(model, seq_len: int) -> Transformer:
 
 
 def refused_axes(model) -> tuple[tuple[str, str], ...]:
-    """(axis, the model's own one-line refusal) for each mesh axis a jddp decoder cannot run on
-    (jddp/models/decoder.py `check_moe_layout`: a mixture of experts with stacked layers, as a
-    stage axis needs them)."""
+    """(axis, the model's own one-line refusal) for each mesh axis a jddp decoder cannot run on:
+    `stage` where the model refuses to stack its layers, as a pipeline needs them."""
     from jddp.errors import ConfigError
 
     try:

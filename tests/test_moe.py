@@ -268,14 +268,21 @@ def one_device_forward(reference):
     return forward
 
 
-def test_moe_layers_in_a_pipeline_train_what_one_device_trains_micro_batch_by_micro_batch():
+@pytest.mark.parametrize(
+    "moe,meshes",
+    [(CAPACITY, ("stage:2,expert:4", "stage:2,fsdp:4")), (MOE, ("stage:2,expert:4",))],
+    ids=["capacity", "dropless"],
+)
+def test_moe_layers_in_a_pipeline_train_what_one_device_trains_micro_batch_by_micro_batch(
+    moe, meshes
+):
     """On a pipeline (2 stages, 2 micro-batches, 4 replicas; experts split over expert or
     whole), the 2 layers' auxiliary losses and metrics are each global micro-batch's, as with
     accumulation on one device: the losses, statistics and parameters are one device's fed
-    those micro-batches."""
+    those micro-batches, with tokens dropped (capacity) and without (dropless)."""
     batches, replicas, micro = token_batches(steps=2), 4, 2
     dims = dict(vocab_size=64, num_layers=2, num_heads=4, embed_dim=32, max_seq_len=16)
-    reference = GPT(**dims, mlp_dim=32, moe=CAPACITY, scan_layers=True)  # stacked, as stages
+    reference = GPT(**dims, mlp_dim=32, moe=moe, scan_layers=True)  # stacked, as stages
     params = reference.init(jax.random.key(0), batches[0]["inputs"][:1])["params"]
     forward = one_device_forward(reference)
     rows = len(batches[0]["inputs"]) // replicas // micro
@@ -297,7 +304,7 @@ def test_moe_layers_in_a_pipeline_train_what_one_device_trains_micro_batch_by_mi
     )
     axes = {"batch_axis_name": "batch", "expert_axis": "expert"}
     model = reference.clone(**axes)
-    for mesh in ("stage:2,expert:4", "stage:2,fsdp:4"):
+    for mesh in meshes:
         trainer = moe_trainer(model, "zero3", mesh)
         state = trainer.init(seed=0, sample_batch=batches[0])
         state = trainer.replace_state(state, params=params)

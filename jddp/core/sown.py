@@ -15,6 +15,7 @@ evaluation. Stacked layers (a `Pipelined` stack) sow one value per layer along a
 import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
+from jax import lax
 
 LOSSES = "aux_losses"
 METRICS = "aux_metrics"
@@ -43,3 +44,28 @@ def sown_metrics(collections) -> dict[str, jax.Array]:
 def combine(name: str) -> str:
     """How several layers' values of metric `name` make one: "min", "max" or "mean"."""
     return name[-3:] if name.endswith(("_min", "_max")) else "mean"
+
+
+# Per way of combining: the value before any layer's, two values made one, and the values of
+# a mesh axis made one (a mean's as its sum: the caller divides). A pipeline combines its
+# stages' layers with these (jddp/parallel/pipeline/ticks.py, engine.py).
+_WAYS = {
+    "min": (jnp.inf, jnp.minimum, lax.pmin),
+    "max": (-jnp.inf, jnp.maximum, lax.pmax),
+    "mean": (0.0, jnp.add, lax.psum),
+}
+
+
+def start(name: str) -> float:
+    """Metric `name`'s value before any layer's is combined into it."""
+    return _WAYS[combine(name)][0]
+
+
+def fold(name: str, so_far: jax.Array, value: jax.Array) -> jax.Array:
+    """`so_far` and one more layer's `value` of metric `name` made one (a mean's sum)."""
+    return _WAYS[combine(name)][1](so_far, value)
+
+
+def over_axis(name: str, values: jax.Array, axis: str) -> jax.Array:
+    """Metric `name`'s `values` combined over mesh `axis` (a mean's summed)."""
+    return _WAYS[combine(name)][2](values, axis)

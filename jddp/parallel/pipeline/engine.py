@@ -122,10 +122,9 @@ class Pipeline:
         """What the layers sowed as metrics, each micro-batch's combined over the stages' layers
         as `sown.combine` says, averaged over the micro-batches: the number `Task` reports for
         an accumulation step of the same micro-batch (jddp/core/sown.py)."""
-        reduce = {"min": lax.pmin, "max": lax.pmax, "mean": lax.psum}
         reported = {}
         for name, values in per_stage.items():
-            how = sown.combine(name)
-            values = reduce[how](values, self.axis)
-            reported[name] = values.mean() / (self.stack.num_layers if how == "mean" else 1)
+            values = sown.over_axis(name, values, self.axis)
+            mean = sown.combine(name) == "mean"
+            reported[name] = values.mean() / (self.stack.num_layers if mean else 1)
         return reported

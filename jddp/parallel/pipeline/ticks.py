@@ -47,16 +47,6 @@ class Buffers(NamedTuple):
     stash: list  # the stash's buffers (stash.py)
 
 
-# What a micro-batch's sown metrics start from, before its first layer.
-SOWN_START = {"min": jnp.inf, "max": -jnp.inf, "mean": 0.0}
-
-
-def _combined(name: str, so_far, value):
-    """`so_far` and one more layer's `value` of sown metric `name` made one (the mean's sum)."""
-    how = sown.combine(name)
-    return {"min": jnp.minimum, "max": jnp.maximum, "mean": jnp.add}[how](so_far, value)
-
-
 def _add(a, b):
     return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
@@ -142,7 +132,7 @@ class StageTicks:
             grad_rest=zeros(self.trainable(self.rest)),
             metrics=zeros(self.totals_shapes),
             sown={
-                name: jnp.full(sched.microbatches, SOWN_START[sown.combine(name)], jnp.float32)
+                name: jnp.full(sched.microbatches, sown.start(name), jnp.float32)
                 for name in self.sown_shapes
             },
         )
@@ -245,7 +235,7 @@ class StageTicks:
             x, stash, sown_m = carry
             y, residuals, reported = self.layer_forward(self.tape, x, call, m, r, i)
             y = y[0] if self.sows_loss else y  # the loss's cotangent is the backward's
-            sown_m = {name: _combined(name, sown_m[name], reported[name]) for name in sown_m}
+            sown_m = {name: sown.fold(name, sown_m[name], reported[name]) for name in sown_m}
             return (y, self.stash.write(stash, residuals, slot, i), sown_m), None
 
         this_micro = {name: values[m] for name, values in sown_metrics.items()}

@@ -2,6 +2,8 @@
 `jax.jit` + optax loop that shares nothing with jddp but the model, optimizer and initial
 parameters, plus the small model and batches those tests train, and tolerance checks."""
 
+import hashlib
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -178,9 +180,10 @@ def optimizer_for(clip: bool):
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adam) if clip else adam
 
 
-def train_and_compare(trainer, optimizer, batches) -> list[float]:
+def train_and_compare(trainer, optimizer, batches, reference=reference_training) -> list[float]:
     """Trains `trainer` on `batches` from its own initial parameters, checks parameters and
-    per-step losses against `reference_training` from the same start; returns the grad norms."""
+    per-step losses against `reference` (`reference_training` or one of its signature) from the
+    same start; returns the grad norms."""
     state = trainer.init(seed=0, sample_batch=batches[0])
     initial = trainer.host_state(state).params
     losses, grad_norms = [], []
@@ -188,7 +191,7 @@ def train_and_compare(trainer, optimizer, batches) -> list[float]:
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
-    expected_params, expected_losses = reference_training(initial, optimizer, batches)
+    expected_params, expected_losses = reference(initial, optimizer, batches)
     final = trainer.host_state(state)
     assert_trees_close(final.params, expected_params)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
@@ -202,3 +205,19 @@ def assert_replicas_identical(tree):
         replicas = [np.asarray(shard.data) for shard in leaf.addressable_shards]
         for replica in replicas[1:]:
             np.testing.assert_array_equal(replica, replicas[0])
+
+
+_COMPUTED = {}
+
+
+def computed_once(compute, *inputs):
+    """`compute(*inputs)`, computed once per test process for inputs of the same values (a hash
+    of their leaves): the parametrized cases of a layout test share one single-device reference.
+    `compute` is a named function whose result depends on `inputs` alone."""
+    hashed = hashlib.sha256()
+    for leaf in jax.tree.leaves(inputs):
+        hashed.update(np.ascontiguousarray(leaf).tobytes())
+    key = (compute.__module__, compute.__qualname__, hashed.hexdigest())
+    if key not in _COMPUTED:
+        _COMPUTED[key] = compute(*inputs)
+    return _COMPUTED[key]

@@ -18,7 +18,6 @@ from tests.commands_in_one_process import run_commands
 from tests.helpers import (
     BeforeRerun,
     assert_error_exit,
-    run_cli,
     save_and_restore,
     small_config,
     small_net_trainer,
@@ -231,9 +230,13 @@ def test_export_equals_the_final_checkpoint_and_init_from_starts_there(tmp_path)
 FAST = ["--config.num_train_steps=10", "--config.checkpoint_every=5", "--config.warmup_steps=0"]
 
 
-def test_init_from_nothing_or_another_model_is_refused_in_one_line(tmp_path):
+def test_init_from_nothing_or_another_model_and_its_workdir_are_refused_in_one_line(tmp_path):
+    """init_from a folder that does not exist, or the CNN's run for the MLP; the MLP into the
+    CNN's workdir, refused unless overridden, then refused as it cannot fit: each one line with
+    exit code 2, nothing written, the CNN's run untouched. Two processes: the second starts
+    after the CNN's run is on disk."""
     cnn = tmp_path / "cnn"
-    result, made = run_commands(  # one process; the last command starts its own
+    result, made = run_commands(
         [
             [
                 "experiments.train",
@@ -251,24 +254,16 @@ def test_init_from_nothing_or_another_model_is_refused_in_one_line(tmp_path):
     assert_error_exit(result, "init_from", "does not exist")
     assert not (tmp_path / "a").exists()
     assert made.returncode == 0, made.stderr
-    before = sorted(os.listdir(cnn / "checkpoints"))
-    result = run_cli(f"--workdir={tmp_path / 'b'}", f"--config.init_from={cnn}", *FAST)
-    assert_error_exit(result, "parameter", "shape", "in init_from", "same model")
-    assert sorted(os.listdir(cnn / "checkpoints")) == before
-
-
-def test_workdir_of_another_model_is_refused_unless_overridden(tmp_path):
-    workdir = tmp_path / "run"
-    assert run_cli(f"--workdir={workdir}", *FAST).returncode == 0
-    before = snapshot(workdir)
-    cnn = [
-        "experiments.train",
-        f"--workdir={workdir}",
-        "--config=experiments/configs/digits_cnn.py",
-    ]
-    result, overridden = run_commands(  # both refused: one process runs the two
-        [[*cnn, *FAST], [*cnn, "--config.allow_config_change=true", *FAST]]
+    before = snapshot(cnn)
+    mlp = ["experiments.train", *FAST]
+    from_cnn, into_cnn, overridden = run_commands(
+        [
+            [*mlp, f"--workdir={tmp_path / 'b'}", f"--config.init_from={cnn}"],
+            [*mlp, f"--workdir={cnn}"],
+            [*mlp, f"--workdir={cnn}", "--config.allow_config_change=true"],
+        ]
     )
-    assert_error_exit(result, "another config", "model: 'mlp' -> 'cnn'", "allow_config_change")
+    assert_error_exit(from_cnn, "parameter", "shape", "in init_from", "same model")
+    assert_error_exit(into_cnn, "another config", "model: 'cnn' -> 'mlp'", "allow_config_change")
     assert_error_exit(overridden, "'params/", "another model")  # it cannot fit, says why
-    assert snapshot(workdir) == before
+    assert snapshot(cnn) == before

@@ -26,6 +26,7 @@ from tests.reference import (
     EvenNet,
     SmallNet,
     assert_trees_close,
+    computed_once,
     make_batches,
     optimizer_for,
     per_example_ce,
@@ -57,6 +58,11 @@ def per_device_grads(params, batch, num_devices):
         for i in range(num_devices)
     ]
     return jax.tree.map(lambda *g: np.stack(g).astype(np.float64), *grads)
+
+
+def each_devices_grads(params, batches):
+    """`per_device_grads` of 8 devices on each batch, as lists of leaves."""
+    return [jax.tree.leaves(per_device_grads(params, batch, 8)) for batch in batches]
 
 
 # (strategy, mesh, bfloat16 roundings after the inputs', the `collectives` choices run): all-reduce
@@ -92,9 +98,8 @@ def test_bfloat16_gradients_are_within_the_derived_bound_of_the_float32_mean(
             collectives=collectives,
         )
         state = trainer.init(seed=0, sample_batch=batches[0])
-        if expected is None:  # the same initial parameters under both choices
-            params = trainer.host_state(state).params
-            expected = [jax.tree.leaves(per_device_grads(params, b, 8)) for b in batches]
+        if expected is None:  # the same initial parameters under both choices (and strategies)
+            expected = computed_once(each_devices_grads, trainer.host_state(state).params, batches)
         worst, reduced[collectives] = 0.0, []
         for batch, devices_grads in zip(batches, expected, strict=True):
             state, _ = trainer.step(state, batch)

@@ -187,19 +187,21 @@ def _per_layer(params):
     return layer_stacks.to_per_layer(jax.tree.map(np.asarray, params))
 
 
+# Each checkpoint on the layouts that read, place or run it differently. Sequence parallelism
+# changes the activations only, not which shard of a tensor each device reads: a model on
+# data:2,fsdp:2,tensor:2 is read the same with it or without it, so each model appears on that
+# mesh once (the Llama without it, the others with it), and GPT-2's shards split over fsdp are
+# read on fsdp:2 (there) and fsdp:4 (stage:2,fsdp:4); the Llama on fsdp:8 reads sharded files.
 CASES = [
     ("llama", "1 device"),
     ("llama-sharded", "fsdp:8"),
-    ("llama", "data:2,fsdp:2,tensor:2"),
+    ("llama", "data:2,fsdp:2,tensor:2"),  # 2 key/value heads: split over tensor
     # every field the families add, at once (a superset of the plain Llama's layout)
     ("qwen3-all", "data:2,fsdp:2,tensor:2 sp"),
     ("qwen3-all", "stage:2,fsdp:4"),
     ("llama-mqa", "data:2,fsdp:2,tensor:2 sp"),  # one key/value head: replicated over tensor
-    ("llama-mqa", "data:2,fsdp:2,tensor:2"),
     ("gpt2", "1 device"),
-    ("gpt2", "fsdp:8"),
-    ("gpt2", "data:2,fsdp:2,tensor:2"),
-    ("gpt2", "data:2,fsdp:2,tensor:2 sp"),
+    ("gpt2", "data:2,fsdp:2,tensor:2 sp"),  # its fused q/k/v kernel split over tensor
     ("gpt2", "stage:2,fsdp:4"),
 ]
 

@@ -20,6 +20,7 @@ import jddp
 from jddp.checkpoints import hf
 from jddp.errors import JddpError
 from jddp.run import export
+from tests.commands_in_one_process import run_commands
 from tests.helpers import (
     BeforeRerun,
     assert_error_exit,
@@ -234,7 +235,8 @@ def _train_in_process(root, workdir, overrides: dict):
 
 
 def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, capsys):
-    """Two mistakes through the command (its flags, one line and exit code 2); the others, each
+    """Two mistakes through the command's entry point, both in one process (its flags, one line
+    and exit code 2; pipelined_run starts the command itself); the others, each
     found by the same checks of `train_and_evaluate` that the command reports that way, as the
     library's one-line error with exit code 2 (a process start each would cost seconds)."""
     root = llama_dir
@@ -263,18 +265,19 @@ def test_careless_inputs_are_one_line_and_write_nothing(llama_dir, capsys):
         "optimizer": ({"init_from_optimizer": True}, ["weights only"]),
     }
     before = snapshot(root)
-    with ThreadPoolExecutor(2) as pool:
-        results = pool.map(
-            lambda item: (item[0], _train(root, *item[1][0], workdir=item[0])),
-            on_the_command_line.items(),
-        )
+    commands = [
+        ["jddp.run.train", *_train_flags(root, name), *flags]
+        for name, (flags, _) in on_the_command_line.items()
+    ]
+    with ThreadPoolExecutor(1) as pool:  # both commands in one process, beside the library's
+        results = pool.submit(run_commands, commands)
         for name, (overrides, words) in in_the_library.items():
             with pytest.raises(JddpError) as error:
                 _train_in_process(root, name.replace(" ", "-"), overrides)
             assert error.value.exit_code == 2, name
             assert_one_line(error, *words)
-        for name, result in results:
-            assert_error_exit(result, *on_the_command_line[name][1])
+        for result, (_, words) in zip(results.result(), on_the_command_line.values(), strict=True):
+            assert_error_exit(result, *words)
     assert snapshot(root) == before  # no workdir made, no checkpoint touched
 
     # jddp-export's: its parser's in-process (one line, exit 2); the rest as the library's

@@ -14,6 +14,7 @@ from tests.reference import (
     assert_replicas_identical,
     assert_trees_close,
     batchnorm_classifier_loss,
+    computed_once,
     plain_training,
 )
 
@@ -37,10 +38,21 @@ def tiny_resnet18(**kwargs) -> ResNet:
     return ResNet(num_classes=10, depth=18, stem="cifar", width=4, **kwargs)
 
 
+def sgd():
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def one_device_reference(params, model_state, batches):
+    """(params, model_state, losses) of the plain single-device loop from `params` and
+    `model_state` on `batches`: BatchNorm sees the whole global batch by itself."""
+    loss_fn = batchnorm_classifier_loss(tiny_resnet18())
+    return plain_training(loss_fn, params, model_state, sgd(), batches)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "auto"])
 def test_synchronized_batchnorm_equals_one_device_on_the_global_batch(strategy):
     batches = image_batches()
-    optimizer = optax.sgd(0.05, momentum=0.9)
+    optimizer = sgd()
     model = tiny_resnet18(batch_axis_name=jddp.batch_axis_name(strategy))
     trainer = jddp.Trainer(
         model,
@@ -54,13 +66,9 @@ def test_synchronized_batchnorm_equals_one_device_on_the_global_batch(strategy):
     initial = trainer.host_state(state)
     state, losses = train_steps(trainer, state, batches)
 
-    # One device: BatchNorm sees the whole global batch by itself.
-    params, model_state, expected_losses = plain_training(
-        batchnorm_classifier_loss(tiny_resnet18()),
-        initial.params,
-        initial.model_state,
-        optimizer,
-        batches,
+    # One device (computed once: the strategies start from the same initialization).
+    params, model_state, expected_losses = computed_once(
+        one_device_reference, initial.params, initial.model_state, batches
     )
     host = trainer.host_state(state)
     # signed: each block's last BatchNorm scale starts at zero, so its entries are sums of

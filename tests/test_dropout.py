@@ -1,6 +1,6 @@
 """Dropout is the same run on every layout: an example's random numbers depend on the seed, the
-step and its row of the global batch only (jddp/core/row_keys.py), so training with dropout on 2,
-4 or 8 devices, under ddp, ZeRO-3, a tensor mesh, sequence or context parallelism, a pipeline or
+step and its row of the global batch only (jddp/core/row_keys.py), so training with dropout on 4
+or 8 devices, under ddp, ZeRO-3, a tensor mesh, sequence or context parallelism, a pipeline or
 gradient accumulation, equals one device — and one device equals a plain optax loop that draws
 each step's masks by the documented rule, written here with threefry itself (not jddp's row
 keys): element (row, position within the row) of a draw for the whole batch hashes those two
@@ -118,7 +118,6 @@ def test_a_draw_for_the_batch_is_the_draws_for_its_slices():
 GPT_BATCH = 16
 GPT_LAYOUTS = {
     "ddp 1": ("ddp", None, dict(devices=jax.devices()[:1])),
-    "ddp 2": ("ddp", None, dict(devices=jax.devices()[:2])),
     "ddp 4, accumulation 2": ("ddp", None, dict(devices=jax.devices()[:4], grad_accum_steps=2)),
     "ddp 8": ("ddp", None, {}),
     "zero3 fsdp:8": ("zero3", "fsdp:8", {}),
@@ -178,7 +177,7 @@ def test_gpt_with_dropout_equals_one_device_on_every_layout(layout, gpt_referenc
 def test_dropout_is_on(gpt_reference):
     """The reference really drops: without dropout its first loss differs."""
     batches, params, _, losses = gpt_reference
-    logits = tiny_gpt.tiny_gpt().apply({"params": params}, batches[0]["inputs"])
+    logits = jax.jit(tiny_gpt.tiny_gpt().apply)({"params": params}, batches[0]["inputs"])
     no_dropout = optax.softmax_cross_entropy_with_integer_labels(logits, batches[0]["targets"])
     assert abs(float(no_dropout.mean()) - losses[0]) > 1e-3
 
@@ -208,7 +207,6 @@ class NnxDropNet(nnx.Module):
 
 USER_LAYOUTS = {
     "ddp 1": dict(devices=jax.devices()[:1]),
-    "ddp 2": dict(devices=jax.devices()[:2]),
     "ddp 4": dict(devices=jax.devices()[:4]),
     "ddp 8, accumulation 2": dict(grad_accum_steps=2),
     "zero3 fsdp:8": dict(strategy="zero3", min_shard_size=1),
@@ -225,14 +223,27 @@ def user_trainer(model, **options):
     return jddp.Trainer(model, per_example_ce, optax.adam(3e-3), **options)
 
 
+_LINEN_REFERENCES = {}
+
+
+def linen_reference(initial, batches):
+    """The plain loop's (final parameters, losses) for DropNet from `initial` on `batches`:
+    computed once per initial parameters (every layout draws the same ones from seed 0)."""
+    key = tuple(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves((initial, batches)))
+    if key not in _LINEN_REFERENCES:
+        renamed = [{"x": b["image"], "label": b["label"]} for b in batches]
+        final, _, losses = reference(
+            DropNet(), per_example_ce, initial, optax.adam(3e-3), renamed, train=True
+        )
+        _LINEN_REFERENCES[key] = final, losses
+    return _LINEN_REFERENCES[key]
+
+
 @pytest.mark.parametrize("layout", USER_LAYOUTS)
 def test_a_users_linen_dropout_equals_one_device(layout):
     batches = make_batches()[:STEPS]
     initial, final, losses = train(user_trainer(DropNet(), **USER_LAYOUTS[layout]), batches)
-    renamed = [{"x": b["image"], "label": b["label"]} for b in batches]
-    expected_final, _, expected = reference(
-        DropNet(), per_example_ce, initial, optax.adam(3e-3), renamed, train=True
-    )
+    expected_final, expected = linen_reference(initial, batches)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(final, expected_final)
 

@@ -62,6 +62,9 @@ def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path, source, 
     jax.tree.map(np.testing.assert_array_equal, reader.host_state(state), same_layout(saved))
     for batch in batches[10:]:
         state, _ = reader.step(state, batch)
+    # One reference for every case: the unrolled model's (a stack is a layout, the same
+    # parameters), from the writer's initial parameters in per-layer blocks.
+    initial = layer_stacks.to_per_layer(initial)
     params, *_ = reference_from("learned", True, initial, LAYERS, batches)
     assert_trees_close(reader.host_state(state).params, same_layout(params))
 

@@ -28,8 +28,8 @@ from jddp.parallel.pipeline.parts import ModelParts
 from jddp.parallel.pipeline.schedule import Schedule, bubble_fraction
 from jddp.parallel.pipeline.ticks import StageTicks
 
-# What idle slots hold and idle sends carry. 0.0; the bubble test sets NaN to prove that no
-# idle value ever reaches a result.
+# What idle slots hold and idle sends carry. 0.0; tests/test_pipeline.py sets NaN in the cases
+# with the most idle ticks, to prove that no idle value ever reaches a result.
 BUBBLE_FILL = 0.0
 
 

@@ -2,8 +2,10 @@
 and nothing created. `{tmp}` in a flag is a folder holding `no_get_config.py` (a config file
 without `get_config`) and `corpus.txt` (a small text). Checks of values the CLI merely passes on
 to the library are tested in-process (tests/test_bad_input.py). The mistakes' commands run in
-one process, one after another (tests/commands_in_one_process.py); the workdir tests start their
-own, as a user's command does."""
+one process, one after another (tests/commands_in_one_process.py), with a workdir already holding
+a run; a workdir that is a file is refused in a process of its own, as a user's command is."""
+
+import os
 
 import pytest
 
@@ -99,7 +101,8 @@ MISTAKES = [
 @pytest.fixture(scope="module")
 def mistakes_run(tmp_path_factory):
     """Each mistake's command run with its own workdir (`run-INDEX`, under the folder `{tmp}`
-    names), all in one process: their results, by index, and that folder."""
+    names), then a run into `held` (a workdir holding a run's metrics), all in one process:
+    their results, by index (`held`'s last), and that folder."""
     tmp = tmp_path_factory.mktemp("mistakes")
     (tmp / "no_get_config.py").write_text("def config():\n    return None\n")
     (tmp / "needs_env.py").write_text(
@@ -110,6 +113,9 @@ def mistakes_run(tmp_path_factory):
         ["experiments.train", f"--workdir={tmp / f'run-{i}'}", *(f.format(tmp=tmp) for f in flags)]
         for i, (flags, _) in enumerate(MISTAKES)
     ]
+    (tmp / "held").mkdir()
+    (tmp / "held" / "metrics.jsonl").write_text('{"step": 1}\n')
+    commands.append(["experiments.train", f"--workdir={tmp / 'held'}"])
     return run_commands(commands), tmp
 
 
@@ -128,8 +134,8 @@ def test_workdir_that_is_a_file_is_refused_and_untouched(tmp_path):
     assert path.read_text() == "keep me"
 
 
-def test_workdir_holding_a_run_is_refused_and_untouched(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    result = run_cli(f"--workdir={tmp_path}")
-    assert_error_exit(result, "already holds a run", "new --workdir")
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+def test_workdir_holding_a_run_is_refused_and_untouched(mistakes_run):
+    results, tmp = mistakes_run
+    assert_error_exit(results[-1], "already holds a run", "new --workdir")
+    assert os.listdir(tmp / "held") == ["metrics.jsonl"]
+    assert (tmp / "held" / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -6,8 +6,8 @@ temporary one; every ```bash / ```console block runs its jddp commands (`jddp-tr
 `python -m experiments.train`, `python -m jddp.plan`, `jddp-launch`, `jddp-export`) from the
 repository root, with `--workdir` (and the other paths in RUN_DIR_FLAGS, and `jddp-export`'s
 directories) moved under that temporary directory; a command that touches no file of its page
-(a plan) runs once per test run, however many pages show it. Consecutive commands of one
-program run in one process (`PageCommands`). A shell block that cannot run here
+(a plan) runs once per test run, however many pages show it. Consecutive jddp commands run in
+one process (`PageCommands`). A shell block that cannot run here
 says why on the line before it: `<!-- not-run: REASON -->`.
 
 A tutorial shows files of a user's project: a block preceded by `<!-- file: PATH -->` is written
@@ -164,12 +164,12 @@ def under(tmp_path, value: str, word: str) -> str:
 
 
 class PageCommands:
-    """A page's jddp commands, run in the page's order. Consecutive ones of one program, working
-    directory and environment share one process (tests/commands_in_one_process.py): the page
-    claims what each command does, not that it starts a process. A plan shares only with plans
-    (it sets JAX's devices before a backend starts); `jddp-launch` shares with nothing (starting
-    processes is its job). `flush` runs what is pending; it is called before anything reads what
-    the commands wrote."""
+    """A page's jddp commands, run in the page's order. Consecutive ones with one working
+    directory and environment share one process (tests/commands_in_one_process.py), a training
+    run and the export of it too: the page claims what each command does, not that it starts a
+    process. A plan shares only with plans (it sets JAX's devices before a backend starts);
+    `jddp-launch` shares with nothing (starting processes is its job). `flush` runs what is
+    pending; it is called before anything reads what the commands wrote."""
 
     def __init__(self, tmp_path, cwd=REPO):
         self.tmp_path, self.cwd = tmp_path, cwd
@@ -228,8 +228,9 @@ class PageCommands:
 def shares_a_process(one: tuple[list, dict], other: tuple[list, dict]) -> bool:
     """Whether two commands (argv, env) may run in one process, one after the other."""
     (argv, env), (other_argv, other_env) = one, other
-    program = argv[2]
-    return env == other_env and program == other_argv[2] and program != "jddp.runtime.launch"
+    programs = {argv[2], other_argv[2]}
+    plans = programs == {"jddp.plan"} or "jddp.plan" not in programs
+    return env == other_env and plans and "jddp.runtime.launch" not in programs
 
 
 def joined_flags(ours: str, page: str) -> str:

@@ -140,7 +140,7 @@ def test_bad_input_is_one_line_naming_the_problem():
 
 def run_plan(*flags: str) -> subprocess.CompletedProcess:
     """`python -m jddp.plan` on GPT-124M without compiling, in a subprocess."""
-    command = [sys.executable, "-m", "jddp.plan", f"--config={GPT_124M}", "--compile=no", *flags]
+    command = [sys.executable, "-m", *PLAN_124M, *flags]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -151,38 +151,48 @@ def test_nothing_fits_exits_2_with_the_closest_plan_in_one_line():
     assert line.startswith("error: fits nowhere: the closest plan is "), line
 
 
-def test_numbers_in_the_forms_the_help_shows():
-    """`--peak_flops=989e12` (the flag's own example) was refused as "not an amount; write e.g.
-    ... 450e9": the parser upper-cased the text and then looked for a lower-case exponent. The
-    four commands run in one process (the tests beside this one start their own)."""
-    plan = ["jddp.plan", f"--config={GPT_124M}", "--compile=no", "--devices=8"]
-    mistakes = [
-        ("--peak_flops", "1.2.3", "is not an amount"),
-        ("--latency_inter", "-1us", "is not a duration"),
-        ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
-    ]
-    result, *refused = run_commands(
+PLAN_124M = ["jddp.plan", f"--config={GPT_124M}", "--compile=no"]
+FORM_MISTAKES = [
+    ("--peak_flops", "1.2.3", "is not an amount"),
+    ("--latency_inter", "-1us", "is not a duration"),
+    ("--devices_per_host", "-8", "must be at least 1, or 0 for the device's usual host"),
+]
+
+
+@pytest.fixture(scope="module")
+def flag_commands():
+    """The flag tests' plans, in one process (the test beside them starts its own): every
+    number in the help's forms, each mistake of FORM_MISTAKES, and `--top=-3`."""
+    plan = [*PLAN_124M, "--devices=8"]
+    return run_commands(
         [
             plan + [
                 "--device=h100", "--peak_flops=989e12", "--bw_inter=0.05E3GB",
                 "--latency_intra=3E-6", "--device_memory=80GiB", "--json", "--top=1",
                 "--step_spread=0.1", "--devices_per_host=4",
             ],
-            *(plan + [f"{flag}={value}"] for flag, value, _ in mistakes),
+            *(plan + [f"{flag}={value}"] for flag, value, _ in FORM_MISTAKES),
+            [*PLAN_124M, "--top=-3"],
         ]
     )  # fmt: skip
+
+
+def test_numbers_in_the_forms_the_help_shows(flag_commands):
+    """`--peak_flops=989e12` (the flag's own example) was refused as "not an amount; write e.g.
+    ... 450e9": the parser upper-cased the text and then looked for a lower-case exponent."""
+    result, *refused = flag_commands[: 1 + len(FORM_MISTAKES)]
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert len(rows) == 1
     assert rows[0]["sync_s"] > 0  # 2 hosts of 4, waiting for the slower
-    for (flag, _, words), result in zip(mistakes, refused, strict=True):
+    for (flag, _, words), result in zip(FORM_MISTAKES, refused, strict=True):
         line = assert_error_exit(result, words)
         assert line.startswith(f"error: {flag}="), line
 
 
-def test_a_negative_top_is_refused_in_one_line():
+def test_a_negative_top_is_refused_in_one_line(flag_commands):
     """`--top=-3` once showed every plan but the last three, silently."""
-    result = run_plan("--top=-3")
+    result = flag_commands[-1]
     assert result.returncode == 2, result.stderr
     assert (
         result.stderr.strip()

@@ -211,10 +211,11 @@ _COMPUTED = {}
 
 
 def computed_once(compute, *inputs):
-    """`compute(*inputs)`, computed once per test process for inputs of the same values (a hash
-    of their leaves): the parametrized cases of a layout test share one single-device reference.
-    `compute` is a named function whose result depends on `inputs` alone."""
-    hashed = hashlib.sha256()
+    """`compute(*inputs)`, computed once per test process for inputs of the same structure and
+    values (a hash of their leaves): the parametrized cases of a layout test share one
+    single-device reference. `compute` is a named function whose result depends on `inputs`
+    alone."""
+    hashed = hashlib.sha256(str(jax.tree.structure(inputs)).encode())
     for leaf in jax.tree.leaves(inputs):
         hashed.update(np.ascontiguousarray(leaf).tobytes())
     key = (compute.__module__, compute.__qualname__, hashed.hexdigest())

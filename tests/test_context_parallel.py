@@ -29,7 +29,7 @@ from jddp.parallel.strategies import device_mesh_for
 from jddp.run.experiment import train_and_evaluate
 from tests import tiny_gpt
 from tests.helpers import compiled_train_step, save_and_restore
-from tests.reference import assert_trees_close, plain_training
+from tests.reference import assert_trees_close, computed_once, plain_training
 from tests.test_gpt import local_corpus
 from tests.test_multiprocess import launch
 from tests.test_tensor_parallel import fake_mesh
@@ -195,31 +195,23 @@ def test_llama_with_grouped_queries_on_tensor_and_context_equals_one_device(mesh
     )
     batches = tiny_gpt.token_batches(steps=steps, seq=seq)
     initial, state, losses = tiny_gpt.run(trainer, batches)
-    params, expected = _plain_llama_training(fields, initial, batches)
+    # computed once: both meshes initialize the same parameters
+    params, expected = computed_once(plain_llama_training, fields, initial, batches)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(trainer.host_state(state).params, params)
 
 
-_PLAIN_LLAMA = {}
+def plain_llama_training(fields, initial, batches):
+    """(params, losses) of the plain loop training Llama(**fields) on `batches` from `initial`."""
+    plain = Llama(**fields)
 
+    def loss_fn(params, model_state, batch):
+        logits = plain.apply({"params": params}, batch["inputs"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return ce.mean(), model_state
 
-def _plain_llama_training(fields, initial, batches):
-    """(params, losses) of the plain loop training Llama(**fields) on `batches` from `initial`,
-    computed once per module: every layout initializes the same parameters, bit for bit (checked
-    here), so they share one run."""
-    if not _PLAIN_LLAMA:
-        plain = Llama(**fields)
-
-        def loss_fn(params, model_state, batch):
-            logits = plain.apply({"params": params}, batch["inputs"])
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-            return ce.mean(), model_state
-
-        _PLAIN_LLAMA["initial"] = initial
-        params, _, losses = plain_training(loss_fn, initial, {}, tiny_gpt.adamw(), batches)
-        _PLAIN_LLAMA["result"] = params, losses
-    jax.tree.map(np.testing.assert_array_equal, initial, _PLAIN_LLAMA["initial"])
-    return _PLAIN_LLAMA["result"]
+    params, _, losses = plain_training(loss_fn, initial, {}, tiny_gpt.adamw(), batches)
+    return params, losses
 
 
 def test_bfloat16_compute_stays_close_to_one_device():

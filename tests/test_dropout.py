@@ -20,7 +20,13 @@ import jddp
 from jddp.core import row_keys
 from jddp.parallel.pipeline.options import PipelineOptions
 from tests import tiny_gpt
-from tests.reference import assert_trees_close, make_batches, per_example_ce, plain_training
+from tests.reference import (
+    assert_trees_close,
+    computed_once,
+    make_batches,
+    per_example_ce,
+    plain_training,
+)
 
 STEPS = 4
 RATE = 0.1
@@ -223,27 +229,21 @@ def user_trainer(model, **options):
     return jddp.Trainer(model, per_example_ce, optax.adam(3e-3), **options)
 
 
-_LINEN_REFERENCES = {}
-
-
 def linen_reference(initial, batches):
-    """The plain loop's (final parameters, losses) for DropNet from `initial` on `batches`:
-    computed once per initial parameters (every layout draws the same ones from seed 0)."""
-    key = tuple(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves((initial, batches)))
-    if key not in _LINEN_REFERENCES:
-        renamed = [{"x": b["image"], "label": b["label"]} for b in batches]
-        final, _, losses = reference(
-            DropNet(), per_example_ce, initial, optax.adam(3e-3), renamed, train=True
-        )
-        _LINEN_REFERENCES[key] = final, losses
-    return _LINEN_REFERENCES[key]
+    """The plain loop's (final parameters, losses) for DropNet from `initial` on `batches`."""
+    renamed = [{"x": b["image"], "label": b["label"]} for b in batches]
+    final, _, losses = reference(
+        DropNet(), per_example_ce, initial, optax.adam(3e-3), renamed, train=True
+    )
+    return final, losses
 
 
 @pytest.mark.parametrize("layout", USER_LAYOUTS)
 def test_a_users_linen_dropout_equals_one_device(layout):
     batches = make_batches()[:STEPS]
     initial, final, losses = train(user_trainer(DropNet(), **USER_LAYOUTS[layout]), batches)
-    expected_final, expected = linen_reference(initial, batches)
+    # computed once: every layout draws the same initial parameters from seed 0
+    expected_final, expected = computed_once(linen_reference, initial, batches)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(final, expected_final)
 

@@ -50,6 +50,14 @@ def small_net_trainer(
 OPTIMIZED_CHILD = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
 
 
+def xla_flags(devices: int) -> str:
+    """The test processes' XLA_FLAGS (tests/conftest.py's compile flags) with `devices`
+    simulated CPU devices: for a child that runs on another device count."""
+    count = "--xla_force_host_platform_device_count"
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(count)]
+    return " ".join([*flags, f"{count}={devices}"])
+
+
 def checkout_env(**extra: str) -> dict[str, str]:
     """This process's environment (8 simulated devices, the test TFDS data dir) with the checkout
     on PYTHONPATH: `experiments` is not installed, so a child run elsewhere finds it there."""
@@ -238,7 +246,7 @@ def run_in_fresh_process(program: str, **env) -> dict:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     for name in (host_memory.OPT_OUT, "GLIBC_TUNABLES"):
         environ.pop(name, None)
-    environ["XLA_FLAGS"] = ""
+    environ["XLA_FLAGS"] = xla_flags(1)
     result = subprocess.run(
         [sys.executable, "-c", program],
         capture_output=True,

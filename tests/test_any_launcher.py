@@ -22,12 +22,10 @@ from jddp.errors import ConfigError, UsageError
 from jddp.parallel.mesh import build_mesh, by_host
 from jddp.parallel.zero import default_mesh_spec, unsharded_warning
 from jddp.runtime.launch import free_port
-from tests.helpers import REPO, checkout_env, launch_command, small_net_trainer
+from tests.helpers import REPO, checkout_env, launch_command, small_net_trainer, xla_flags
 
 SCRIPT = os.path.join(REPO, "tests", "user_script.py")
 HARD_TIMEOUT_S = 300
-FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
-ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 
 
 def run(command, env, cwd=REPO) -> str:
@@ -63,7 +61,7 @@ def run_sbatch(tmp_path, workdir) -> str:
         SLURM_NTASKS="1",
         SLURM_PROCID="0",
         SLURM_SUBMIT_DIR=REPO,
-        XLA_FLAGS=FOUR_DEVICES,
+        XLA_FLAGS=xla_flags(4),
     )
     sbatch = os.path.join(REPO, "launch", "slurm.sbatch")
     return run(["bash", sbatch, sys.executable, SCRIPT, str(workdir)], env)
@@ -85,7 +83,7 @@ def kubernetes_pods(tmp_path, port: int) -> list[subprocess.Popen]:
     for index in range(int(env["JDDP_NUM_PROCESSES"])):
         folder = tmp_path / f"pod{index}"
         folder.mkdir()
-        pod_env = checkout_env(**env, JOB_COMPLETION_INDEX=str(index), XLA_FLAGS=ONE_DEVICE)
+        pod_env = checkout_env(**env, JOB_COMPLETION_INDEX=str(index), XLA_FLAGS=xla_flags(1))
         pods.append(
             subprocess.Popen(
                 [sys.executable, SCRIPT, "runs/a"],

@@ -24,6 +24,7 @@ from tests.helpers import (
     committed_checkpoints,
     metrics_lines,
     small_net_trainer,
+    xla_flags,
 )
 from tests.reference import make_batches
 
@@ -256,7 +257,7 @@ def start(workdir, logs, name: str):
             cwd=REPO,
             stdout=out,
             stderr=err,
-            env=checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+            env=checkout_env(XLA_FLAGS=xla_flags(2)),
         )
 
 

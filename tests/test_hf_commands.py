@@ -32,6 +32,7 @@ from tests.helpers import (
     safetensors_in,
     snapshot,
     tiny_llama_config,
+    xla_flags,
 )
 from tests.test_multiprocess import launch
 from tests.tiny_tokenizer import WORDS, save_tokenizer
@@ -303,7 +304,7 @@ def test_lora_run_exports_merged_weights_and_peft_adapters(llama_dir, tmp_path):
     from jddp.core.lora import LoRA, split
     from jddp.models import Llama
 
-    one_device = os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=1"
+    one_device = xla_flags(1)
     flags = ("--config.lora.rank=4", "--config.lora.alpha=16")
     result = _train(llama_dir, *flags, workdir="lora", XLA_FLAGS=one_device)
     assert result.returncode == 0, result.stderr[-3000:]

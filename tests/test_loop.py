@@ -18,7 +18,7 @@ import pytest
 import jddp
 from jddp.errors import WorkdirError
 from jddp.runtime.workdir import hold_workdir
-from tests.helpers import assert_one_line, checkout_env
+from tests.helpers import assert_one_line, checkout_env, xla_flags
 
 DEADLINE_SEC = 180  # hard limit for any one child process: SIGKILLed past it
 TIMING_KEYS = {
@@ -165,7 +165,7 @@ def start_child(workdir, pause_at=0):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        env=checkout_env(XLA_FLAGS=xla_flags(2)),
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
 

@@ -26,7 +26,7 @@ from jddp.core.tree_paths import nest_paths
 from jddp.run import optim
 from jddp.run.experiment import train_and_evaluate
 from jddp.run.factory import build_trainer
-from tests.helpers import PORT_TAKEN, REPO, launch_command
+from tests.helpers import PORT_TAKEN, REPO, launch_command, xla_flags
 from tests.reference import (
     SmallNet,
     assert_trees_close,
@@ -276,7 +276,7 @@ def test_without_a_launcher_the_survivor_ends_in_one_line_naming_the_lost_proces
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+                env={**os.environ, "XLA_FLAGS": xla_flags(1)},
                 start_new_session=True,
             )
             for rank in range(2)

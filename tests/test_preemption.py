@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jddp
-from tests.helpers import REPO, checkout_env
+from tests.helpers import REPO, checkout_env, xla_flags
 from tests.test_loop import DEADLINE_SEC, tiny_batches, tiny_trainer
 
 # `jddp.fit` on the tiny MLP, once with SIGTERM, then with SIGINT: the hook sends the first
@@ -60,7 +60,7 @@ def signalled_twice(tmp_path_factory):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        env=checkout_env(XLA_FLAGS=xla_flags(2)),
         cwd=REPO,
     )
     try:

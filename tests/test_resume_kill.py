@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 
 from jddp.checkpoints.weights import load_params
-from tests.helpers import REPO, BeforeRerun, committed_checkpoints, launch_command, snapshot
+from tests.helpers import (
+    REPO,
+    BeforeRerun,
+    committed_checkpoints,
+    launch_command,
+    snapshot,
+    xla_flags,
+)
 
 LOG_EVERY = 5
 FLAGS = [
@@ -48,7 +55,7 @@ DEADLINE_SEC = 240  # hard limit for any one process; it is SIGKILLed past it
 
 def start(workdir, log_name, *more_flags, module=("experiments.train",)):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2)}
     return subprocess.Popen(
         [sys.executable, "-m", *module, f"--workdir={workdir}", *FLAGS, *more_flags],
         cwd=REPO,

@@ -16,7 +16,7 @@ import yaml
 from jddp.errors import ConfigError
 from jddp.runtime import launch
 from jddp.runtime import processes as runtime
-from tests.helpers import PORT_TAKEN, REPO, assert_one_line, launched
+from tests.helpers import PORT_TAKEN, REPO, assert_one_line, launched, xla_flags
 
 # Also counts the threads at the lowest priority: gloo's event-loop thread, put there by
 # `initialize` (jddp/runtime/gloo_threads.py), and nothing else (the harness runs at nice 0).
@@ -104,7 +104,7 @@ def run_pair(environs_for, low: int, high: int, attempts: int = 3) -> list[str]:
     """The probe in two real processes with the extra variables `environs_for(port)` gives for a
     free port in [low, high); their last lines. A port taken between the pick and the
     coordinator's bind is picked again."""
-    base = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    base = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     for _ in range(attempts):
         processes = [
             subprocess.Popen(

@@ -20,7 +20,7 @@ from jddp.core.task import Task
 from jddp.parallel.pipeline.layers import Pipelined
 from jddp.run import elastic
 from jddp.run.experiment import train_and_evaluate
-from tests.helpers import REPO, BeforeRerun, checkout_env, small_config
+from tests.helpers import REPO, BeforeRerun, checkout_env, small_config, xla_flags
 from tests.tiny_gpt_config import gpt_config
 
 
@@ -82,7 +82,7 @@ def test_a_pipelined_runs_micro_batch_is_recorded_and_kept_on_fewer_devices(tmp_
         [sys.executable, "-m", "experiments.train", f"--config={config_file}"]
         + [f"--workdir={workdir}"],
         cwd=REPO,
-        env=checkout_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        env=checkout_env(XLA_FLAGS=xla_flags(4)),
         capture_output=True,
         text=True,
         timeout=300,

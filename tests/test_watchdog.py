@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jddp.runtime import failures
 from jddp.runtime.job import Outcome
 from jddp.runtime.watchdog import HangBound, HangWatchdog
-from tests.helpers import REPO, error_line, launch_command
+from tests.helpers import REPO, error_line, launch_command, xla_flags
 
 TIMEOUT_S = 3  # --config.hang_timeout_s
 # Two processes: the sleeper first writes its step-5 record (reading the step's metrics, the
@@ -80,7 +80,7 @@ def test_one_process_hang_is_reported_after_a_slow_eval_and_save(tmp_path):
     workdir = tmp_path / "run"
     slow = str(1.5 * TIMEOUT_S)
     env = {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JDDP_TEST_SLOW_EVAL_S": slow,
         "JDDP_TEST_SLOW_SAVE_S": slow,
         "JDDP_TEST_HANG_AT": str(14 * 8),

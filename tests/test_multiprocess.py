@@ -5,10 +5,12 @@ a lost peer that stops the job, and the environments of SLURM, Open MPI and Kube
 import functools
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import jddp
+import jddp.runtime.job
 import jddp.runtime.launch
 import jddp.runtime.supervise
 from experiments.configs import digits_mlp
@@ -211,6 +214,36 @@ def wait_for(condition, deadline):
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_launcher_names_the_process_killed_from_outside_whichever_exit_it_reads_first():
+    """Process 0 is SIGKILLed and process 1 aborts (as a survivor of a lost peer does): read in
+    either order, the failure is process 0's; an abort alone is the aborted process's."""
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    watch = jddp.runtime.job.heartbeat.Watch()
+    try:
+        for child, sig in zip(children, (signal.SIGKILL, signal.SIGABRT), strict=True):
+            child.send_signal(sig)
+            child.wait()
+        for order in ([1, 0], [0, 1]):
+            exits = queue.Queue()
+            for rank in order:
+                exits.put((rank, children[rank].returncode, time.monotonic()))
+            failed, _, _ = jddp.runtime.job._wait(
+                children, exits, threading.Event(), lambda: False, watch
+            )
+            assert failed == 0, order
+        survivor = subprocess.Popen(["sleep", "60"])
+        exits = queue.Queue()
+        exits.put((1, children[1].returncode, time.monotonic()))
+        failed, _, _ = jddp.runtime.job._wait(
+            [survivor, children[1]], exits, threading.Event(), lambda: False, watch
+        )
+        survivor.kill()
+        survivor.wait()
+        assert failed == 1
+    finally:
+        watch.close()
 
 
 def test_a_lost_process_stops_the_launcher_and_the_survivor(tmp_path):

@@ -29,6 +29,9 @@ HANG_EXIT_CODE = 3  # jddp/runtime/watchdog.py
 # the processes save a checkpoint and stop, as on preemption.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORWARDED_AS = {signal.SIGHUP: signal.SIGTERM}
+# What ends a process from outside (a user, the kernel's OOM killer, a scheduler), never a lost
+# peer: a survivor aborts or exits with an error.
+FROM_OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclasses.dataclass
@@ -212,10 +215,23 @@ def _wait(children, exits, stopping, stop_when, heartbeats) -> tuple[int | None,
             behind = heartbeat.stopped(_running(children))
             if behind is not None:
                 return behind.rank, when, behind
-            return rank, when, None
+            return _cause(children, rank), when, None
         if code != 0:
             kill_at = min(kill_at, time.monotonic() + STOP_GRACE_S)
     return None, 0.0, None
+
+
+def _cause(children, rank: int) -> int:
+    """The rank to name for a failure read from `rank`: itself, unless a peer has already been
+    ended from outside. A survivor aborts within milliseconds of losing its peer, and on a busy
+    machine the waiter threads may read its exit first."""
+    if -children[rank].returncode in FROM_OUTSIDE:
+        return rank
+    for other, child in enumerate(children):
+        code = child.poll()
+        if code is not None and -code in FROM_OUTSIDE:
+            return other
+    return rank
 
 
 def _running(children) -> dict[int, int]:

@@ -1,7 +1,8 @@
 """What jddp adds to a training step on one device: `Trainer.step` and `jddp.fit`'s loop against
 a hand-written `jax.jit` Flax + optax loop over the same model, batches and optimizer.
 
-    python -m experiments.bench.step_overhead [--repeats 11] [--steps 100] [--out bench_results]
+    python -m experiments.bench.step_overhead [--repeats 11] [--steps 100] [--instances 3]
+        [--out bench_results]
 
 MLP 784-1024-1024-10, Adam(1e-3), batch 256, float32, the first device, with jddp's default
 metrics (loss and gradient norm; the hand-written step returns both). Every loop gets its batches
@@ -14,6 +15,11 @@ hand-written loop's time over the other's in the same round (1.00: jddp costs no
 cost is the median of the per-step differences; both in wall time and in the process's CPU time
 (all its threads), which other jobs taking the cores inflate far less. `jit, again` is a second
 hand-written loop: its ratio is what the machine's noise alone gives.
+
+Every loop runs as `--instances` copies, each with its own compiled program and state, and a
+round's time for a loop is the mean of its copies': copies of one identical jit loop differ by
+up to 1.1% for as long as they live, the same way round after round (four copies, 13 rounds:
+the slowest slower than the first in 10), which a single copy would book as the loop's cost.
 
 The same loops on a model too small to keep the device busy (MLP 784-8-8-10, batch 8, ten
 times the steps) time what the host spends dispatching a step: their cost is jddp's host work
@@ -176,6 +182,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--steps", type=int, default=100, help="steps per window (full model)")
+    parser.add_argument("--instances", type=int, default=3, help="copies of every loop")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
     common.check_output_folder(args.out)
@@ -183,29 +190,44 @@ def main():
     all_windows, cpu = {}, {size: collections.defaultdict(list) for size in SIZES}
     for size, (width, rows) in SIZES.items():
         steps = args.steps * (10 if size == "host" else 1)
-        for name, window in windows(width, rows, steps, cpu[size]).items():
-            all_windows[(size, name)] = window
+        for copy in range(args.instances):
+            for name, window in windows(width, rows, steps, cpu[size]).items():
+                all_windows[(size, name, copy)] = window
     common.warm_up(all_windows)
     for size in SIZES:
-        cpu[size].clear()  # from here, entry i of every list is round i's
+        cpu[size].clear()  # from here, entries i*copies .. (i+1)*copies-1 are round i's
     timings = common.interleaved_medians(all_windows, args.repeats)
 
+    def per_round(times: list[float]) -> list[float]:
+        """The mean over a loop's copies, round by round."""
+        return [
+            float(np.mean(times[i : i + args.instances]))
+            for i in range(0, len(times), args.instances)
+        ]
+
+    wall = {
+        (size, name): [
+            float(np.mean([timings[(size, name, c)]["all_sec"][r] for c in range(args.instances)]))
+            for r in range(args.repeats)
+        ]
+        for (size, name, _) in all_windows
+    }
     rows = []
     for size in SIZES:
-        jit = timings[(size, "jit")]
+        jit, jit_cpu = wall[(size, "jit")], per_round(cpu[size]["jit"])
         for name in ("Trainer.step", "fit", "jit, again"):
-            wall = compared(jit["all_sec"], timings[(size, name)]["all_sec"])
-            cpu_time = compared(cpu[size]["jit"], cpu[size][name])
+            wall_time = compared(jit, wall[(size, name)])
+            cpu_time = compared(jit_cpu, per_round(cpu[size][name]))
             rows.append(
                 {
                     "model": size,
                     "loop": name,
-                    "us_per_step": timings[(size, name)]["median_sec"] * 1e6,
-                    "jit_us_per_step": jit["median_sec"] * 1e6,
-                    "ratio_jit_over_loop": wall["ratio"],
-                    "ratio_min": wall["min"],
-                    "ratio_max": wall["max"],
-                    "cost_us_per_step": wall["cost_us"],
+                    "us_per_step": statistics.median(wall[(size, name)]) * 1e6,
+                    "jit_us_per_step": statistics.median(jit) * 1e6,
+                    "ratio_jit_over_loop": wall_time["ratio"],
+                    "ratio_min": wall_time["min"],
+                    "ratio_max": wall_time["max"],
+                    "cost_us_per_step": wall_time["cost_us"],
                     "cpu_ratio": cpu_time["ratio"],
                     "cpu_cost_us_per_step": cpu_time["cost_us"],
                 }
@@ -220,6 +242,7 @@ def main():
             },
             "device": str(jax.devices()[0]),
             "repeats": args.repeats,
+            "instances": args.instances,
             "steps_per_window": {"full": args.steps, "host": 10 * args.steps},
             "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],
         },

@@ -20,7 +20,7 @@ if _MADE_RUN_DIR:
     os.environ[_RUN_DIR_VAR] = tempfile.mkdtemp(prefix="jddp-test-run-")
 # XLA:CPU's legacy fusion emitters compile in about half the time of its MLIR ones, the default
 # (tests/test_pipeline.py, test_context_parallel.py, test_moe.py and test_dropout.py: 5:19 ->
-# 3:00 on 2 workers; a fresh clone's whole suite 24:15 -> 18:22). The programs tests start
+# 3:00 on 2 workers; a fresh clone's whole suite 24:15 -> 16:43). The programs tests start
 # inherit the flag through XLA_FLAGS (`tests.helpers.xla_flags`).
 LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
@@ -29,8 +29,13 @@ def _known_to_xla(flags: str) -> bool:
     """Whether this jaxlib starts with `flags`: XLA aborts a process on a flag it does not know
     (as a later jaxlib may, once the legacy emitters are gone), so a child tries them first."""
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    env = {**os.environ, "XLA_FLAGS": flags}
-    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+    try:
+        result = subprocess.run(
+            probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return result.returncode == 0
 
 
 def _with(flags: str, flag: str) -> str:
@@ -40,9 +45,9 @@ def _with(flags: str, flag: str) -> str:
 os.environ["XLA_FLAGS"] = _with(
     os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"
 )
-if _MADE_RUN_DIR:  # workers and the programs tests start inherit them
-    if _known_to_xla(_with(os.environ["XLA_FLAGS"], LEGACY_EMITTERS_FLAG)):
-        os.environ["XLA_FLAGS"] = _with(os.environ["XLA_FLAGS"], LEGACY_EMITTERS_FLAG)
+_LEGACY = _with(os.environ["XLA_FLAGS"], LEGACY_EMITTERS_FLAG)
+if _MADE_RUN_DIR and _known_to_xla(_LEGACY):  # workers and the programs tests start inherit it
+    os.environ["XLA_FLAGS"] = _LEGACY
 os.environ["TFDS_DATA_DIR"] = os.path.join(os.environ[_RUN_DIR_VAR], "tfds")
 # JAX's persistent compilation cache, for the programs the tests start (the CLI, launched
 # processes): hundreds of them compile the same few programs (a CLI run of the digits MLP: 4.3

@@ -53,9 +53,9 @@ OPTIMIZED_CHILD = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
 def xla_flags(devices: int) -> str:
     """The test processes' XLA_FLAGS (tests/conftest.py's compile flags) with `devices`
     simulated CPU devices: for a child that runs on another device count."""
-    count = "--xla_force_host_platform_device_count"
-    flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(count)]
-    return " ".join([*flags, f"{count}={devices}"])
+    from jddp.runtime.launch import with_cpu_devices
+
+    return with_cpu_devices(os.environ["XLA_FLAGS"], devices)
 
 
 def checkout_env(**extra: str) -> dict[str, str]:

@@ -199,18 +199,15 @@ def main():
     timings = common.interleaved_medians(all_windows, args.repeats)
 
     def per_round(times: list[float]) -> list[float]:
-        """The mean over a loop's copies, round by round."""
-        return [
-            float(np.mean(times[i : i + args.instances]))
-            for i in range(0, len(times), args.instances)
-        ]
+        """Round by round, the mean over a loop's copies (`times` in the order they ran)."""
+        return np.asarray(times).reshape(-1, args.instances).mean(axis=1).tolist()
 
     wall = {
-        (size, name): [
-            float(np.mean([timings[(size, name, c)]["all_sec"][r] for c in range(args.instances)]))
-            for r in range(args.repeats)
-        ]
-        for (size, name, _) in all_windows
+        (size, name): np.mean(
+            [timings[(size, name, c)]["all_sec"] for c in range(args.instances)], axis=0
+        ).tolist()
+        for (size, name, copy) in all_windows
+        if copy == 0
     }
     rows = []
     for size in SIZES:

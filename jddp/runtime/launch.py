@@ -43,6 +43,14 @@ from jddp import errors
 from jddp.runtime import failures, job, orphans
 
 
+def with_cpu_devices(xla_flags: str, devices: int) -> str:
+    """`xla_flags` (an XLA_FLAGS value) with `devices` simulated CPU devices instead of any count
+    it set."""
+    count = "--xla_force_host_platform_device_count"
+    kept = [flag for flag in xla_flags.split() if not flag.startswith(count)]
+    return " ".join([*kept, f"{count}={devices}"])
+
+
 def free_port() -> int:
     """A port free now (another program may take it before it is bound: see reserve_port)."""
     with socket.socket() as s:
@@ -108,10 +116,7 @@ def child_env(rank: int, args, port: int, nproc: int | None = None) -> dict[str,
         **{orphans.LAUNCHER_PID: str(os.getpid())},
     )
     if args.devices_per_proc:
-        flags = env.get("XLA_FLAGS", "").split()
-        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-        flags.append(f"--xla_force_host_platform_device_count={args.devices_per_proc}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = with_cpu_devices(env.get("XLA_FLAGS", ""), args.devices_per_proc)
     if args.gpus_per_proc:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(nproc * args.gpus_per_proc)]

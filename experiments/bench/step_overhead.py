@@ -1,7 +1,7 @@
 """What jddp adds to a training step on one device: `Trainer.step` and `jddp.fit`'s loop against
 a hand-written `jax.jit` Flax + optax loop over the same model, batches and optimizer.
 
-    python -m experiments.bench.step_overhead [--repeats 11] [--steps 100] [--instances 3]
+    python -m experiments.bench.step_overhead [--repeats 21] [--steps 100] [--instances 3]
         [--out bench_results]
 
 MLP 784-1024-1024-10, Adam(1e-3), batch 256, float32, the first device, with jddp's default
@@ -12,9 +12,11 @@ most 4 steps in flight, the metrics read at the end. A window is `--steps` steps
 steps between its records at `--steps` and twice that, in one `fit` call. Each round runs every
 window once, the order reversed every other round; a ratio is the median over rounds of the
 hand-written loop's time over the other's in the same round (1.00: jddp costs nothing), and the
-cost is the median of the per-step differences; both in wall time and in the process's CPU time
-(all its threads), which other jobs taking the cores inflate far less. `jit, again` is a second
-hand-written loop: its ratio is what the machine's noise alone gives.
+cost is the median of the per-step differences. On a shared 2-core machine one round's ratio
+moves by up to 3%, and medians of 11 rounds moved by 0.7% from run to run: hence 21 rounds. Ratios
+are given in wall time and in the process's CPU time (all its threads), which other jobs taking
+the cores inflate far less. `jit, again` is a second hand-written loop: its ratio is what the
+machine's noise alone gives.
 
 Every loop runs as `--instances` copies, each with its own compiled program and state, and a
 round's time for a loop is the mean of its copies': copies of one identical jit loop differ by
@@ -180,7 +182,7 @@ def compared(jit: list[float], loop: list[float]) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--repeats", type=int, default=21, help="rounds (see above)")
     parser.add_argument("--steps", type=int, default=100, help="steps per window (full model)")
     parser.add_argument("--instances", type=int, default=3, help="copies of every loop")
     parser.add_argument("--out", default="bench_results")

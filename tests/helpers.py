@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jddp.runtime import host_memory
+from jddp.runtime.launch import with_cpu_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,8 +54,6 @@ OPTIMIZED_CHILD = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
 def xla_flags(devices: int) -> str:
     """The test processes' XLA_FLAGS (tests/conftest.py's compile flags) with `devices`
     simulated CPU devices: for a child that runs on another device count."""
-    from jddp.runtime.launch import with_cpu_devices
-
     return with_cpu_devices(os.environ["XLA_FLAGS"], devices)
 
 

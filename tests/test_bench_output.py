@@ -34,6 +34,12 @@ def test_an_out_folder_that_cannot_be_written_is_refused(tmp_path, capsys):
     assert not fresh.parent.exists()
 
 
+def test_a_count_below_one_is_refused(capsys):
+    line = refusal(capsys, lambda: common.check_counts(repeats=11, instances=0))
+    assert line == "error: --instances 0: give a whole number of 1 or more"
+    common.check_counts(repeats=1, instances=3)  # counts of 1 or more pass
+
+
 def test_a_failed_write_of_the_results_is_one_line(tmp_path, capsys):
     a_file = tmp_path / "results"
     a_file.write_text("kept")

@@ -220,6 +220,7 @@ def test_the_launcher_names_the_process_killed_from_outside_whichever_exit_it_re
     """Process 0 is SIGKILLed and process 1 aborts (as a survivor of a lost peer does): read in
     either order, the failure is process 0's; an abort alone is the aborted process's."""
     children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    survivor = subprocess.Popen(["sleep", "60"])
     watch = jddp.runtime.job.heartbeat.Watch()
     try:
         for child, sig in zip(children, (signal.SIGKILL, signal.SIGABRT), strict=True):
@@ -233,16 +234,15 @@ def test_the_launcher_names_the_process_killed_from_outside_whichever_exit_it_re
                 children, exits, threading.Event(), lambda: False, watch
             )
             assert failed == 0, order
-        survivor = subprocess.Popen(["sleep", "60"])
         exits = queue.Queue()
         exits.put((1, children[1].returncode, time.monotonic()))
         failed, _, _ = jddp.runtime.job._wait(
             [survivor, children[1]], exits, threading.Event(), lambda: False, watch
         )
-        survivor.kill()
-        survivor.wait()
         assert failed == 1
     finally:
+        survivor.kill()
+        survivor.wait()
         watch.close()
 
 

@@ -181,6 +181,14 @@ def check_output_folder(path: str) -> None:
         _fail(f"--out {path!r} {problem}; pass a folder you can write to")
 
 
+def check_counts(**counts: int) -> None:
+    """Ends the benchmark in one line (exit code 2) on a count below 1 (`--repeats 0`): checked
+    before measuring, not as a traceback once the rounds are over."""
+    for flag, value in counts.items():
+        if value < 1:
+            _fail(f"--{flag} {value}: give a whole number of 1 or more")
+
+
 def _fail(message: str) -> None:
     from jddp.run.cli import fail  # needs ml_collections, which gpu_mfu's GPU machine may lack
 

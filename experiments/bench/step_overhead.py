@@ -188,6 +188,7 @@ def main():
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
     common.check_output_folder(args.out)
+    common.check_counts(repeats=args.repeats, steps=args.steps, instances=args.instances)
 
     all_windows, cpu = {}, {size: collections.defaultdict(list) for size in SIZES}
     for size, (width, rows) in SIZES.items():

@@ -215,17 +215,17 @@ def _wait(children, exits, stopping, stop_when, heartbeats) -> tuple[int | None,
             behind = heartbeat.stopped(_running(children))
             if behind is not None:
                 return behind.rank, when, behind
-            return _cause(children, rank), when, None
+            return _cause(children, rank, code), when, None
         if code != 0:
             kill_at = min(kill_at, time.monotonic() + STOP_GRACE_S)
     return None, 0.0, None
 
 
-def _cause(children, rank: int) -> int:
-    """The rank to name for a failure read from `rank`: itself, unless a peer has already been
-    ended from outside. A survivor aborts within milliseconds of losing its peer, and on a busy
-    machine the waiter threads may read its exit first."""
-    if -children[rank].returncode in FROM_OUTSIDE:
+def _cause(children, rank: int, code: int) -> int:
+    """The rank to name for a failure read from `rank` (exit `code`): itself, unless a peer has
+    already been ended from outside. A survivor aborts within milliseconds of losing its peer,
+    and on a busy machine the waiter threads may read its exit first."""
+    if -code in FROM_OUTSIDE:
         return rank
     for other, child in enumerate(children):
         code = child.poll()
